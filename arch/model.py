@@ -1,0 +1,102 @@
+"""The decoder-only Transformer LM, assembled from the component registries.
+
+    x⁰ = position.embed(E[tokens]);  stream = residual.begin(x⁰)
+    for each of L blocks (run under one `jax.lax.scan` over stacked parameters):
+        stream = attention sublayer, then FFN sublayer, each through the residual mechanism
+    logits = head(final_norm(residual.end(stream)))
+
+Layer parameters are stacked along a leading `layers` axis at construction, and the forward pass
+scans over them, so compile time does not grow with depth.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from arch.attention import ATTENTION
+from arch.ffn import FFNS
+from arch.heads import HEADS
+from arch.layers import Embedding
+from arch.norms import NORMS
+from arch.positions import POSITIONS
+from arch.residual import RESIDUALS
+from sharding.rules import constrain
+
+STREAM = ("act_batch", "act_seq", "act_embed")
+
+
+class Block(nnx.Module):
+    """One Transformer block: an attention and an FFN sublayer, each wrapped by its own instance
+    of the residual mechanism."""
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs):
+        self.attention = ATTENTION[cfg.attention](cfg, rngs=rngs)
+        self.attention_residual = RESIDUALS[cfg.residual](cfg, rngs=rngs)
+        self.ffn = FFNS[cfg.ffn](cfg, rngs=rngs)
+        self.ffn_residual = RESIDUALS[cfg.residual](cfg, rngs=rngs)
+
+    def __call__(self, stream, positions_BxT, rotate, cache=None):
+        update, cache = self.attention(self.attention_residual.read(stream), positions_BxT,
+                                       rotate, cache)
+        stream = self.attention_residual.write(stream, update)
+        stream = self.ffn_residual.write(stream, self.ffn(self.ffn_residual.read(stream)))
+        return jax.tree.map(lambda s: constrain(s, STREAM), stream), cache
+
+
+class TransformerLM(nnx.Module):
+    """Decoder-only causal LM. `model(tokens_BxT) -> logits_BxTxV` (float32).
+
+    `decode(tokens_BxT, positions_BxT, cache)` runs the same network on a block of positions
+    against a KV cache from `init_cache`, for generation.
+    """
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embed = Embedding(cfg.vocab_size, cfg.d_model, rngs=rngs, dtype=jnp.dtype(cfg.dtype))
+        self.position = POSITIONS[cfg.position](cfg, rngs=rngs)
+
+        @nnx.split_rngs(splits=cfg.num_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def stacked_blocks(rngs):
+            return Block(cfg, rngs=rngs)
+
+        self.blocks = stacked_blocks(rngs)
+        self.final_norm = (NORMS[cfg.norm](cfg.d_model, eps=cfg.norm_eps, rngs=rngs)
+                           if cfg.final_norm else None)
+        self.head = HEADS[cfg.head](cfg, rngs=rngs)
+
+    def __call__(self, tokens_BxT: jax.Array) -> jax.Array:
+        positions_BxT = jnp.broadcast_to(jnp.arange(tokens_BxT.shape[1]), tokens_BxT.shape)
+        logits, _ = self._forward(tokens_BxT, positions_BxT, None)
+        return logits
+
+    def decode(self, tokens_BxT, positions_BxT, cache):
+        return self._forward(tokens_BxT, positions_BxT, cache)
+
+    def init_cache(self, batch: int, length: int, dtype=jnp.float32) -> dict:
+        """Zeroed KV cache for `length` positions, stacked over layers."""
+        shapes = ATTENTION[self.cfg.attention].cache_shapes(self.cfg, batch, length)
+        return {name: jnp.zeros((self.cfg.num_layers, *shape), dtype)
+                for name, shape in shapes.items()}
+
+    def _forward(self, tokens_BxT, positions_BxT, cache):
+        residual = RESIDUALS[self.cfg.residual]
+        x_BxTxD = self.position.embed(self.embed(tokens_BxT), positions_BxT)
+        stream = residual.begin(constrain(x_BxTxD, STREAM))
+        graphdef, layer_states = nnx.split(self.blocks)
+
+        def run_block(stream, layer):
+            layer_state, layer_cache = layer
+            block = nnx.merge(graphdef, layer_state)
+            return block(stream, positions_BxT, self.position.rotate, layer_cache)
+
+        if self.cfg.remat:
+            run_block = jax.checkpoint(run_block)
+        stream, cache = jax.lax.scan(run_block, stream, (layer_states, cache))
+        x_BxTxD = residual.end(stream)
+        if self.final_norm is not None:
+            x_BxTxD = self.final_norm(x_BxTxD)
+        logits = self.head(x_BxTxD, self.embed)
+        return constrain(logits, ("act_batch", "act_seq", "act_vocab")).astype(jnp.float32), cache

@@ -1,0 +1,80 @@
+"""Helpers that experiment files compose: `base_config()` and small setters.
+
+An experiment file defines `get_config(arg: str | None = None) -> ConfigDict`, starting from
+`base_config()` and changing what its study needs. Every field is listed here with its default, so
+this file is also the reference for what a config can say.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+
+def model_config() -> ml_collections.ConfigDict:
+    """A small Pre-Norm RMSNorm/RoPE/SwiGLU decoder; registries name every component."""
+    return ml_collections.ConfigDict(dict(
+        vocab_size=256,           # byte-level tokenizer
+        d_model=256,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=4,           # = num_heads: MHA; 1: MQA; in between: GQA
+        head_dim=ml_collections.FieldReference(None, field_type=int),        # default d / h
+        attention_width=ml_collections.FieldReference(None, field_type=int),  # h·p if ≠ d
+        d_ff=ml_collections.FieldReference(None, field_type=int),            # default ratio·d
+        ffn_ratio=4.0,
+        attention="mha",          # arch.attention.ATTENTION
+        norm="rmsnorm",           # arch.norms.NORMS
+        norm_eps=1e-6,
+        position="rope",          # arch.positions.POSITIONS
+        rope_base=10_000.0,
+        max_seq_len=ml_collections.FieldReference(None, field_type=int),  # default: seq_len
+        ffn="swiglu",             # arch.ffn.FFNS
+        activation="gelu",        # arch.ffn.ACTIVATIONS (used by ffn="mlp")
+        residual="prenorm",       # arch.residual.RESIDUALS
+        head="tied",              # arch.heads.HEADS
+        final_norm=True,
+        dtype="float32",          # compute dtype; parameters are always float32
+        remat=False,              # recompute each block in the backward pass
+    ))
+
+
+def base_config() -> ml_collections.ConfigDict:
+    """Every training field with its default."""
+    return ml_collections.ConfigDict(dict(
+        seed=0,
+        steps=1000,
+        batch_size=32,            # global, in sequences
+        seq_len=128,
+        log_every=10,
+        eval_every=200,
+        eval_batches=8,
+        checkpoint_every=200,
+        keep_checkpoints=3,
+        sample_tokens=200,        # length of the sample printed at the end ("" prompt: 0 to skip)
+        sample_prompt="And God said",
+        temperature=0.8,
+        top_k=40,
+        model=model_config(),
+        optimizer=dict(
+            learning_rate=3e-3,
+            schedule="cosine",    # "cosine" (warmup + cosine) or "wsd" (warmup-stable-decay)
+            warmup_steps=100,
+            decay_fraction=0.2,   # wsd: last fraction of steps spent decaying
+            final_lr_fraction=0.1,
+            b1=0.9,
+            b2=0.95,
+            eps=1e-8,
+            weight_decay=0.1,
+            decay_embeddings=False,
+            decay_norms=False,
+            decay_biases=False,
+            grad_clip=1.0,        # global-norm clip; 0 disables
+        ),
+        data=dict(
+            name="kjv",           # "kjv" (embedded), "text" (local files), or a tfds catalog name
+            path="",              # glob(s) for name="text"
+            data_dir="",          # tfds data dir; default ~/.cache/blockbench/tfds
+            validation_fraction=0.05,
+        ),
+        mesh=dict(data=-1, fsdp=1, tensor=1, sequence=1, stage=1, expert=1),  # -1: the rest
+    ))

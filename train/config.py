@@ -1,0 +1,49 @@
+"""Whole-config validation: every cross-field invariant, checked before anything compiles."""
+
+from __future__ import annotations
+
+from arch.config import ConfigError, check, resolve_model
+from sharding.mesh import mesh_shape
+
+SCHEDULES = ("cosine", "wsd")
+
+
+def validate(config, device_count: int) -> dict[str, int]:
+    """Check `config` in place (filling derived model fields); return the resolved mesh shape.
+
+    Raises `ConfigError` with one line naming the field, the value and what would be valid.
+    """
+    model = config.model
+    if model.max_seq_len is None:
+        model.max_seq_len = config.seq_len
+    resolve_model(model)
+    for field in ("steps", "batch_size", "seq_len", "log_every", "eval_every", "checkpoint_every",
+                  "eval_batches"):
+        check(isinstance(config[field], int) and config[field] > 0, field, config[field],
+              "must be a positive integer")
+    check(model.max_seq_len >= config.seq_len, "model.max_seq_len", model.max_seq_len,
+          f"must be at least seq_len={config.seq_len}")
+    opt = config.optimizer
+    check(opt.schedule in SCHEDULES, "optimizer.schedule", opt.schedule,
+          f"valid schedules: {', '.join(SCHEDULES)}")
+    check(0 <= opt.warmup_steps <= config.steps, "optimizer.warmup_steps", opt.warmup_steps,
+          f"must be between 0 and steps={config.steps}")
+    check(0 < opt.decay_fraction <= 1, "optimizer.decay_fraction", opt.decay_fraction,
+          "must be in (0, 1]")
+
+    mesh = mesh_shape(config.mesh, device_count)
+    batch_shards = mesh["data"] * mesh["fsdp"]
+    check(config.batch_size % batch_shards == 0, "batch_size", config.batch_size,
+          f"must be divisible by mesh.data×mesh.fsdp = {batch_shards}")
+    tensor = mesh["tensor"]
+    check(model.num_heads % tensor == 0, "model.num_heads", model.num_heads,
+          f"must be divisible by mesh.tensor={tensor}")
+    check(model.d_ff % tensor == 0, "model.d_ff", model.d_ff,
+          f"must be divisible by mesh.tensor={tensor}")
+    for axis in ("sequence", "stage", "expert"):
+        check(mesh[axis] == 1, f"mesh.{axis}", mesh[axis],
+              f"{axis} parallelism is not available yet; use mesh.{axis}=1")
+    return mesh
+
+
+__all__ = ["ConfigError", "validate"]

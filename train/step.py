@@ -1,0 +1,113 @@
+"""The jit boundary: train state, its shardings, and the pure train and eval steps.
+
+The model is split into a static graph and a parameter State; what gets jitted is a pure function
+of (state pytree, batch), with the model merged back inside. The train state is a plain dict
+{"step": int32, "params": nnx.State, "opt_state": optax state}, every leaf placed by a
+NamedSharding derived from the parameters' logical axis names.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from arch.model import TransformerLM
+from sharding.rules import named_sharding
+from train.optim import make_optimizer, schedule
+
+
+def next_token_loss(logits_BxTxV: jax.Array, targets_BxT: jax.Array) -> jax.Array:
+    """Mean cross-entropy of the targets (the inputs shifted by one), in float32."""
+    return optax.softmax_cross_entropy_with_integer_labels(logits_BxTxV, targets_BxT).mean()
+
+
+class TrainProgram:
+    """The compiled pieces of one (config, mesh): model graph, optimizer, shardings and steps.
+
+    `init(seed)`, `train_step(state, batch)`, `eval_loss(params, batch)`; batches are int32
+    token arrays of shape [batch_size, seq_len + 1] placed with `put_batch`.
+    """
+
+    def __init__(self, config, mesh: jax.sharding.Mesh):
+        self.config, self.mesh = config, mesh
+        self.model_cfg = ml_collections.FrozenConfigDict(config.model)
+        abstract = nnx.eval_shape(lambda: TransformerLM(self.model_cfg, rngs=nnx.Rngs(0)))
+        self.graphdef, abstract_params = nnx.split(abstract, nnx.Param)
+        self.optimizer = make_optimizer(config.optimizer, config.steps)
+        self.learning_rate = schedule(config.optimizer, config.steps)
+        replicated = NamedSharding(mesh, PartitionSpec())
+        param_shardings = jax.tree.map(
+            lambda x, spec: named_sharding(mesh, spec, x.shape),
+            abstract_params, nnx.get_partition_spec(abstract_params))
+        opt_shardings = optax.tree_map_params(
+            self.optimizer, lambda _, sharding: sharding,
+            jax.eval_shape(self.optimizer.init, abstract_params), param_shardings,
+            transform_non_params=lambda _: replicated)
+        self.state_shardings = {"step": replicated, "params": param_shardings,
+                                "opt_state": opt_shardings}
+        self.batch_sharding = named_sharding(mesh, ("act_batch", None))
+        self.replicated = replicated
+        self._init = jax.jit(self._init_state, out_shardings=self.state_shardings)
+        self._train_step = jax.jit(
+            self._step, in_shardings=(self.state_shardings, self.batch_sharding),
+            out_shardings=(self.state_shardings, replicated), donate_argnums=0)
+        self._eval_loss = jax.jit(
+            self._loss, in_shardings=(param_shardings, self.batch_sharding),
+            out_shardings=replicated)
+
+    # pure functions (traced) ------------------------------------------------------------------
+    def _init_state(self, seed):
+        model = TransformerLM(self.model_cfg, rngs=nnx.Rngs(jax.random.key(seed)))
+        params = nnx.state(model, nnx.Param)
+        return {"step": jnp.zeros((), jnp.int32), "params": params,
+                "opt_state": self.optimizer.init(params)}
+
+    def _loss(self, params, tokens_BxT1):
+        model = nnx.merge(self.graphdef, params)
+        return next_token_loss(model(tokens_BxT1[:, :-1]), tokens_BxT1[:, 1:])
+
+    def _step(self, state, tokens_BxT1):
+        loss, grads = jax.value_and_grad(self._loss)(state["params"], tokens_BxT1)
+        updates, opt_state = self.optimizer.update(grads, state["opt_state"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads),
+                   "update_norm": optax.global_norm(updates),
+                   "learning_rate": self.learning_rate(state["step"])}
+        return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
+
+    # entry points (run under the mesh) ---------------------------------------------------------
+    def init(self, seed: int):
+        with jax.set_mesh(self.mesh):
+            return self._init(jnp.int32(seed))
+
+    def train_step(self, state, tokens_BxT1):
+        with jax.set_mesh(self.mesh):
+            return self._train_step(state, tokens_BxT1)
+
+    def eval_loss(self, params, tokens_BxT1):
+        with jax.set_mesh(self.mesh):
+            return self._eval_loss(params, tokens_BxT1)
+
+    def abstract_state(self):
+        """ShapeDtypeStructs with this mesh's shardings: restore targets for checkpoints."""
+        shapes = jax.eval_shape(self._init_state, jnp.int32(0))
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                            shapes, self.state_shardings)
+
+    def put_batch(self, local_tokens):
+        """Place this process's rows of the global batch (all rows in a single process)."""
+        global_shape = (self.config.batch_size, self.config.seq_len + 1)
+        if jax.process_count() == 1:
+            return jax.device_put(local_tokens, self.batch_sharding)
+        return jax.make_array_from_process_local_data(self.batch_sharding, local_tokens,
+                                                      global_shape)
+
+    def process_rows(self) -> slice:
+        """The rows of the global batch this process loads."""
+        per_process = self.config.batch_size // jax.process_count()
+        start = jax.process_index() * per_process
+        return slice(start, start + per_process)
