@@ -25,7 +25,8 @@ def _divisors(n: int) -> list[int]:
 
 
 def check_choice(field: str, value, registry: Registry) -> None:
-    check(value in registry, field, value, f"valid {registry.family}s: {', '.join(sorted(registry))}")
+    valid = ", ".join(sorted(registry))
+    check(value in registry, field, value, f"valid {registry.family}s: {valid}")
 
 
 def resolve_model(cfg) -> None:
@@ -55,7 +56,8 @@ def resolve_model(cfg) -> None:
             f"model.attention_width={h * cfg.head_dim} to use an attention width different from d")
     cfg.attention_width = h * cfg.head_dim
     if cfg.position == "rope":
-        check(cfg.head_dim % 2 == 0, "model.head_dim", cfg.head_dim, "RoPE needs an even head width")
+        check(cfg.head_dim % 2 == 0, "model.head_dim", cfg.head_dim,
+              "RoPE needs an even head width")
     if cfg.d_ff is None:
         cfg.d_ff = int(round(cfg.ffn_ratio * d))
     check(cfg.d_ff > 0, "model.d_ff", cfg.d_ff, "must be positive")

@@ -7,7 +7,6 @@ Each position module offers two hooks, so every scheme plugs in at the same two 
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 

