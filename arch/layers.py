@@ -24,7 +24,7 @@ def param(
 ) -> nnx.Param:
     """A float32 parameter with logical axis names; it is sharded later, by the rules table."""
     value = init(rngs.params(), tuple(shape), jnp.float32)
-    return nnx.Param(value, sharding_names=tuple(axes), eager_sharding=False)
+    return nnx.Param(value, out_sharding=tuple(axes), eager_sharding=False)
 
 
 def fan_in_init(fan_in: int, scale: float = 1.0) -> Initializer:

@@ -10,3 +10,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _data_dir(tmp_path_factory):
+    """Prepare the embedded corpus into a fresh directory: tests never read a user's cache."""
+    os.environ["BLOCKBENCH_DATA_DIR"] = str(tmp_path_factory.mktemp("tfds"))

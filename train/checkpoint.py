@@ -50,3 +50,9 @@ class Checkpointer:
 
     def close(self) -> None:
         self.manager.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

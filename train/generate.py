@@ -94,7 +94,8 @@ def main(argv=None) -> int:
     config = ml_collections.ConfigDict(json.loads(config_path.read_text()))
     config.mesh = dict(data=-1, fsdp=1, tensor=1, sequence=1, stage=1, expert=1)
     program = build_program(config)
-    restored = Checkpointer(args.workdir).restore_latest(program.abstract_state())
+    with Checkpointer(args.workdir) as checkpointer:
+        restored = checkpointer.restore_latest(program.abstract_state())
     if restored is None:
         print(f"error: --workdir={args.workdir} holds no restorable checkpoint", file=sys.stderr)
         return 2

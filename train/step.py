@@ -74,8 +74,8 @@ class TrainProgram:
         loss, grads = jax.value_and_grad(self._loss)(state["params"], tokens_BxT1)
         updates, opt_state = self.optimizer.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
-        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads),
-                   "update_norm": optax.global_norm(updates),
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
+                   "update_norm": optax.tree.norm(updates),
                    "learning_rate": self.learning_rate(state["step"])}
         return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
 

@@ -1,0 +1,42 @@
+"""Tiny configs shared by the tests (small enough to compile in seconds on 2 cores)."""
+
+from __future__ import annotations
+
+import jax
+import ml_collections
+from flax import nnx
+
+from arch.model import TransformerLM
+from experiments.common import base_config
+from train.config import validate
+
+
+def tiny_config(**model_overrides) -> ml_collections.ConfigDict:
+    config = base_config()
+    config.steps = 5
+    config.batch_size = 8
+    config.seq_len = 16
+    config.log_every = 1
+    config.eval_every = 1000
+    config.eval_batches = 1
+    config.checkpoint_every = 1000
+    config.sample_tokens = 0
+    config.optimizer.warmup_steps = 2
+    config.mesh.data = 1
+    model = config.model
+    model.d_model, model.num_layers, model.num_heads, model.num_kv_heads = 32, 2, 4, 2
+    model.update(model_overrides)
+    return config
+
+
+def tiny_model(seed: int = 0, devices: int = 1, **model_overrides):
+    """(resolved model config, TransformerLM) on the default device."""
+    config = tiny_config(**model_overrides)
+    config.mesh.data = devices
+    validate(config, devices)
+    return config.model, TransformerLM(ml_collections.FrozenConfigDict(config.model),
+                                       rngs=nnx.Rngs(seed))
+
+
+def random_tokens(shape, seed: int = 1):
+    return jax.random.randint(jax.random.key(seed), shape, 0, 256)

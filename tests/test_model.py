@@ -1,0 +1,159 @@
+"""Model tests: tensor contracts, attention geometry, causality, KV cache, the pure-JAX oracle."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+from flax import nnx
+
+from arch import reference
+from arch.accounting import flops_per_token, matmul_parameter_count, parameter_count
+from arch.attention import MultiHeadAttention, causal_mask
+from arch.norms import LayerNorm, RMSNorm
+from arch.positions import RoPE
+from tests.helpers import random_tokens, tiny_model
+
+VARIANTS = [dict(norm=n, position=p, ffn=f, head=h)
+            for n, p, (f, h) in itertools.product(("rmsnorm", "layernorm"),
+                                                   ("rope", "learned", "none"),
+                                                   (("swiglu", "tied"), ("mlp", "untied")))]
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(v.values()))
+def test_matches_reference_and_contract(variant):
+    cfg, model = tiny_model(**variant)
+    tokens = random_tokens((2, 16))
+    logits = model(tokens)
+    assert logits.shape == (2, 16, 256) and logits.dtype == jnp.float32
+    expected = reference.logits(cfg, nnx.to_pure_dict(nnx.state(model, nnx.Param)), tokens)
+    np.testing.assert_allclose(logits, expected, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("position", ["rope", "learned", "none"])
+def test_causality_future_tokens_leave_the_past_exactly_unchanged(position):
+    _, model = tiny_model(position=position)
+    tokens = random_tokens((2, 16))
+    changed = tokens.at[:, 9:].set((tokens[:, 9:] + 7) % 256)
+    before, after = model(tokens), model(changed)
+    np.testing.assert_array_equal(before[:, :9], after[:, :9])
+    assert not np.allclose(before[:, 9:], after[:, 9:])
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (4, 1)], ids=["MHA", "GQA", "MQA"])
+def test_attention_head_geometry(heads, kv_heads):
+    cfg, _ = tiny_model(num_heads=heads, num_kv_heads=kv_heads)
+    attention = MultiHeadAttention(cfg, rngs=nnx.Rngs(0))
+    d, p = cfg.d_model, cfg.head_dim
+    assert attention.query.kernel.shape == (d, heads, p)
+    assert attention.key.kernel.shape == attention.value.kernel.shape == (d, kv_heads, p)
+    assert attention.output.kernel.shape == (heads, p, d)
+    # Grouping: K shared KV heads act like H heads whose K/V weights repeat each KV head G times.
+    expanded = ml_collections.ConfigDict(cfg.to_dict())
+    expanded.num_kv_heads = heads
+    mha = MultiHeadAttention(expanded, rngs=nnx.Rngs(1))
+    for name in ("query", "output"):
+        getattr(mha, name).kernel[...] = getattr(attention, name).kernel[...]
+    for name in ("key", "value"):
+        getattr(mha, name).kernel[...] = jnp.repeat(getattr(attention, name).kernel[...],
+                                                    heads // kv_heads, axis=1)
+    x = jax.random.normal(jax.random.key(2), (2, 8, d))
+    positions = jnp.broadcast_to(jnp.arange(8), (2, 8))
+    rotate = RoPE(cfg, rngs=nnx.Rngs(0)).rotate
+    np.testing.assert_allclose(attention(x, positions, rotate)[0], mha(x, positions, rotate)[0],
+                               atol=1e-5)
+
+
+def test_attention_width_different_from_d_model():
+    cfg, model = tiny_model(num_heads=2, head_dim=24, attention_width=48)
+    assert model.blocks.attention.query.kernel.shape == (2, 32, 2, 24)  # layers, d, h, p
+    tokens = random_tokens((2, 16))
+    expected = reference.logits(cfg, nnx.to_pure_dict(nnx.state(model, nnx.Param)), tokens)
+    np.testing.assert_allclose(model(tokens), expected, atol=2e-5, rtol=1e-5)
+
+
+def test_causal_mask_is_additive_zero_or_minus_infinity():
+    positions = jnp.arange(4)[None]
+    mask = causal_mask(positions, positions)[0]
+    np.testing.assert_array_equal(mask == 0, np.tril(np.ones((4, 4), bool)))
+    assert np.all(np.isneginf(mask[np.triu_indices(4, 1)]))
+
+
+def test_rope_scores_depend_only_on_relative_position():
+    cfg, _ = tiny_model()
+    rope = RoPE(cfg, rngs=nnx.Rngs(0))
+    q, k = jax.random.normal(jax.random.key(0), (2, 1, 1, 1, cfg.head_dim))
+
+    def score(t, s):
+        rq = rope.rotate(q, jnp.array([[t]]))
+        rk = rope.rotate(k, jnp.array([[s]]))
+        return float(jnp.sum(rq * rk))
+
+    assert score(5, 2) == pytest.approx(score(13, 10), rel=1e-5)
+    assert score(5, 2) != pytest.approx(score(5, 3), rel=1e-3)
+
+
+def test_norms_shift_and_scale_properties():
+    x = jax.random.normal(jax.random.key(0), (3, 16)) + 2.0
+    rms, ln = RMSNorm(16, rngs=nnx.Rngs(0)), LayerNorm(16, rngs=nnx.Rngs(0))
+    np.testing.assert_allclose(ln(x + 5.0), ln(x), atol=1e-4)           # LayerNorm drops a shift
+    assert not np.allclose(rms(x + 5.0), rms(x), atol=1e-2)             # RMSNorm does not
+    for norm in (rms, ln):
+        np.testing.assert_allclose(norm(3.7 * x), norm(x), atol=1e-4)  # positive rescaling
+    np.testing.assert_allclose(ln(jnp.full((1, 16), 3.0)), 0.0, atol=1e-6)
+    np.testing.assert_allclose(jnp.sqrt(jnp.mean(rms(x) ** 2, -1)), 1.0, atol=1e-4)
+
+
+@pytest.mark.parametrize("position", ["rope", "learned"])
+def test_kv_cache_decoding_equals_the_full_forward_pass(position):
+    _, model = tiny_model(position=position, num_kv_heads=1)
+    tokens = random_tokens((2, 12))
+    full = model(tokens)
+    cache = model.init_cache(2, 16)
+    positions = jnp.broadcast_to(jnp.arange(12), (2, 12))
+    prefill, cache = model.decode(tokens[:, :7], positions[:, :7], cache)
+    steps = [prefill]
+    for t in range(7, 12):
+        logits, cache = model.decode(tokens[:, t:t + 1], positions[:, t:t + 1], cache)
+        steps.append(logits)
+    np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, atol=2e-5, rtol=1e-5)
+
+
+def test_bfloat16_compute_keeps_float32_parameters():
+    cfg, model = tiny_model(dtype="bfloat16")
+    tokens = random_tokens((2, 16))
+    logits = model(tokens)
+    assert logits.dtype == jnp.float32
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    cfg32, model32 = tiny_model(dtype="float32")
+    # same weights, lower precision: close but not identical
+    diff = jnp.abs(logits - model32(tokens))
+    assert 0 < float(diff.max()) < 0.1
+
+
+def test_every_parameter_has_logical_axis_names():
+    _, model = tiny_model(head="untied", position="learned", norm="layernorm")
+    for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        names = variable.get_metadata()["out_sharding"]
+        assert len(names) == variable[...].ndim and all(names), path
+
+
+def test_parameter_count_equals_closed_form():
+    # SwiGLU, GQA, tied head, RMSNorm: per block d·h·p + 2·d·k·p + h·p·d + 3·d·f + 2d
+    cfg, _ = tiny_model(d_ff=48)
+    d, h, k, p, f, v, layers = 32, 4, 2, 8, 48, 256, 2
+    block = d * h * p + 2 * d * k * p + h * p * d + 3 * d * f + 2 * d
+    assert parameter_count(cfg) == v * d + layers * block + d
+    cfg, _ = tiny_model(d_ff=48, head="untied", norm="layernorm", ffn="mlp", position="learned")
+    block = d * h * p + 2 * d * k * p + h * p * d + 2 * d * f + 4 * d
+    assert parameter_count(cfg) == v * d + 16 * d + layers * block + 2 * d + d * v
+
+
+def test_flops_per_token_closed_form():
+    cfg, _ = tiny_model(d_ff=48)
+    d, h, k, p, f, v, layers, t = 32, 4, 2, 8, 48, 256, 2, 16
+    matmul = layers * (d * h * p + 2 * d * k * p + h * p * d + 3 * d * f) + v * d
+    assert matmul_parameter_count(cfg) == matmul
+    assert flops_per_token(cfg, t) == 3 * (2 * matmul + layers * 2 * h * p * (t + 1))
