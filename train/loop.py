@@ -9,7 +9,7 @@ anything bad is saved.
 
 from __future__ import annotations
 
-import json
+import contextlib
 import logging
 import math
 import signal
@@ -96,29 +96,30 @@ def train(config, workdir: str | Path) -> dict:
         validation_data = data.load(config.data, "validation")
     except ValueError as error:  # data errors name their field: report them like config errors
         raise ConfigError(str(error)) from None
-    checkpointer = Checkpointer(workdir, config.keep_checkpoints)
-    restored = checkpointer.restore_latest(program.abstract_state())
-    if restored is None:
-        state, step = program.init(config.seed), 0
-    else:
-        step, state, position = restored
-        assert position["next_step"] == step and position["seed"] == config.seed, position
-        log.warning("resuming from the checkpoint at step %d in %s", step, checkpointer.directory)
-
-    writer = MetricsWriter(workdir)
-    tokens_per_step = config.batch_size * config.seq_len
-    model_flops = flops_per_token(config.model, config.seq_len) * tokens_per_step
-    peak_flops = measure_matmul_peak() * jax.device_count()
-    rows = program.process_rows()
-    progress = tqdm.tqdm(total=config.steps, initial=step, disable=jax.process_index() != 0,
-                         dynamic_ncols=True)
-    previous = None  # (step, metrics) of the last step, checked one step late: no sync per step
-    first_step = timer_step = step
-    timer = time.perf_counter()
-    eval_loss = float("nan")
-    preempted = False
-    with _Preemption() as preemption:
-        while step < config.steps:
+    with contextlib.ExitStack() as stack:  # closes (and finishes saving) on any exit
+        checkpointer = stack.enter_context(Checkpointer(workdir, config.keep_checkpoints))
+        restored = checkpointer.restore_latest(program.abstract_state())
+        if restored is None:
+            state, step = program.init(config.seed), 0
+        else:
+            step, state, position = restored
+            assert position == {"next_step": step, "seed": config.seed}, position
+            log.warning("resuming from the checkpoint at step %d in %s", step,
+                        checkpointer.directory)
+        writer = stack.enter_context(MetricsWriter(workdir))
+        progress = stack.enter_context(tqdm.tqdm(
+            total=config.steps, initial=step, disable=jax.process_index() != 0,
+            dynamic_ncols=True))
+        preemption = stack.enter_context(_Preemption())
+        tokens_per_step = config.batch_size * config.seq_len
+        model_flops = flops_per_token(config.model, config.seq_len) * tokens_per_step
+        peak_flops = measure_matmul_peak() * jax.device_count()
+        rows = program.process_rows()
+        previous = None  # (step, metrics) of the last step, checked a step late: no sync per step
+        first_step = timer_step = step
+        timer = time.perf_counter()
+        eval_loss = float("nan")
+        while step < config.steps and not preemption.requested:
             batch = program.put_batch(
                 train_data.batch(step, config.batch_size, config.seq_len, config.seed, rows))
             state, metrics = program.train_step(state, batch)
@@ -149,19 +150,15 @@ def train(config, workdir: str | Path) -> dict:
             if record:
                 writer.write(step, record)
             progress.update(1)
-            preempted = preemption.requested
-            if step % config.checkpoint_every == 0 or step == config.steps or preempted:
+            if (step % config.checkpoint_every == 0 or step == config.steps
+                    or preemption.requested):
                 _check_finite(step, metrics, checkpointer)
                 checkpointer.save(step, state, {"next_step": step, "seed": config.seed},
                                   force=True)
-            if preempted:
-                progress.write(f"SIGTERM: saved the checkpoint at step {step}; exiting")
-                break
-    progress.close()
-    checkpointer.wait()
-    checkpointer.close()
-    writer.close()
-    if math.isnan(eval_loss):
+        preempted = preemption.requested
+        if preempted:
+            progress.write(f"SIGTERM: saved the checkpoint at step {step}; exiting")
+    if math.isnan(eval_loss) and not preempted:
         eval_loss = evaluate(program, state["params"], validation_data)
     sample = ""
     if config.sample_tokens and not preempted:
@@ -169,7 +166,3 @@ def train(config, workdir: str | Path) -> dict:
                                config.sample_tokens, temperature=config.temperature,
                                top_k=config.top_k, seed=config.seed)
     return {"step": step, "eval_loss": eval_loss, "sample": sample, "preempted": preempted}
-
-
-def summary(result: dict) -> str:
-    return json.dumps({k: result[k] for k in ("step", "eval_loss")})

@@ -36,6 +36,12 @@ class MetricsWriter:
         if self.enabled:
             self.tensorboard.close()
 
+    def __enter__(self) -> MetricsWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
 
 def measure_matmul_peak(size: int = 1024, dtype=jnp.float32, repeats: int = 5) -> float:
     """Measured FLOP/s of one device on a square matmul chain (best of `repeats`).
