@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from arch.config import ConfigError, check, resolve_model
+from arch.config import check, resolve_model
 from sharding.mesh import mesh_shape
 
 SCHEDULES = ("cosine", "wsd")
@@ -11,7 +11,7 @@ SCHEDULES = ("cosine", "wsd")
 def validate(config, device_count: int) -> dict[str, int]:
     """Check `config` in place (filling derived model fields); return the resolved mesh shape.
 
-    Raises `ConfigError` with one line naming the field, the value and what would be valid.
+    Raises `arch.config.ConfigError`: one line naming the field, the value and what is valid.
     """
     model = config.model
     if model.max_seq_len is None:
@@ -45,5 +45,3 @@ def validate(config, device_count: int) -> dict[str, int]:
               f"{axis} parallelism is not available yet; use mesh.{axis}=1")
     return mesh
 
-
-__all__ = ["ConfigError", "validate"]

@@ -50,7 +50,6 @@ class TrainProgram:
         self.state_shardings = {"step": replicated, "params": param_shardings,
                                 "opt_state": opt_shardings}
         self.batch_sharding = named_sharding(mesh, ("act_batch", None))
-        self.replicated = replicated
         self._init = jax.jit(self._init_state, out_shardings=self.state_shardings)
         self._train_step = jax.jit(
             self._step, in_shardings=(self.state_shardings, self.batch_sharding),
