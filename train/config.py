@@ -8,7 +8,7 @@ from sharding.mesh import mesh_shape
 SCHEDULES = ("cosine", "wsd")
 
 
-def validate(config, device_count: int) -> dict[str, int]:
+def validate(config, device_count: int, process_count: int = 1) -> dict[str, int]:
     """Check `config` in place (filling derived model fields); return the resolved mesh shape.
 
     Raises `arch.config.ConfigError`: one line naming the field, the value and what is valid.
@@ -35,6 +35,8 @@ def validate(config, device_count: int) -> dict[str, int]:
     batch_shards = mesh["data"] * mesh["fsdp"]
     check(config.batch_size % batch_shards == 0, "batch_size", config.batch_size,
           f"must be divisible by mesh.data×mesh.fsdp = {batch_shards}")
+    check(config.batch_size % process_count == 0, "batch_size", config.batch_size,
+          f"must be divisible by the {process_count} processes (each loads its own rows)")
     tensor = mesh["tensor"]
     check(model.num_heads % tensor == 0, "model.num_heads", model.num_heads,
           f"must be divisible by mesh.tensor={tensor}")

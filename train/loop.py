@@ -41,7 +41,7 @@ class NonFiniteLoss(RuntimeError):
 def build_program(config) -> TrainProgram:
     """Validate the config against this machine's devices, then build mesh and program."""
     maybe_initialize_distributed()
-    validate(config, jax.device_count())
+    validate(config, jax.device_count(), jax.process_count())
     return TrainProgram(config, make_mesh(config.mesh))
 
 
