@@ -28,20 +28,23 @@ STREAM = ("act_batch", "act_seq", "act_embed")
 
 
 class Block(nnx.Module):
-    """One Transformer block: an attention and an FFN sublayer, each wrapped by its own instance
-    of the residual mechanism."""
+    """One Transformer block: an attention and an FFN sublayer (unless `model.use_ffn=False`),
+    each wrapped by its own instance of the residual mechanism."""
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         self.attention = ATTENTION[cfg.attention](cfg, rngs=rngs)
         self.attention_residual = RESIDUALS[cfg.residual](cfg, rngs=rngs)
-        self.ffn = FFNS[cfg.ffn](cfg, rngs=rngs)
-        self.ffn_residual = RESIDUALS[cfg.residual](cfg, rngs=rngs)
+        if cfg.use_ffn:  # False: a pure-attention stack (rank-collapse ablation)
+            self.ffn = FFNS[cfg.ffn](cfg, rngs=rngs)
+            self.ffn_residual = RESIDUALS[cfg.residual](cfg, rngs=rngs)
+        self.use_ffn = cfg.use_ffn
 
     def __call__(self, stream, positions_BxT, rotate, cache=None):
         update, cache = self.attention(self.attention_residual.read(stream), positions_BxT,
                                        rotate, cache)
         stream = self.attention_residual.write(stream, update)
-        stream = self.ffn_residual.write(stream, self.ffn(self.ffn_residual.read(stream)))
+        if self.use_ffn:
+            stream = self.ffn_residual.write(stream, self.ffn(self.ffn_residual.read(stream)))
         return jax.tree.map(lambda s: constrain(s, STREAM), stream), cache
 
 

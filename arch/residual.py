@@ -19,7 +19,8 @@ RESIDUALS = Registry("residual")
 
 @RESIDUALS.register("prenorm")
 class PreNormSum(nnx.Module):
-    """Pre-Norm residual sum (Xiong et al. 2020, eq. for Pre-LN): x ← x + F(norm(x)).
+    """Pre-Norm residual sum (Xiong et al. 2020, "On Layer Normalization in the Transformer
+    Architecture", Fig. 1b): x ← x + F(norm(x)).
 
     The norm is `model.norm`, gain 1 at initialization; the stream itself is never normalized.
     """
@@ -40,3 +41,47 @@ class PreNormSum(nnx.Module):
 
     def write(self, stream_BxTxD, update_BxTxD):
         return stream_BxTxD + update_BxTxD
+
+
+@RESIDUALS.register("postnorm")
+class PostNormSum(PreNormSum):
+    """Post-Norm (Vaswani et al. 2017 §3.1; Xiong et al. 2020 Fig. 1a): x ← norm(x + F(x)).
+
+    The sublayer reads the raw stream; every write is normalized (gain 1 at initialization).
+    The original model has no final norm: set `model.final_norm=False` to match it.
+    """
+
+    def read(self, stream_BxTxD):
+        return stream_BxTxD
+
+    def write(self, stream_BxTxD, update_BxTxD):
+        return self.norm(stream_BxTxD + update_BxTxD)
+
+
+@RESIDUALS.register("deepnorm")
+class DeepNormSum(PostNormSum):
+    """DeepNorm (Wang et al. 2022, "DeepNet", eq. 5 and Table 1, decoder-only):
+    x ← norm(α·x + F(x)) with α = (2M)^{1/4} for an M-block decoder.
+
+    The other half of DeepNet is its initialization: Xavier with gain β = (8M)^{-1/4} on the FFN,
+    value and output projections (Q and K keep gain 1), set by `model.init` (see arch/init.py and
+    `experiments.common.use_deepnorm`).
+    """
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs):
+        super().__init__(cfg, rngs=rngs)
+        self.alpha = (2 * cfg.num_layers) ** 0.25
+
+    def write(self, stream_BxTxD, update_BxTxD):
+        return self.norm(self.alpha * stream_BxTxD + update_BxTxD)
+
+
+@RESIDUALS.register("noskip")
+class NoSkip(PreNormSum):
+    """No skip connection, the rank-collapse ablation of Dong et al. 2021 ("Attention is not all
+    you need: pure attention loses rank doubly exponentially with depth", §2 and §4):
+    x ← F(norm(x)). With `model.use_ffn=False` the stack is pure attention.
+    """
+
+    def write(self, stream_BxTxD, update_BxTxD):
+        return update_BxTxD

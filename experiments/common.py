@@ -31,6 +31,7 @@ def model_config() -> ml_collections.ConfigDict:
         ffn="swiglu",             # arch.ffn.FFNS
         activation="gelu",        # arch.ffn.ACTIVATIONS (used by ffn="mlp")
         residual="prenorm",       # arch.residual.RESIDUALS
+        use_ffn=True,             # False: attention-only blocks (rank-collapse ablation)
         head="tied",              # arch.heads.HEADS
         final_norm=True,
         dtype="float32",          # compute dtype; parameters are always float32
