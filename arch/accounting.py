@@ -8,6 +8,8 @@ import jax
 import ml_collections
 from flax import nnx
 
+from arch.attention import ATTENTION
+from arch.heads import HEADS
 from arch.model import TransformerLM
 
 
@@ -22,21 +24,18 @@ def parameter_count(model_cfg) -> int:
 
 
 def matmul_parameter_count(model_cfg) -> int:
-    """Weights used in one matrix multiply per token: every Dense kernel, plus the embedding
-    matrix when the tied head reuses it as the output projection."""
+    """Weights used in one matrix multiply per token: every Dense kernel once, plus what the head
+    multiplies again (the tied embedding; MoS's K vocabulary projections)."""
     kernels = nnx.state(abstract_model(model_cfg), lambda path, _: path[-1] == "kernel")
     count = sum(math.prod(x.shape) for x in jax.tree.leaves(kernels))
-    if model_cfg.head == "tied":
-        count += model_cfg.vocab_size * model_cfg.d_model
-    return count
+    return count + HEADS[model_cfg.head].reused_matmul_parameters(model_cfg)
 
 
 def flops_per_token(model_cfg, seq_len: int, training: bool = True) -> float:
-    """Matmul FLOPs per token: 2 per matmul weight, plus causal attention counted honestly.
-
-    Attention at position t does QKᵀ and AV over t + 1 keys: 4·H·P·(t + 1) FLOPs per layer;
-    averaged over t = 0..T−1 that is 2·H·P·(T + 1). Training (forward + backward) is 3× forward.
+    """Matmul FLOPs per token: 2 per matmul weight, plus causal attention counted honestly (each
+    attention class's `score_flops_per_token`: position t attends to t + 1 keys, not T).
+    Training (forward + backward) is 3× forward.
     """
-    attention = 2 * model_cfg.num_heads * model_cfg.head_dim * (seq_len + 1)
+    attention = ATTENTION[model_cfg.attention].score_flops_per_token(model_cfg, seq_len)
     forward = 2 * matmul_parameter_count(model_cfg) + model_cfg.num_layers * attention
     return float(3 * forward if training else forward)

@@ -2,7 +2,8 @@
 `attention(x_BxTxD, positions_BxT, rotate, cache) -> (y_BxTxD, cache)`.
 
 Shapes: B batch, T query positions, S key positions, D = d_model, H query heads, K key/value
-heads (H = K·G, G queries per KV head), P head width.
+heads (H = K·G, G queries per KV head), P head width; MLA adds C (the key/value latent), C' (the
+query latent), N / R / V (per-head non-rotary, rotary and value widths).
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from arch.init import group_init
 from arch.layers import Dense
+from arch.norms import RMSNorm
 from arch.registry import Registry
 from sharding.rules import constrain
 
@@ -24,21 +27,24 @@ def causal_mask(query_positions_BxT: jax.Array, key_positions_BxS: jax.Array) ->
     return jnp.where(allowed, 0.0, -jnp.inf).astype(jnp.float32)
 
 
-def dot_product_attention(q_BxTxHxP, k_BxSxKxP, v_BxSxKxP, mask_BxTxS):
-    """softmax(QKᵀ/√P + M)V, with the H query heads grouped over the K key/value heads.
+def dot_product_attention(q_BxTxHxP, k_BxSxKxP, v_BxSxKxV, mask_BxTxS,
+                          scale: float | None = None):
+    """softmax(QKᵀ·scale + M)V, with the H query heads grouped over the K key/value heads.
 
+    `scale` defaults to 1/√P (P the query/key width); values may have another width V.
     Scores and softmax in float32; the weighted sum in the inputs' dtype.
     """
     b, t, h, p = q_BxTxHxP.shape
     k = k_BxSxKxP.shape[2]
     q_BxTxKxGxP = q_BxTxHxP.reshape(b, t, k, h // k, p)
     scores_BxKxGxTxS = jnp.einsum(
-        "btkgp,bskp->bkgts", q_BxTxKxGxP, k_BxSxKxP, preferred_element_type=jnp.float32
-    ) / jnp.sqrt(jnp.float32(p))
+        "btkgp,bskp->bkgts", q_BxTxKxGxP, k_BxSxKxP, preferred_element_type=jnp.float32)
+    scores_BxKxGxTxS = (scores_BxKxGxTxS / jnp.sqrt(jnp.float32(p)) if scale is None
+                        else scores_BxKxGxTxS * jnp.float32(scale))
     scores_BxKxGxTxS = scores_BxKxGxTxS + mask_BxTxS[:, None, None]
-    weights = jax.nn.softmax(scores_BxKxGxTxS, axis=-1).astype(v_BxSxKxP.dtype)
-    out_BxTxKxGxP = jnp.einsum("bkgts,bskp->btkgp", weights, v_BxSxKxP)
-    return out_BxTxKxGxP.reshape(b, t, h, p)
+    weights = jax.nn.softmax(scores_BxKxGxTxS, axis=-1).astype(v_BxSxKxV.dtype)
+    out_BxTxKxGxV = jnp.einsum("bkgts,bskv->btkgv", weights, v_BxSxKxV)
+    return out_BxTxKxGxV.reshape(b, t, h, v_BxSxKxV.shape[-1])
 
 
 @ATTENTION.register("mha")
@@ -48,7 +54,8 @@ class MultiHeadAttention(nnx.Module):
 
     q = x W_Q (d → H×P), k = x W_K, v = x W_V (d → K×P); head j reads KV head ⌊j/G⌋;
     y = concat_j softmax(q_j k_⌊j/G⌋ᵀ/√P + M) v_⌊j/G⌋ · W_O (H×P → d), M the causal mask.
-    H·P may differ from d (`attention_width`). Initialization: variance 1/fan_in for all four.
+    H·P may differ from d (`attention_width`). Initialization: `model.init` groups query, key,
+    value and attention_output (default: variance 1/fan_in for all four).
 
     KV cache: {"key", "value"} of shape B×S_max×K×P; an input block at positions t₀..t₀+T−1
     writes its keys/values at those slots and attends to every slot at or before its position.
@@ -57,12 +64,20 @@ class MultiHeadAttention(nnx.Module):
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         d, h, k, p = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         dtype = jnp.dtype(cfg.dtype)
-        self.query = Dense((d,), (h, p), ("embed",), ("heads", "head_dim"), rngs=rngs, dtype=dtype)
-        self.key = Dense((d,), (k, p), ("embed",), ("kv_heads", "head_dim"), rngs=rngs, dtype=dtype)
+        self.query = Dense((d,), (h, p), ("embed",), ("heads", "head_dim"), rngs=rngs, dtype=dtype,
+                           init=group_init(cfg, "query"))
+        self.key = Dense((d,), (k, p), ("embed",), ("kv_heads", "head_dim"), rngs=rngs, dtype=dtype,
+                         init=group_init(cfg, "key"))
         self.value = Dense((d,), (k, p), ("embed",), ("kv_heads", "head_dim"), rngs=rngs,
-                           dtype=dtype)
-        self.output = Dense((h, p), (d,), ("heads", "head_dim"), ("embed",), rngs=rngs,
-                            dtype=dtype)
+                           dtype=dtype, init=group_init(cfg, "value"))
+        self.output = Dense((h, p), (d,), ("heads", "head_dim"), ("embed",), rngs=rngs, dtype=dtype,
+                            init=group_init(cfg, "attention_output"))
+
+    @staticmethod
+    def score_flops_per_token(cfg, seq_len: int) -> float:
+        """Forward FLOPs of QKᵀ and AV per token, causal: position t attends to t + 1 keys, so
+        4·H·P·(t + 1) averages to 2·H·P·(T + 1) over t = 0..T−1."""
+        return 2 * cfg.num_heads * cfg.head_dim * (seq_len + 1)
 
     @staticmethod
     def cache_shapes(cfg, batch: int, length: int) -> dict[str, tuple[int, ...]]:
@@ -87,3 +102,135 @@ class MultiHeadAttention(nnx.Module):
         out = dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype),
                                     causal_mask(positions_BxT, key_positions_BxS))
         return self.output(out), cache
+
+
+@ATTENTION.register("mla")
+class MultiHeadLatentAttention(nnx.Module):
+    """Multi-head Latent Attention (DeepSeek-AI 2024, "DeepSeek-V2", §2.1.2–2.1.3, eqs. 9–19).
+
+    Keys and values of all H heads are read from one shared per-token latent c_KV (width C =
+    `mla_kv_rank`), so the KV cache holds C + R numbers per token instead of MHA's 2·H·P:
+
+        c_KV = RMSNorm(x W_DKV)                  d → C                          (eq. 9)
+        k^C = c_KV W_UK,  v = c_KV W_UV          C → H×N,  C → H×V              (eqs. 10–11)
+        c_Q = RMSNorm(x W_DQ)                    d → C'   (C' = `mla_q_rank`)   (eq. 12)
+        q^C = c_Q W_UQ,  q^R = RoPE(c_Q W_QR)    C' → H×N,  C' → H×R            (eqs. 13–14)
+        k^R = RoPE(x W_KR)                       d → R, ONE head shared by all  (eq. 15)
+        q_i = [q^C_i; q^R_i],  k_i = [k^C_i; k^R]                               (eqs. 16–17)
+        o_i = softmax(q_i k_iᵀ / √(N + R) + M) v_i;  y = [o_1; …; o_H] W_O      (eqs. 18–19)
+
+    N = `mla_nope_dim`, R = `mla_rope_dim`, V = `mla_v_dim` (N and V default to `head_dim`).
+    With `mla_q_rank` = 0 the query is full-rank: c_Q = x (no W_DQ, no norm), W_UQ: d → H×N and
+    W_QR: d → H×R, together the d → H×(N + R) projection of eq. 16's q. The RMSNorms on the
+    latents (gain 1, `norm_eps`) are not in the paper's equations but are in the released
+    DeepSeek-V2 model (`kv_a_layernorm`, `q_a_layernorm`) and are kept here.
+    `num_kv_heads` is not used: every head has its own k^C, v, up-projected from the latent.
+
+    Positions: "RoPE" is the `rotate` hook the model passes in, applied only to q^R and k^R (the
+    decoupled rotary parts; the latent parts never see positions, which is what lets W_UK be
+    absorbed). Any position scheme is accepted: with `position="rope"` it rotates (R must be
+    even); with "none" or "learned" `rotate` is the identity and k^R is a plain shared key part.
+
+    Initialization: `model.init` groups query (W_DQ, W_UQ, W_QR), key (W_DKV, W_UK, W_KR), value
+    (W_UV) and attention_output (W_O), default variance 1/fan_in; norm gains 1.
+
+    KV cache: {"latent": B×S_max×C, "rope_key": B×S_max×R}, the normalized c_KV and the rotated
+    k^R. An input block at positions t₀..t₀+T−1 writes its slots and attends to every slot at or
+    before its position. By default keys and values are up-projected from the cached latent
+    (the simple way). With `mla_absorb=True`, cached attention runs in the latent space instead
+    (DeepSeek-V2 §2.1.2, "absorbed" inference): q̃_i = W_UK,i q^C_i, scores
+    (q̃_i·c_KV + q^R_i·k^R)/√(N + R), i.e. MQA with one key/value head [c_KV; k^R] / c_KV of
+    width C + R / C, and o_i = W_UV,iᵀ (Σ_s w_is c_KV,s); mathematically equal to the simple way.
+    """
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs):
+        d, h = cfg.d_model, cfg.num_heads
+        c, c_q, r = cfg.mla_kv_rank, cfg.mla_q_rank, cfg.mla_rope_dim
+        n, v = cfg.mla_nope_dim, cfg.mla_v_dim
+        dtype = jnp.dtype(cfg.dtype)
+        self.absorb = bool(cfg.mla_absorb)
+        if c_q:
+            self.query_down = Dense((d,), (c_q,), ("embed",), ("q_latent",), rngs=rngs, dtype=dtype,
+                                    init=group_init(cfg, "query"))
+            self.query_norm = RMSNorm(c_q, eps=cfg.norm_eps, rngs=rngs)
+            q_in, q_axis = c_q, "q_latent"
+        else:
+            self.query_down = self.query_norm = None
+            q_in, q_axis = d, "embed"
+        self.query_up = Dense((q_in,), (h, n), (q_axis,), ("heads", "head_dim"), rngs=rngs,
+                              dtype=dtype, init=group_init(cfg, "query"))
+        self.query_rope = Dense((q_in,), (h, r), (q_axis,), ("heads", "head_dim"), rngs=rngs,
+                                dtype=dtype, init=group_init(cfg, "query"))
+        self.kv_down = Dense((d,), (c,), ("embed",), ("kv_latent",), rngs=rngs, dtype=dtype,
+                             init=group_init(cfg, "key"))
+        self.kv_norm = RMSNorm(c, eps=cfg.norm_eps, rngs=rngs)
+        self.key_up = Dense((c,), (h, n), ("kv_latent",), ("heads", "head_dim"), rngs=rngs,
+                            dtype=dtype, init=group_init(cfg, "key"))
+        self.value_up = Dense((c,), (h, v), ("kv_latent",), ("heads", "head_dim"), rngs=rngs,
+                              dtype=dtype, init=group_init(cfg, "value"))
+        self.key_rope = Dense((d,), (r,), ("embed",), ("head_dim",), rngs=rngs, dtype=dtype,
+                              init=group_init(cfg, "key"))
+        self.output = Dense((h, v), (d,), ("heads", "head_dim"), ("embed",), rngs=rngs, dtype=dtype,
+                            init=group_init(cfg, "attention_output"))
+        self.scale = (n + r) ** -0.5
+
+    @staticmethod
+    def score_flops_per_token(cfg, seq_len: int) -> float:
+        """Causal QKᵀ over N + R features and AV over V: H·(N + R + V)·(T + 1) on average."""
+        width = cfg.mla_nope_dim + cfg.mla_rope_dim + cfg.mla_v_dim
+        return cfg.num_heads * width * (seq_len + 1)
+
+    @staticmethod
+    def cache_shapes(cfg, batch: int, length: int) -> dict[str, tuple[int, ...]]:
+        return {"latent": (batch, length, cfg.mla_kv_rank),
+                "rope_key": (batch, length, cfg.mla_rope_dim)}
+
+    def __call__(self, x_BxTxD, positions_BxT, rotate, cache=None):
+        if self.query_down is None:
+            query_in = x_BxTxD
+        else:
+            query_in = self.query_norm(self.query_down(x_BxTxD))
+        q_nope_BxTxHxN = self.query_up(query_in)
+        q_rope_BxTxHxR = rotate(self.query_rope(query_in), positions_BxT)
+        latent_BxSxC = constrain(self.kv_norm(self.kv_down(x_BxTxD)),
+                                 ("act_batch", "act_seq", None))
+        rope_key_BxSxR = rotate(self.key_rope(x_BxTxD)[:, :, None], positions_BxT)[:, :, 0]
+        key_positions_BxS = positions_BxT
+        if cache is not None:
+            start = positions_BxT[0, 0]
+            latent_BxSxC = jax.lax.dynamic_update_slice(
+                cache["latent"], latent_BxSxC.astype(cache["latent"].dtype), (0, start, 0))
+            rope_key_BxSxR = jax.lax.dynamic_update_slice(
+                cache["rope_key"], rope_key_BxSxR.astype(cache["rope_key"].dtype), (0, start, 0))
+            cache = {"latent": latent_BxSxC, "rope_key": rope_key_BxSxR}
+            key_positions_BxS = jnp.broadcast_to(jnp.arange(latent_BxSxC.shape[1]),
+                                                 latent_BxSxC.shape[:2])
+            latent_BxSxC = latent_BxSxC.astype(x_BxTxD.dtype)
+            rope_key_BxSxR = rope_key_BxSxR.astype(x_BxTxD.dtype)
+        mask_BxTxS = causal_mask(positions_BxT, key_positions_BxS)
+        if cache is not None and self.absorb:
+            out_BxTxHxV = self._absorbed(q_nope_BxTxHxN, q_rope_BxTxHxR, latent_BxSxC,
+                                         rope_key_BxSxR, mask_BxTxS)
+        else:
+            heads = ("act_batch", "act_seq", "act_heads", None)
+            key_nope_BxSxHxN = self.key_up(latent_BxSxC)
+            b, s, h, _ = key_nope_BxSxHxN.shape
+            rope_key_BxSxHxR = jnp.broadcast_to(rope_key_BxSxR[:, :, None],
+                                                (b, s, h, rope_key_BxSxR.shape[-1]))
+            q = constrain(jnp.concatenate([q_nope_BxTxHxN, q_rope_BxTxHxR], -1), heads)
+            k = constrain(jnp.concatenate([key_nope_BxSxHxN, rope_key_BxSxHxR], -1), heads)
+            v = constrain(self.value_up(latent_BxSxC), heads)
+            out_BxTxHxV = dot_product_attention(q, k, v, mask_BxTxS, scale=self.scale)
+        return self.output(out_BxTxHxV), cache
+
+    def _absorbed(self, q_nope_BxTxHxN, q_rope_BxTxHxR, latent_BxSxC, rope_key_BxSxR,
+                  mask_BxTxS):
+        """Attention in the latent space: W_UK folded into the query, W_UV applied after."""
+        dtype = q_nope_BxTxHxN.dtype
+        q_latent_BxTxHxC = jnp.einsum("bthn,chn->bthc", q_nope_BxTxHxN,
+                                      self.key_up.kernel[...].astype(dtype))
+        q = jnp.concatenate([q_latent_BxTxHxC, q_rope_BxTxHxR], -1)
+        k_BxSx1xCR = jnp.concatenate([latent_BxSxC, rope_key_BxSxR], -1)[:, :, None]
+        out_BxTxHxC = dot_product_attention(q, k_BxSx1xCR, latent_BxSxC[:, :, None], mask_BxTxS,
+                                            scale=self.scale)
+        return jnp.einsum("bthc,chv->bthv", out_BxTxHxC, self.value_up.kernel[...].astype(dtype))

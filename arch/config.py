@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from arch.attention import ATTENTION
-from arch.ffn import ACTIVATIONS, FFNS
+from arch.ffn import ACTIVATIONS, FFN_WIDTHS, FFNS, hidden_width
 from arch.heads import HEADS
+from arch.init import GROUPS as INIT_GROUPS
+from arch.init import INITS
 from arch.norms import NORMS
 from arch.positions import POSITIONS
 from arch.registry import Registry
@@ -31,12 +33,25 @@ def check_choice(field: str, value, registry: Registry) -> None:
 
 def resolve_model(cfg) -> None:
     """Validate `cfg` (the `model` ConfigDict) in place and fill in its derived fields:
-    `head_dim` (from `attention_width` or d / h) and `d_ff` (from `ffn_ratio` × d)."""
+    `head_dim` (from `attention_width` or d / h) and `d_ff` (`arch.ffn.hidden_width`)."""
     for field, registry in (("attention", ATTENTION), ("norm", NORMS), ("position", POSITIONS),
                             ("ffn", FFNS), ("activation", ACTIVATIONS), ("residual", RESIDUALS),
                             ("head", HEADS)):
         check_choice(f"model.{field}", cfg[field], registry)
+    for group in ("default", *INIT_GROUPS):
+        if group != "default" and cfg.init[group] is None:
+            continue
+        check_choice(f"model.init.{group}", cfg.init[group], INITS)
     check(cfg.dtype in ("float32", "bfloat16"), "model.dtype", cfg.dtype, "use float32 or bfloat16")
+    check(isinstance(cfg.gated_norm_rank, int) and cfg.gated_norm_rank > 0,
+          "model.gated_norm_rank", cfg.gated_norm_rank, "must be a positive integer")
+    check(0 <= cfg.batchnorm_momentum < 1, "model.batchnorm_momentum", cfg.batchnorm_momentum,
+          "must be in [0, 1)")
+    check(cfg.dyt_alpha_init > 0, "model.dyt_alpha_init", cfg.dyt_alpha_init, "must be positive")
+    check(not cfg.fixnorm or cfg.head == "tied", "model.fixnorm", cfg.fixnorm,
+          f"FixNorm is used with a tied output head; set model.head='tied' (got {cfg.head!r})")
+    check(cfg.fixnorm_scale is None or cfg.fixnorm_scale > 0, "model.fixnorm_scale",
+          cfg.fixnorm_scale, "must be positive (or None: unit-length rows)")
     for field in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads"):
         check(isinstance(cfg[field], int) and cfg[field] > 0, f"model.{field}", cfg[field],
               "must be a positive integer")
@@ -58,6 +73,28 @@ def resolve_model(cfg) -> None:
     if cfg.position == "rope":
         check(cfg.head_dim % 2 == 0, "model.head_dim", cfg.head_dim,
               "RoPE needs an even head width")
+    if cfg.attention == "mla":
+        _resolve_mla(cfg)
+    check(cfg.ffn_width in FFN_WIDTHS, "model.ffn_width", cfg.ffn_width,
+          f"valid widths: {', '.join(FFN_WIDTHS)}")
+    check(isinstance(cfg.ffn_multiple_of, int) and cfg.ffn_multiple_of > 0,
+          "model.ffn_multiple_of", cfg.ffn_multiple_of, "must be a positive integer")
     if cfg.d_ff is None:
-        cfg.d_ff = int(round(cfg.ffn_ratio * d))
+        cfg.d_ff = hidden_width(cfg)  # ffn_ratio·d, or matched to the two-projection FFN
     check(cfg.d_ff > 0, "model.d_ff", cfg.d_ff, "must be positive")
+    check(isinstance(cfg.mos_components, int) and cfg.mos_components >= 1,
+          "model.mos_components", cfg.mos_components, "must be an integer ≥ 1")
+
+
+def _resolve_mla(cfg) -> None:
+    """Multi-head latent attention fields (`arch.attention.MultiHeadLatentAttention`)."""
+    for field in ("mla_nope_dim", "mla_v_dim"):
+        if cfg[field] is None:
+            cfg[field] = cfg.head_dim
+    for field in ("mla_kv_rank", "mla_rope_dim", "mla_nope_dim", "mla_v_dim"):
+        check(isinstance(cfg[field], int) and cfg[field] > 0, f"model.{field}", cfg[field],
+              "must be a positive integer")
+    check(isinstance(cfg.mla_q_rank, int) and cfg.mla_q_rank >= 0, "model.mla_q_rank",
+          cfg.mla_q_rank, "must be a non-negative integer (0: full-rank query projection)")
+    check(cfg.mla_rope_dim % 2 == 0, "model.mla_rope_dim", cfg.mla_rope_dim,
+          "the decoupled rotary key/query width must be even (RoPE rotates feature pairs)")

@@ -1,36 +1,172 @@
-"""Output heads: final hidden state → vocabulary logits. Registry: `HEADS[name](cfg, rngs=...)`,
-called as `head(x_BxTxD, embedding) -> logits_BxTxV`."""
+"""Output heads: final hidden state → vocabulary scores. Registry: `HEADS[name](cfg, rngs=...)`,
+called as `head(x_BxTxD, embedding) -> BxTxV`.
+
+A head returns either logits or normalized log-probabilities: the loss
+(`optax.softmax_cross_entropy_with_integer_labels`) applies log_softmax, which leaves normalized
+log-probabilities unchanged, so both are correct scores for training and sampling. Heads that
+return log-probabilities say so.
+
+Config: `model.head` names the head; `model.head_bias` adds an output bias b ∈ R^V (zeros, logical
+axis `vocab`) to every head; `model.mos_components` (K) and `model.mos_tied` configure `mos` and
+`moc`.
+"""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from arch.layers import Dense
+from arch.init import group_init
+from arch.layers import Dense, Embedding, param
 from arch.registry import Registry
 
 HEADS = Registry("head")
 
 
+def _output_bias(cfg, rngs: nnx.Rngs) -> nnx.Param | None:
+    """b ∈ R^V, zero-initialized, logical axis `vocab`; None unless `model.head_bias`."""
+    return param(rngs, nnx.initializers.zeros, (cfg.vocab_size,), ("vocab",)) if cfg.head_bias \
+        else None
+
+
 @HEADS.register("tied")
 class TiedHead(nnx.Module):
-    """Tied head (Press & Wolf 2017): logits = x Eᵀ with E the input embedding; no parameters."""
+    """Tied head (Press & Wolf 2017, "Using the Output Embedding to Improve Language Models"):
+    logits = x Eᵀ (+ b) with E the input embedding. No parameters besides the optional bias b
+    (`model.head_bias`, zero-initialized)."""
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
-        del cfg, rngs
+        self.bias = _output_bias(cfg, rngs)
 
-    def __call__(self, x_BxTxD, embedding):
-        return embedding.attend(x_BxTxD)
+    @staticmethod
+    def reused_matmul_parameters(cfg) -> int:
+        """Weights a token multiplies beyond each Dense kernel once (for FLOP accounting)."""
+        return cfg.vocab_size * cfg.d_model  # E, used again as the output projection
+
+    def __call__(self, x_BxTxD: jax.Array, embedding: Embedding) -> jax.Array:
+        logits_BxTxV = embedding.attend(x_BxTxD)
+        if self.bias is not None:
+            logits_BxTxV = logits_BxTxV + self.bias[...].astype(logits_BxTxV.dtype)
+        return logits_BxTxV
 
 
 @HEADS.register("untied")
 class UntiedHead(nnx.Module):
-    """Untied head: logits = x W_out, W_out ∈ R^{d×V}, initialized with variance 1/d."""
+    """Untied head: logits = x W_out (+ b), W_out ∈ R^{d×V} initialized by `model.init.head`
+    (default variance 1/d), b ∈ R^V zero-initialized when `model.head_bias`."""
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         self.output = Dense((cfg.d_model,), (cfg.vocab_size,), ("embed",), ("vocab",), rngs=rngs,
-                            dtype=jnp.dtype(cfg.dtype))
+                            dtype=jnp.dtype(cfg.dtype), use_bias=cfg.head_bias,
+                            init=group_init(cfg, "head"))
 
-    def __call__(self, x_BxTxD, embedding):
+    @staticmethod
+    def reused_matmul_parameters(cfg) -> int:
+        return 0
+
+    def __call__(self, x_BxTxD: jax.Array, embedding: Embedding) -> jax.Array:
         del embedding
         return self.output(x_BxTxD)
+
+
+class _MixtureHead(nnx.Module):
+    """Parameters shared by `mos` and `moc` (Yang et al. 2018, "Breaking the Softmax Bottleneck:
+    A High-Rank RNN Language Model", ICLR, §3.2–3.3), with K = `model.mos_components`:
+
+        π_k = softmax_k(h W_π)        W_π ∈ R^{d×K}    (mixing weights)
+        h_k = tanh(h W_k)             W_k ∈ R^{d×d}    (one context per component)
+        scores_k = h_k E_outᵀ (+ b)   E_out ∈ R^{V×d}
+
+    E_out is the input embedding when `model.mos_tied` (the paper ties it), else an own d×V
+    matrix; b is the optional `model.head_bias`, shared by the components. No biases inside π or
+    h_k (as in the paper's equations). Initialization: W_π, W_k and an untied E_out follow
+    `model.init.head` (default: variance 1/fan_in = 1/d); b = 0. Logical axes: W_π (embed,
+    head_mixture), W_k (embed, head_mixture, head_context) — the context width is sharded over
+    `tensor` like an MLP hidden layer.
+    """
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs):
+        d, k, v = cfg.d_model, cfg.mos_components, cfg.vocab_size
+        self.dtype = jnp.dtype(cfg.dtype)
+        init = group_init(cfg, "head")
+        self.mixing = Dense((d,), (k,), ("embed",), ("head_mixture",), rngs=rngs, dtype=self.dtype,
+                            init=init)
+        self.contexts = Dense((d,), (k, d), ("embed",), ("head_mixture", "head_context"),
+                              rngs=rngs, dtype=self.dtype, init=init)
+        self.output = (None if cfg.mos_tied else Dense((d,), (v,), ("embed",), ("vocab",),
+                                                       rngs=rngs, dtype=self.dtype, init=init))
+        self.bias = _output_bias(cfg, rngs)
+
+    def log_mixing_weights(self, x_BxTxD: jax.Array) -> jax.Array:
+        """log π_k, float32, [B, T, K]."""
+        return jax.nn.log_softmax(self.mixing(x_BxTxD).astype(jnp.float32), axis=-1)
+
+    def component_contexts(self, x_BxTxD: jax.Array) -> jax.Array:
+        """h_k = tanh(h W_k), compute dtype, [B, T, K, d]."""
+        return jnp.tanh(self.contexts(x_BxTxD))
+
+    def project(self, h_BxTx___xD: jax.Array, embedding: Embedding) -> jax.Array:
+        """h E_outᵀ (+ b) over the last axis of a [B, T, ..., d] array, in the compute dtype.
+        Tied: through `embedding.attend` (the tied head's own projection), with the middle axes
+        folded into the sequence axis."""
+        if self.output is None:
+            batch, *middle, d = h_BxTx___xD.shape
+            h_BxNxD = h_BxTx___xD.astype(self.dtype).reshape(batch, -1, d)
+            scores = embedding.attend(h_BxNxD).reshape(batch, *middle, -1)
+        else:
+            scores = self.output(h_BxTx___xD)
+        if self.bias is not None:
+            scores = scores + self.bias[...].astype(scores.dtype)
+        return scores
+
+
+@HEADS.register("mos")
+class MixtureOfSoftmaxes(_MixtureHead):
+    """Mixture of Softmaxes (Yang et al. 2018, §3.2, the MoS equation):
+
+        p(v | h) = Σ_k π_k softmax(h_k E_outᵀ)_v,
+
+    computed stably in log space:
+
+        log p = logsumexp_k(log π_k + log_softmax(h_k E_outᵀ)).
+
+    Each component is normalized separately, so the log-probability matrix is not limited to rank
+    d + 1 (the softmax bottleneck). Returns normalized log-probabilities (float32), not logits;
+    the cross-entropy loss is unchanged by them (log_softmax is idempotent on log-probabilities).
+    Parameters and initialization: see `_MixtureHead`. Cost: K vocabulary projections per token.
+    """
+
+    @staticmethod
+    def reused_matmul_parameters(cfg) -> int:
+        projections = cfg.mos_components - (0 if cfg.mos_tied else 1)  # E_out's kernel counts once
+        return projections * cfg.vocab_size * cfg.d_model
+
+    def __call__(self, x_BxTxD: jax.Array, embedding: Embedding) -> jax.Array:
+        log_pi_BxTxK = self.log_mixing_weights(x_BxTxD)
+        scores_BxTxKxV = self.project(self.component_contexts(x_BxTxD), embedding)
+        log_p_BxTxKxV = jax.nn.log_softmax(scores_BxTxKxV.astype(jnp.float32), axis=-1)
+        return jax.nn.logsumexp(log_pi_BxTxK[..., None] + log_p_BxTxKxV, axis=-2)
+
+
+@HEADS.register("moc")
+class MixtureOfContexts(_MixtureHead):
+    """Mixture of Contexts, the low-rank baseline of Yang et al. 2018 (§3.3, "MoC"): mix the
+    contexts first, then take ONE softmax,
+
+        h̄ = Σ_k π_k h_k,    logits = h̄ E_outᵀ (+ b).
+
+    Same parameters and initialization as `mos` (see `_MixtureHead`), so comparing the two isolates
+    the non-linearity of mixing probabilities; being a single softmax of a d-dimensional context,
+    its log-probability matrix has rank ≤ d + 1 like the plain heads. Returns logits.
+    """
+
+    @staticmethod
+    def reused_matmul_parameters(cfg) -> int:
+        return cfg.vocab_size * cfg.d_model if cfg.mos_tied else 0
+
+    def __call__(self, x_BxTxD: jax.Array, embedding: Embedding) -> jax.Array:
+        pi_BxTxK = jnp.exp(self.log_mixing_weights(x_BxTxD))
+        h_BxTxKxD = self.component_contexts(x_BxTxD)
+        mixed_BxTxD = jnp.einsum("btk,btkd->btd", pi_BxTxK, h_BxTxKxD.astype(jnp.float32))
+        return self.project(mixed_BxTxD.astype(self.dtype), embedding)

@@ -8,12 +8,13 @@ in the configured compute dtype. `Dense` generalizes a linear map to multi-axis 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from arch.init import truncated_normal
 from sharding.rules import constrain
 
 Initializer = nnx.initializers.Initializer
@@ -27,17 +28,12 @@ def param(
     return nnx.Param(value, out_sharding=tuple(axes), eager_sharding=False)
 
 
-def fan_in_init(fan_in: int, scale: float = 1.0) -> Initializer:
-    """Truncated normal with variance scale²/fan_in (width-scaled, "LeCun" initialization)."""
-    std = scale / fan_in**0.5
-    return lambda key, shape, dtype: std * jax.random.truncated_normal(key, -2.0, 2.0, shape, dtype)
-
-
 class Dense(nnx.Module):
     """y = x · W (+ b), contracting the trailing `in_shape` axes of x with the leading axes of W.
 
     W has shape in_shape + out_shape and logical names in_axes + out_axes. Initialization:
-    truncated normal with variance 1/fan_in, where fan_in = prod(in_shape), unless `init` is given.
+    `init(fan_in, fan_out)` with fan_in = prod(in_shape), fan_out = prod(out_shape) (call sites
+    pass their parameter group's `arch.init.group_init`), else variance 1/fan_in.
     """
 
     def __init__(
@@ -50,11 +46,13 @@ class Dense(nnx.Module):
         rngs: nnx.Rngs,
         dtype=jnp.float32,
         use_bias: bool = False,
-        init: Initializer | None = None,
+        init: Callable[[int, int], Initializer] | None = None,
     ):
         in_shape, out_shape = tuple(in_shape), tuple(out_shape)
         fan_in = math.prod(in_shape)
-        self.kernel = param(rngs, init or fan_in_init(fan_in), in_shape + out_shape,
+        fan_out = math.prod(out_shape)
+        initializer = init(fan_in, fan_out) if init else truncated_normal(fan_in**-0.5)
+        self.kernel = param(rngs, initializer, in_shape + out_shape,
                             tuple(in_axes) + tuple(out_axes))
         self.bias = (param(rngs, nnx.initializers.zeros, out_shape, out_axes)
                      if use_bias else None)
@@ -69,19 +67,45 @@ class Dense(nnx.Module):
 
 
 class Embedding(nnx.Module):
-    """Token embedding table E ∈ R^{V×d}, N(0, 1/d) so that a tied head starts with unit-scale
-    logits for unit-RMS inputs. `attend` is the tied output head, logits = x Eᵀ."""
+    """Token embedding table E ∈ R^{V×d}, initialized by `init` (the model passes the `embedding`
+    group's scheme, with fan_in = d), by default N(0, 1/d) so that a tied head starts with
+    unit-scale logits for unit-RMS inputs. `attend` is the tied output head, logits = x Eᵀ.
 
-    def __init__(self, vocab_size: int, d_model: int, *, rngs: nnx.Rngs, dtype=jnp.float32):
-        init = nnx.initializers.normal(stddev=d_model**-0.5)
+    `fixnorm=True`: FixNorm (Nguyen & Chiang 2018, as used by Nguyen & Salazar 2019,
+    "Transformers without Tears", FixNorm): every row is used ℓ2-normalized to a fixed length g,
+    Ê[w] = g · E[w] / ‖E[w]‖₂, both for the input lookup and in the tied head (logits = x Êᵀ).
+    g = `fixnorm_scale`, default 1: the authors' code (tnq177/transformers_without_tears,
+    `F.normalize` of the word embedding) uses unit-length rows, and their extra √d factor on the
+    input is Vaswani et al.'s embedding scale, which this framework does not use for any embedding;
+    with g = 1 the rows keep the length ≈ 1 that the N(0, 1/d) initialization gives, so switching
+    FixNorm on changes the constraint, not the initial scale. Norms are computed in float32.
+    """
+
+    def __init__(self, vocab_size: int, d_model: int, *, rngs: nnx.Rngs, dtype=jnp.float32,
+                 fixnorm: bool = False, fixnorm_scale: float | None = None,
+                 init: Initializer | None = None):
+        init = init or nnx.initializers.normal(stddev=d_model**-0.5)
         self.embedding = param(rngs, init, (vocab_size, d_model), ("vocab", "embed"))
         self.dtype = dtype
+        self.fixnorm_scale: float | None = None  # None: FixNorm off
+        if fixnorm:
+            self.fixnorm_scale = 1.0 if fixnorm_scale is None else float(fixnorm_scale)
+
+    def _fix_norm(self, rows: jax.Array) -> jax.Array:
+        """g · rows / ‖rows‖₂ over the last axis (identity without FixNorm), in float32."""
+        if self.fixnorm_scale is None:
+            return rows
+        rows = rows.astype(jnp.float32)
+        length = jnp.sqrt(jnp.sum(rows**2, axis=-1, keepdims=True))
+        return self.fixnorm_scale * rows / jnp.maximum(length, 1e-12)
 
     def __call__(self, tokens_BxT: jax.Array) -> jax.Array:
         # Gather from a replicated copy: a lookup into a vocab-sharded table would make XLA
-        # replicate the (much larger) gathered activations instead.
+        # replicate the (much larger) gathered activations instead. FixNorm normalizes only the
+        # gathered rows (the same numbers as normalizing the table first).
         table = constrain(self.embedding[...], (None, None))
-        return jnp.take(table, tokens_BxT, axis=0).astype(self.dtype)
+        return self._fix_norm(jnp.take(table, tokens_BxT, axis=0)).astype(self.dtype)
 
     def attend(self, x_BxTxD: jax.Array) -> jax.Array:
-        return jnp.einsum("btd,vd->btv", x_BxTxD, self.embedding[...].astype(self.dtype))
+        table = self._fix_norm(self.embedding[...])
+        return jnp.einsum("btd,vd->btv", x_BxTxD, table.astype(self.dtype))

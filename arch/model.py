@@ -6,7 +6,8 @@
     logits = head(final_norm(residual.end(stream)))
 
 Layer parameters are stacked along a leading `layers` axis at construction, and the forward pass
-scans over them, so compile time does not grow with depth.
+scans over them, so compile time does not grow with depth. Non-parameter layer state (BatchNorm
+running statistics) comes out of the scan and is written back into the module.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from flax import nnx
 from arch.attention import ATTENTION
 from arch.ffn import FFNS
 from arch.heads import HEADS
+from arch.init import group_init
 from arch.layers import Embedding
-from arch.norms import NORMS
+from arch.norms import make_norm
 from arch.positions import POSITIONS
 from arch.residual import RESIDUALS
 from sharding.rules import constrain
@@ -57,7 +59,9 @@ class TransformerLM(nnx.Module):
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         self.cfg = cfg
-        self.embed = Embedding(cfg.vocab_size, cfg.d_model, rngs=rngs, dtype=jnp.dtype(cfg.dtype))
+        self.embed = Embedding(cfg.vocab_size, cfg.d_model, rngs=rngs, dtype=jnp.dtype(cfg.dtype),
+                               fixnorm=cfg.fixnorm, fixnorm_scale=cfg.fixnorm_scale,
+                               init=group_init(cfg, "embedding")(cfg.d_model, cfg.vocab_size))
         self.position = POSITIONS[cfg.position](cfg, rngs=rngs)
 
         @nnx.split_rngs(splits=cfg.num_layers)
@@ -66,8 +70,7 @@ class TransformerLM(nnx.Module):
             return Block(cfg, rngs=rngs)
 
         self.blocks = stacked_blocks(rngs)
-        self.final_norm = (NORMS[cfg.norm](cfg.d_model, eps=cfg.norm_eps, rngs=rngs)
-                           if cfg.final_norm else None)
+        self.final_norm = make_norm(cfg, rngs=rngs) if cfg.final_norm else None
         self.head = HEADS[cfg.head](cfg, rngs=rngs)
 
     def __call__(self, tokens_BxT: jax.Array) -> jax.Array:
@@ -88,16 +91,19 @@ class TransformerLM(nnx.Module):
         residual = RESIDUALS[self.cfg.residual]
         x_BxTxD = self.position.embed(self.embed(tokens_BxT), positions_BxT)
         stream = residual.begin(constrain(x_BxTxD, STREAM))
-        graphdef, layer_states = nnx.split(self.blocks)
+        graphdef, layer_params, layer_states = nnx.split(self.blocks, nnx.Param, ...)
 
         def run_block(stream, layer):
-            layer_state, layer_cache = layer
-            block = nnx.merge(graphdef, layer_state)
-            return block(stream, positions_BxT, self.position.rotate, layer_cache)
+            params, states, layer_cache = layer
+            block = nnx.merge(graphdef, params, states)
+            stream, layer_cache = block(stream, positions_BxT, self.position.rotate, layer_cache)
+            return stream, (nnx.state(block, nnx.Not(nnx.Param)), layer_cache)
 
         if self.cfg.remat:
             run_block = jax.checkpoint(run_block)
-        stream, cache = jax.lax.scan(run_block, stream, (layer_states, cache))
+        stream, (layer_states, cache) = jax.lax.scan(run_block, stream,
+                                                     (layer_params, layer_states, cache))
+        nnx.update(self.blocks, layer_states)  # e.g. BatchNorm running statistics
         x_BxTxD = residual.end(stream)
         if self.final_norm is not None:
             x_BxTxD = self.final_norm(x_BxTxD)

@@ -60,8 +60,27 @@ def _block(cfg, x, p, dtype):
     return x + hid @ f["down"]["kernel"].astype(dtype)
 
 
+SUPPORTED = dict(attention=("mha",), norm=("rmsnorm", "layernorm"), ffn=("mlp", "swiglu"),
+                 activation=("gelu", "relu", "silu"), residual=("prenorm",),
+                 head=("tied", "untied"), position=("rope", "learned", "none"))
+
+
+def unsupported(cfg) -> str | None:
+    """Why the reference cannot compute `cfg`'s model, or None if it can."""
+    for field, choices in SUPPORTED.items():
+        if cfg[field] not in choices:
+            return (f"the reference model has no model.{field}={cfg[field]!r}; it covers "
+                    f"{', '.join(choices)}")
+    if cfg.get("fixnorm") or cfg.get("head_bias") or not cfg.get("use_ffn", True):
+        return "the reference model covers neither fixnorm, head_bias nor use_ffn=False"
+    return None
+
+
 def logits(cfg, params: dict, tokens_BxT: jax.Array) -> jax.Array:
-    """Float32 logits of the Pre-Norm decoder described by `cfg` (a resolved model config)."""
+    """Float32 logits of the Pre-Norm decoder described by `cfg` (a resolved model config).
+    Initialization does not matter here (parameters come in), so `model.init` is ignored."""
+    if reason := unsupported(cfg):
+        raise ValueError(reason)
     dtype = jnp.dtype(cfg.dtype)
     table = params["embed"]["embedding"]
     x = table[tokens_BxT].astype(dtype)

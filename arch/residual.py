@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from flax import nnx
 
-from arch.norms import NORMS
+from arch.norms import make_norm
 from arch.registry import Registry
 
 RESIDUALS = Registry("residual")
@@ -26,7 +26,7 @@ class PreNormSum(nnx.Module):
     """
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
-        self.norm = NORMS[cfg.norm](cfg.d_model, eps=cfg.norm_eps, rngs=rngs)
+        self.norm = make_norm(cfg, rngs=rngs)
 
     @staticmethod
     def begin(x_BxTxD):

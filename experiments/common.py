@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import ml_collections
 
+from arch.init import GROUPS as INIT_GROUPS
+
 
 def model_config() -> ml_collections.ConfigDict:
     """A small Pre-Norm RMSNorm/RoPE/SwiGLU decoder; registries name every component."""
@@ -23,20 +25,50 @@ def model_config() -> ml_collections.ConfigDict:
         d_ff=ml_collections.FieldReference(None, field_type=int),            # default ratio·d
         ffn_ratio=4.0,
         attention="mha",          # arch.attention.ATTENTION
+        mla_kv_rank=64,           # attention="mla": key/value latent width d_c (cached per token)
+        mla_q_rank=0,             # mla: query latent width d_c'; 0 = full-rank query projection
+        mla_rope_dim=16,          # mla: width of the decoupled rotary query/key parts (even)
+        mla_nope_dim=ml_collections.FieldReference(None, field_type=int),  # mla: default head_dim
+        mla_v_dim=ml_collections.FieldReference(None, field_type=int),     # mla: default head_dim
+        mla_absorb=False,         # mla: cached attention in the latent space (W_UK absorbed)
         norm="rmsnorm",           # arch.norms.NORMS
         norm_eps=1e-6,
+        batchnorm_momentum=0.9,   # norm="batchnorm"/"causal_batchnorm": running-average momentum
+        dyt_alpha_init=0.5,       # norm="dyt": initial scalar α (Zhu et al. 2025 default α₀)
+        gated_norm_rank=16,       # norm="gatednorm": rank r of the gate's d→r→d projection
+        fixnorm=False,            # FixNorm: ℓ2-normalized embedding rows (needs head="tied")
+        fixnorm_scale=ml_collections.FieldReference(None, field_type=float),  # row norm; default 1
         position="rope",          # arch.positions.POSITIONS
         rope_base=10_000.0,
         max_seq_len=ml_collections.FieldReference(None, field_type=int),  # default: seq_len
         ffn="swiglu",             # arch.ffn.FFNS
         activation="gelu",        # arch.ffn.ACTIVATIONS (used by ffn="mlp")
+        leaky_relu_slope=0.01,    # negative slope α of activation="leaky_relu"
+        ffn_width="ratio",        # d_ff if not given: "ratio" (ratio·d) or "match_mlp" (gated: 2/3)
+        ffn_multiple_of=1,        # round a derived d_ff up to a multiple of this
         residual="prenorm",       # arch.residual.RESIDUALS
         use_ffn=True,             # False: attention-only blocks (rank-collapse ablation)
         head="tied",              # arch.heads.HEADS
+        # Initialization scheme (arch.init.INITS) per parameter group; None: `default`.
+        init=dict(default="fan_in", **{group: ml_collections.FieldReference(None, field_type=str)
+                                       for group in INIT_GROUPS}),
+        head_bias=False,          # output bias b ∈ R^V on every head
+        mos_components=4,         # K for head="mos"/"moc" (Yang et al. 2018)
+        mos_tied=True,            # mos/moc: output projection = the input embedding
         final_norm=True,
         dtype="float32",          # compute dtype; parameters are always float32
         remat=False,              # recompute each block in the backward pass
     ))
+
+
+def use_deepnorm(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """DeepNet (Wang et al. 2022): Post-LN with x ← LN(αx + F(x)) and β-scaled Xavier on the
+    value, attention-output and FFN projections (Q/K keep gain 1); no final norm."""
+    model = config.model
+    model.update(residual="deepnorm", norm="layernorm", final_norm=False)
+    for group in ("value", "attention_output", "ffn_input", "ffn_output"):
+        model.init[group] = "deepnorm"
+    return config
 
 
 def base_config() -> ml_collections.ConfigDict:

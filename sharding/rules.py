@@ -27,9 +27,14 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     "head_dim": None,
     "mlp": "tensor",
     "norm": None,
+    "norm_rank": None,       # GatedNorm's low-rank gate (arch/norms.py)
     "positions": None,
     "layers": "stage",
     "experts": "expert",
+    "kv_latent": None,   # MLA key/value latent width d_c
+    "q_latent": None,    # MLA query latent width d_c'
+    "head_mixture": None,  # K components of the mos/moc heads
+    "head_context": "tensor",  # width of the mos/moc component contexts
     # activations
     "act_batch": ("data", "fsdp"),
     "act_seq": "sequence",

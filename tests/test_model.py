@@ -157,3 +157,14 @@ def test_flops_per_token_closed_form():
     matmul = layers * (d * h * p + 2 * d * k * p + h * p * d + 3 * d * f) + v * d
     assert matmul_parameter_count(cfg) == matmul
     assert flops_per_token(cfg, t) == 3 * (2 * matmul + layers * 2 * h * p * (t + 1))
+
+
+def test_flops_count_reused_head_weights_and_mla_widths():
+    cfg_mos, _ = tiny_model(head="mos", mos_components=3)
+    cfg_moc, _ = tiny_model(head="moc", mos_components=3)
+    v, d = 256, 32
+    assert matmul_parameter_count(cfg_mos) - matmul_parameter_count(cfg_moc) == 2 * v * d
+    cfg, _ = tiny_model(attention="mla", mla_kv_rank=16, mla_rope_dim=8, mla_nope_dim=6,
+                        mla_v_dim=12)
+    attention = 2 * 4 * (6 + 8 + 12) * (16 + 1)  # layers · H · (N + R + V) · (T + 1)
+    assert flops_per_token(cfg, 16) == 3 * (2 * matmul_parameter_count(cfg) + attention)

@@ -6,9 +6,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from arch.init import INITS
 from arch.norms import LayerNorm
 from arch.residual import RESIDUALS
-from tests.helpers import random_tokens, tiny_model
+from tests.helpers import random_tokens, tiny_config, tiny_model
+from train.config import validate
 
 
 def mechanism(name, **overrides):
@@ -66,6 +68,18 @@ def test_pure_attention_without_skips_collapses_toward_rank_one():
     collapsing, kept = per_depth_distances(pure, tokens), per_depth_distances(skip, tokens)
     # Causal attention with a token-local norm: monotone, roughly geometric decay (the first token
     # only ever sees itself, so the collapse is slower than the paper's doubly exponential bound).
-    assert all(b < a for a, b in zip(collapsing, collapsing[1:]))
+    assert all(b < a for a, b in zip(collapsing, collapsing[1:], strict=False))
     assert collapsing[-1] < 0.1 * collapsing[0]
     assert kept[-1] > 0.3 * kept[0] and collapsing[-1] < 0.25 * kept[-1]  # skips keep diversity
+
+
+@pytest.mark.parametrize("blocks", [1, 6, 24, 100])
+def test_deepnorm_constants(blocks):
+    config = tiny_config(num_layers=blocks, residual="deepnorm")
+    validate(config, 1)
+    assert RESIDUALS["deepnorm"](config.model, rngs=nnx.Rngs(0)).alpha == pytest.approx(
+        (2 * blocks) ** 0.25)
+    weights = INITS["deepnorm"](config.model, 256, 256)(jax.random.key(0), (256, 256),
+                                                        jnp.float32)
+    beta = (8 * blocks) ** -0.25
+    assert float(jnp.std(weights)) == pytest.approx(beta * (2 / 512) ** 0.5, rel=0.02)

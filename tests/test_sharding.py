@@ -13,21 +13,24 @@ from train.config import validate
 from train.step import TrainProgram
 
 
-def program_on(devices: int, data: int, fsdp: int, tensor: int) -> TrainProgram:
-    config = tiny_config()
+def program_on(devices: int, data: int, fsdp: int, tensor: int, **model) -> TrainProgram:
+    config = tiny_config(**model)
     config.mesh.update(data=data, fsdp=fsdp, tensor=tensor)
     validate(config, devices)
     return TrainProgram(config, make_mesh(config.mesh, jax.devices()[:devices]))
 
 
-def logits_and_grads(program: TrainProgram, params, tokens):
+def logits_and_grads(program: TrainProgram, state, tokens):
     def logits(params, tokens):
-        return nnx.merge(program.graphdef, params)(tokens[:, :-1])
+        return nnx.merge(program.graphdef, params, state["model_state"])(tokens[:, :-1])
+
+    def grads(params, tokens):
+        return program._loss_and_grads(params, state["model_state"], tokens)[1]
 
     with jax.set_mesh(program.mesh):
         batch = program.put_batch(tokens)
-        return (jax.device_get(jax.jit(logits)(params, batch)),
-                jax.device_get(jax.jit(jax.grad(program._loss))(params, batch)))
+        return (jax.device_get(jax.jit(logits)(state["params"], batch)),
+                jax.device_get(jax.jit(grads)(state["params"], batch)))
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +38,7 @@ def single_device():
     program = program_on(1, 1, 1, 1)
     tokens = np.asarray(random_tokens((8, 17)))
     state = program.init(0)
-    logits, grads = logits_and_grads(program, state["params"], tokens)
+    logits, grads = logits_and_grads(program, state, tokens)
     losses = []
     for _ in range(5):
         state, metrics = program.train_step(state, program.put_batch(tokens))
@@ -53,7 +56,7 @@ def test_sharded_matches_single_device(mesh, single_device):
     assert tuple(query_spec)[:3] == tuple(expected)  # the parameters really are sharded
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(state["params"]), params_1)
 
-    logits, grads = logits_and_grads(program, state["params"], tokens)
+    logits, grads = logits_and_grads(program, state, tokens)
     np.testing.assert_allclose(logits, logits_1, atol=1e-5, rtol=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-4),
                  grads, grads_1)

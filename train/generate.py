@@ -35,10 +35,13 @@ def sample(logits_BxV, key, temperature: float, top_k: int):
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "num_tokens", "temperature", "top_k"))
-def generate_tokens(graphdef, params, prompt_BxP, key, *, num_tokens: int,
+def generate_tokens(graphdef, params, model_state, prompt_BxP, key, *, num_tokens: int,
                     temperature: float = 0.8, top_k: int = 0):
-    """Sample `num_tokens` continuations of `prompt_BxP` (int32); returns int32 [B, num_tokens]."""
-    model = nnx.merge(graphdef, params)
+    """Sample `num_tokens` continuations of `prompt_BxP` (int32); returns int32 [B, num_tokens].
+
+    The model runs in evaluation mode (e.g. BatchNorm uses its running statistics)."""
+    model = nnx.merge(graphdef, params, model_state)
+    model.eval()
     batch, prompt_len = prompt_BxP.shape
     cache = model.init_cache(batch, prompt_len + num_tokens, jnp.dtype(model.cfg.dtype))
     positions_BxP = jnp.broadcast_to(jnp.arange(prompt_len), prompt_BxP.shape)
@@ -56,16 +59,17 @@ def generate_tokens(graphdef, params, prompt_BxP, key, *, num_tokens: int,
     return tokens_NxB.T
 
 
-def generate_text(program, params, prompt: str, num_tokens: int, *, temperature: float = 0.8,
+def generate_text(program, state, prompt: str, num_tokens: int, *, temperature: float = 0.8,
                   top_k: int = 0, seed: int = 0) -> str:
-    """Continue `prompt` with a trained model's params (a TrainProgram's graph and mesh)."""
+    """Continue `prompt` with a train state of `program` (a TrainProgram: graph and mesh)."""
     prompt_tokens = data.encode(prompt) if prompt else data.encode("\n")
     model_cfg = program.model_cfg
     if model_cfg.position == "learned" and len(prompt_tokens) + num_tokens > model_cfg.max_seq_len:
         raise ValueError(f"prompt ({len(prompt_tokens)} tokens) + num_tokens={num_tokens} exceeds "
                          f"model.max_seq_len={model_cfg.max_seq_len} of learned positions")
     with jax.set_mesh(program.mesh):
-        tokens = generate_tokens(program.graphdef, params, jnp.asarray(prompt_tokens)[None],
+        tokens = generate_tokens(program.graphdef, state["params"], state["model_state"],
+                                 jnp.asarray(prompt_tokens)[None],
                                  jax.random.key(seed), num_tokens=num_tokens,
                                  temperature=temperature, top_k=top_k)
     return prompt + data.decode(np.asarray(tokens[0]))
@@ -101,7 +105,7 @@ def main(argv=None) -> int:
         return 2
     step, state, _ = restored
     print(f"[step {step}]")
-    print(generate_text(program, state["params"], args.prompt, args.num_tokens,
+    print(generate_text(program, state, args.prompt, args.num_tokens,
                         temperature=args.temperature, top_k=args.top_k, seed=args.seed))
     return 0
 

@@ -45,9 +45,9 @@ def build_program(config) -> TrainProgram:
     return TrainProgram(config, make_mesh(config.mesh))
 
 
-def evaluate(program: TrainProgram, params, dataset: data.Dataset) -> float:
+def evaluate(program: TrainProgram, state, dataset: data.Dataset) -> float:
     config, rows = program.config, program.process_rows()
-    losses = [program.eval_loss(params, program.put_batch(
+    losses = [program.eval_loss(state, program.put_batch(
         dataset.batch(i, config.batch_size, config.seq_len, VALIDATION_SEED, rows)))
         for i in range(config.eval_batches)]
     return float(np.mean(jax.device_get(losses)))
@@ -144,8 +144,7 @@ def train(config, workdir: str | Path) -> dict:
                 progress.set_postfix(loss=f"{record['train_loss']:.3f}",
                                      tok_s=f"{throughput:,.0f}", mfu=f"{record['mfu']:.1%}")
             if step % config.eval_every == 0 or step == config.steps:
-                eval_loss = record["eval_loss"] = evaluate(program, state["params"],
-                                                           validation_data)
+                eval_loss = record["eval_loss"] = evaluate(program, state, validation_data)
                 progress.write(f"step {step}: eval_loss {eval_loss:.4f}")
             if record:
                 writer.write(step, record)
@@ -159,10 +158,10 @@ def train(config, workdir: str | Path) -> dict:
         if preempted:
             progress.write(f"SIGTERM: saved the checkpoint at step {step}; exiting")
     if math.isnan(eval_loss) and not preempted:
-        eval_loss = evaluate(program, state["params"], validation_data)
+        eval_loss = evaluate(program, state, validation_data)
     sample = ""
     if config.sample_tokens and not preempted:
-        sample = generate_text(program, state["params"], config.sample_prompt,
+        sample = generate_text(program, state, config.sample_prompt,
                                config.sample_tokens, temperature=config.temperature,
                                top_k=config.top_k, seed=config.seed)
     return {"step": step, "eval_loss": eval_loss, "sample": sample, "preempted": preempted}

@@ -6,7 +6,7 @@ import jax
 import optax
 
 # Parameter names (the last path component) by group, for the weight-decay mask.
-NORM_PARAMS = ("scale",)
+NORM_PARAMS = ("scale", "alpha")  # norm gains; DyT's scalar α
 BIAS_PARAMS = ("bias",)
 EMBEDDING_PARAMS = ("embedding", "table")
 

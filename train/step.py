@@ -1,9 +1,10 @@
 """The jit boundary: train state, its shardings, and the pure train and eval steps.
 
-The model is split into a static graph and a parameter State; what gets jitted is a pure function
-of (state pytree, batch), with the model merged back inside. The train state is a plain dict
-{"step": int32, "params": nnx.State, "opt_state": optax state}, every leaf placed by a
-NamedSharding derived from the parameters' logical axis names.
+The model is split into a static graph, its parameters and its other state (e.g. BatchNorm running
+statistics); what gets jitted is a pure function of (state pytree, batch), with the model merged
+back inside. The train state is a plain dict {"step": int32, "params": nnx.State, "model_state":
+nnx.State, "opt_state": optax state}, every leaf placed by a NamedSharding derived from its
+variable's logical axis names.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ def next_token_loss(logits_BxTxV: jax.Array, targets_BxT: jax.Array) -> jax.Arra
 class TrainProgram:
     """The compiled pieces of one (config, mesh): model graph, optimizer, shardings and steps.
 
-    `init(seed)`, `train_step(state, batch)`, `eval_loss(params, batch)`; batches are int32
+    `init(seed)`, `train_step(state, batch)`, `eval_loss(state, batch)`; batches are int32
     token arrays of shape [batch_size, seq_len + 1] placed with `put_batch`.
     """
 
@@ -36,47 +37,63 @@ class TrainProgram:
         self.config, self.mesh = config, mesh
         self.model_cfg = ml_collections.FrozenConfigDict(config.model)
         abstract = nnx.eval_shape(lambda: TransformerLM(self.model_cfg, rngs=nnx.Rngs(0)))
-        self.graphdef, abstract_params = nnx.split(abstract, nnx.Param)
+        self.graphdef, abstract_params, abstract_model_state = nnx.split(abstract, nnx.Param, ...)
         self.optimizer = make_optimizer(config.optimizer, config.steps)
         self.learning_rate = schedule(config.optimizer, config.steps)
         replicated = NamedSharding(mesh, PartitionSpec())
-        param_shardings = jax.tree.map(
-            lambda x, spec: named_sharding(mesh, spec, x.shape),
-            abstract_params, nnx.get_partition_spec(abstract_params))
+        param_shardings, model_state_shardings = (
+            jax.tree.map(lambda x, spec: named_sharding(mesh, spec, x.shape),
+                         abstract, nnx.get_partition_spec(abstract))
+            for abstract in (abstract_params, abstract_model_state))
         opt_shardings = optax.tree_map_params(
             self.optimizer, lambda _, sharding: sharding,
             jax.eval_shape(self.optimizer.init, abstract_params), param_shardings,
             transform_non_params=lambda _: replicated)
         self.state_shardings = {"step": replicated, "params": param_shardings,
-                                "opt_state": opt_shardings}
+                                "model_state": model_state_shardings, "opt_state": opt_shardings}
         self.batch_sharding = named_sharding(mesh, ("act_batch", None))
         self._init = jax.jit(self._init_state, out_shardings=self.state_shardings)
         self._train_step = jax.jit(
             self._step, in_shardings=(self.state_shardings, self.batch_sharding),
             out_shardings=(self.state_shardings, replicated), donate_argnums=0)
         self._eval_loss = jax.jit(
-            self._loss, in_shardings=(param_shardings, self.batch_sharding),
+            self._evaluation_loss,
+            in_shardings=(param_shardings, model_state_shardings, self.batch_sharding),
             out_shardings=replicated)
 
     # pure functions (traced) ------------------------------------------------------------------
     def _init_state(self, seed):
         model = TransformerLM(self.model_cfg, rngs=nnx.Rngs(jax.random.key(seed)))
-        params = nnx.state(model, nnx.Param)
-        return {"step": jnp.zeros((), jnp.int32), "params": params,
+        _, params, model_state = nnx.split(model, nnx.Param, ...)
+        return {"step": jnp.zeros((), jnp.int32), "params": params, "model_state": model_state,
                 "opt_state": self.optimizer.init(params)}
 
-    def _loss(self, params, tokens_BxT1):
-        model = nnx.merge(self.graphdef, params)
+    def _loss_and_grads(self, params, model_state, tokens_BxT1):
+        """Training-mode loss, its gradients with respect to the parameters, and the model
+        state after the forward pass (nnx.value_and_grad carries that state's updates)."""
+        model = nnx.merge(self.graphdef, params, model_state)
+
+        def loss(model):
+            return next_token_loss(model(tokens_BxT1[:, :-1]), tokens_BxT1[:, 1:])
+
+        value, grads = nnx.value_and_grad(loss)(model)
+        return value, grads, nnx.state(model, nnx.Not(nnx.Param))
+
+    def _evaluation_loss(self, params, model_state, tokens_BxT1):
+        model = nnx.merge(self.graphdef, params, model_state)
+        model.eval()  # e.g. BatchNorm uses its running statistics
         return next_token_loss(model(tokens_BxT1[:, :-1]), tokens_BxT1[:, 1:])
 
     def _step(self, state, tokens_BxT1):
-        loss, grads = jax.value_and_grad(self._loss)(state["params"], tokens_BxT1)
+        loss, grads, model_state = self._loss_and_grads(state["params"], state["model_state"],
+                                                        tokens_BxT1)
         updates, opt_state = self.optimizer.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
                    "update_norm": optax.tree.norm(updates),
                    "learning_rate": self.learning_rate(state["step"])}
-        return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
+        return {"step": state["step"] + 1, "params": params, "model_state": model_state,
+                "opt_state": opt_state}, metrics
 
     # entry points (run under the mesh) ---------------------------------------------------------
     def init(self, seed: int):
@@ -87,9 +104,10 @@ class TrainProgram:
         with jax.set_mesh(self.mesh):
             return self._train_step(state, tokens_BxT1)
 
-    def eval_loss(self, params, tokens_BxT1):
+    def eval_loss(self, state, tokens_BxT1):
+        """Evaluation-mode loss of a train state on one batch."""
         with jax.set_mesh(self.mesh):
-            return self._eval_loss(params, tokens_BxT1)
+            return self._eval_loss(state["params"], state["model_state"], tokens_BxT1)
 
     def abstract_state(self):
         """ShapeDtypeStructs with this mesh's shardings: restore targets for checkpoints."""

@@ -1,0 +1,72 @@
+"""Every block variant trains on the embedded corpus, and sharding does not change the numbers.
+
+Variants are grouped into a few combined configurations so that each registered choice is covered
+at least once without compiling one program per choice.
+"""
+
+import numpy as np
+import pytest
+
+from arch.attention import ATTENTION
+from arch.ffn import ACTIVATIONS, FFNS
+from arch.heads import HEADS
+from arch.init import INITS
+from arch.norms import NORMS
+from arch.residual import RESIDUALS
+from tests.test_sharding import program_on
+from train import data
+
+VARIANTS = {
+    "postnorm-scalenorm-geglu-untied": dict(residual="postnorm", norm="scalenorm", ffn="geglu",
+                                            head="untied", head_bias=True, final_norm=False),
+    "deepnorm-layernorm-reglu-mos": dict(residual="deepnorm", norm="layernorm", ffn="reglu",
+                                         head="mos", final_norm=False,
+                                         init=dict(value="deepnorm", attention_output="deepnorm",
+                                                   ffn_input="deepnorm", ffn_output="deepnorm")),
+    "dyt-glu-moc-learned": dict(norm="dyt", ffn="glu", head="moc", position="learned",
+                                init=dict(default="bert")),
+    "gatednorm-mlp-leaky-fixnorm": dict(norm="gatednorm", ffn="mlp", activation="leaky_relu",
+                                        fixnorm=True, init=dict(attention_output="depth_scaled",
+                                                                ffn_output="depth_scaled")),
+    "causal-batchnorm-mla-mlp-tanh": dict(norm="causal_batchnorm", attention="mla", ffn="mlp",
+                                          activation="tanh", mla_kv_rank=16, mla_rope_dim=8),
+    "batchnorm-mlp-hardtanh-xavier": dict(norm="batchnorm", ffn="mlp", activation="hardtanh",
+                                          init=dict(default="xavier")),
+    "noskip-none-sigmoid-zero-out": dict(residual="noskip", norm="none", ffn="mlp",
+                                         activation="sigmoid", num_layers=1,
+                                         init=dict(attention_output="zeros")),
+    "rmsnorm-pure-attention-relu-silu": dict(use_ffn=False, activation="relu", position="none"),
+}
+
+
+def test_variants_cover_every_registered_choice():
+    used = {field: {v.get(field) for v in VARIANTS.values()} for field in
+            ("attention", "norm", "residual", "ffn", "activation", "head")}
+    used["init"] = {s for v in VARIANTS.values() for s in v.get("init", {}).values()}
+    defaults = {"attention": "mha", "norm": "rmsnorm", "residual": "prenorm", "ffn": "swiglu",
+                "head": "tied", "activation": "gelu", "init": "fan_in"}
+    for field, registry in (("attention", ATTENTION), ("norm", NORMS), ("residual", RESIDUALS),
+                            ("ffn", FFNS), ("activation", ACTIVATIONS), ("head", HEADS),
+                            ("init", INITS)):
+        missing = set(registry) - used[field] - {defaults[field]}
+        assert not missing, (field, missing)
+
+
+def train_losses(devices: int, mesh, model: dict, steps: int = 20) -> list[float]:
+    program = program_on(devices, *mesh, **model)
+    program.config.optimizer.update(learning_rate=3e-3)
+    corpus = data.load({"name": "kjv"}, "train")
+    state, losses = program.init(0), []
+    for step in range(steps):
+        tokens = corpus.batch(step, 8, 16, seed=0)
+        state, metrics = program.train_step(state, program.put_batch(tokens))
+        losses.append(float(metrics["loss"]))
+    return losses
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_variant_learns_and_sharding_changes_nothing(name):
+    single = train_losses(1, (1, 1, 1), VARIANTS[name])
+    sharded = train_losses(8, (2, 2, 2), VARIANTS[name])
+    assert np.mean(single[-5:]) < np.mean(single[:5]) - 0.5, single
+    np.testing.assert_allclose(sharded, single, rtol=2e-4)
