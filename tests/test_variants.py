@@ -4,6 +4,7 @@ Variants are grouped into a few combined configurations so that each registered 
 at least once without compiling one program per choice.
 """
 
+import jax
 import numpy as np
 import pytest
 
@@ -13,8 +14,11 @@ from arch.heads import HEADS
 from arch.init import INITS
 from arch.norms import NORMS
 from arch.residual import RESIDUALS
-from tests.test_sharding import program_on
+from sharding.mesh import make_mesh
+from tests.helpers import tiny_config
 from train import data
+from train.config import validate
+from train.step import TrainProgram
 
 VARIANTS = {
     "postnorm-scalenorm-geglu-untied": dict(residual="postnorm", norm="scalenorm", ffn="geglu",
@@ -23,19 +27,21 @@ VARIANTS = {
                                          head="mos", final_norm=False,
                                          init=dict(value="deepnorm", attention_output="deepnorm",
                                                    ffn_input="deepnorm", ffn_output="deepnorm")),
-    "dyt-glu-moc-learned": dict(norm="dyt", ffn="glu", head="moc", position="learned",
-                                init=dict(default="bert")),
-    "gatednorm-mlp-leaky-fixnorm": dict(norm="gatednorm", ffn="mlp", activation="leaky_relu",
-                                        fixnorm=True, init=dict(attention_output="depth_scaled",
-                                                                ffn_output="depth_scaled")),
-    "causal-batchnorm-mla-mlp-tanh": dict(norm="causal_batchnorm", attention="mla", ffn="mlp",
-                                          activation="tanh", mla_kv_rank=16, mla_rope_dim=8),
-    "batchnorm-mlp-hardtanh-xavier": dict(norm="batchnorm", ffn="mlp", activation="hardtanh",
-                                          init=dict(default="xavier")),
-    "noskip-none-sigmoid-zero-out": dict(residual="noskip", norm="none", ffn="mlp",
-                                         activation="sigmoid", num_layers=1,
-                                         init=dict(attention_output="zeros")),
-    "rmsnorm-pure-attention-relu-silu": dict(use_ffn=False, activation="relu", position="none"),
+    "dyt-glu-moc-learned-bert": dict(norm="dyt", ffn="glu", head="moc", position="learned",
+                                     init=dict(default="bert")),
+    "gatednorm-leaky-fixnorm-depth-scaled": dict(norm="gatednorm", ffn="mlp",
+                                                 activation="leaky_relu", fixnorm=True,
+                                                 init=dict(attention_output="depth_scaled",
+                                                           ffn_output="depth_scaled")),
+    "causal-batchnorm-mla-tanh": dict(norm="causal_batchnorm", attention="mla", ffn="mlp",
+                                      activation="tanh", mla_kv_rank=16, mla_rope_dim=8),
+    "batchnorm-hardtanh-xavier": dict(norm="batchnorm", ffn="mlp", activation="hardtanh",
+                                      init=dict(default="xavier")),
+    "noskip-none-pure-attention": dict(residual="noskip", norm="none", use_ffn=False),
+    "relu-zero-outputs": dict(ffn="mlp", activation="relu",
+                              init=dict(attention_output="zeros", ffn_output="zeros")),
+    "silu-layernorm": dict(ffn="mlp", activation="silu", norm="layernorm"),
+    "sigmoid-untied": dict(ffn="mlp", activation="sigmoid", head="untied"),
 }
 
 
@@ -53,8 +59,12 @@ def test_variants_cover_every_registered_choice():
 
 
 def train_losses(devices: int, mesh, model: dict, steps: int = 20) -> list[float]:
-    program = program_on(devices, *mesh, **model)
-    program.config.optimizer.update(learning_rate=3e-3)
+    config = tiny_config(**model)
+    config.steps = steps
+    config.optimizer.update(learning_rate=1e-2, warmup_steps=2)
+    config.mesh.update(data=mesh[0], fsdp=mesh[1], tensor=mesh[2])
+    validate(config, devices)
+    program = TrainProgram(config, make_mesh(config.mesh, jax.devices()[:devices]))
     corpus = data.load({"name": "kjv"}, "train")
     state, losses = program.init(0), []
     for step in range(steps):
