@@ -84,6 +84,10 @@ def resolve_model(cfg) -> None:
     check(cfg.d_ff > 0, "model.d_ff", cfg.d_ff, "must be positive")
     check(isinstance(cfg.mos_components, int) and cfg.mos_components >= 1,
           "model.mos_components", cfg.mos_components, "must be an integer ≥ 1")
+    if cfg.ffn == "moe":  # arch/moe.py
+        _resolve_moe(cfg)
+    if cfg.get("reversible", False):  # arch/reversible.py
+        _resolve_reversible(cfg)
 
 
 def _resolve_mla(cfg) -> None:
@@ -98,3 +102,35 @@ def _resolve_mla(cfg) -> None:
           cfg.mla_q_rank, "must be a non-negative integer (0: full-rank query projection)")
     check(cfg.mla_rope_dim % 2 == 0, "model.mla_rope_dim", cfg.mla_rope_dim,
           "the decoupled rotary key/query width must be even (RoPE rotates feature pairs)")
+
+
+def _resolve_reversible(cfg) -> None:
+    """Reversible blocks (`arch.reversible`) couple a Pre-Norm attention and FFN, statelessly."""
+    check(cfg.residual == "prenorm", "model.reversible", True,
+          f"reversible blocks need model.residual='prenorm' (got {cfg.residual!r})")
+    check(cfg.use_ffn, "model.reversible", True,
+          "reversible blocks couple attention with an FFN; set model.use_ffn=True")
+    check(cfg.norm not in ("batchnorm", "causal_batchnorm"), "model.reversible", True,
+          f"reversible blocks cannot replay running statistics of model.norm={cfg.norm!r}; "
+          "use a stateless norm")
+
+
+def _resolve_moe(cfg) -> None:
+    """Mixture-of-experts fields (`arch.moe.MixtureOfExperts`); fills `moe_d_ff` (default d_ff)."""
+    check(isinstance(cfg.moe_experts, int) and cfg.moe_experts >= 1, "model.moe_experts",
+          cfg.moe_experts, "must be a positive integer")
+    check(isinstance(cfg.moe_top_k, int) and 1 <= cfg.moe_top_k <= cfg.moe_experts,
+          "model.moe_top_k", cfg.moe_top_k,
+          f"must be an integer in [1, model.moe_experts={cfg.moe_experts}]")
+    check(cfg.moe_expert_ffn in FFNS and cfg.moe_expert_ffn != "moe", "model.moe_expert_ffn",
+          cfg.moe_expert_ffn, f"valid: {', '.join(sorted(set(FFNS) - {'moe'}))}")
+    check(cfg.moe_capacity_factor > 0, "model.moe_capacity_factor", cfg.moe_capacity_factor,
+          "must be positive")
+    check(isinstance(cfg.moe_shared_experts, int) and cfg.moe_shared_experts >= 0,
+          "model.moe_shared_experts", cfg.moe_shared_experts, "must be a non-negative integer")
+    for field in ("moe_balance_coef", "moe_z_coef"):
+        check(cfg[field] >= 0, f"model.{field}", cfg[field], "must be non-negative")
+    if cfg.moe_d_ff is None:
+        cfg.moe_d_ff = cfg.d_ff
+    check(isinstance(cfg.moe_d_ff, int) and cfg.moe_d_ff > 0, "model.moe_d_ff", cfg.moe_d_ff,
+          "must be a positive integer")

@@ -24,9 +24,8 @@ from arch.layers import Embedding
 from arch.norms import make_norm
 from arch.positions import POSITIONS
 from arch.residual import RESIDUALS
-from sharding.rules import constrain
-
-STREAM = ("act_batch", "act_seq", "act_embed")
+from arch.reversible import run_reversible
+from sharding.rules import STREAM, constrain
 
 
 class Block(nnx.Module):
@@ -90,8 +89,12 @@ class TransformerLM(nnx.Module):
     def _forward(self, tokens_BxT, positions_BxT, cache):
         residual = RESIDUALS[self.cfg.residual]
         x_BxTxD = self.position.embed(self.embed(tokens_BxT), positions_BxT)
-        stream = residual.begin(constrain(x_BxTxD, STREAM))
         graphdef, layer_params, layer_states = nnx.split(self.blocks, nnx.Param, ...)
+        if self.cfg.reversible:  # arch/reversible.py: two coupled streams
+            x_BxTxD, cache = run_reversible(graphdef, layer_params, layer_states, x_BxTxD,
+                                            positions_BxT, self.position.rotate, cache)
+            return self._output(x_BxTxD), cache
+        stream = residual.begin(constrain(x_BxTxD, STREAM))
 
         def run_block(stream, layer):
             params, states, layer_cache = layer
@@ -104,8 +107,11 @@ class TransformerLM(nnx.Module):
         stream, (layer_states, cache) = jax.lax.scan(run_block, stream,
                                                      (layer_params, layer_states, cache))
         nnx.update(self.blocks, layer_states)  # e.g. BatchNorm running statistics
-        x_BxTxD = residual.end(stream)
+        return self._output(residual.end(stream)), cache
+
+    def _output(self, x_BxTxD):
+        """Float32 logits from the stack's output: final norm (if any), then the head."""
         if self.final_norm is not None:
             x_BxTxD = self.final_norm(x_BxTxD)
         logits = self.head(x_BxTxD, self.embed)
-        return constrain(logits, ("act_batch", "act_seq", "act_vocab")).astype(jnp.float32), cache
+        return constrain(logits, ("act_batch", "act_seq", "act_vocab")).astype(jnp.float32)

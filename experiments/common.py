@@ -46,6 +46,16 @@ def model_config() -> ml_collections.ConfigDict:
         leaky_relu_slope=0.01,    # negative slope α of activation="leaky_relu"
         ffn_width="ratio",        # d_ff if not given: "ratio" (ratio·d) or "match_mlp" (gated: 2/3)
         ffn_multiple_of=1,        # round a derived d_ff up to a multiple of this
+        moe_experts=8,            # ffn="moe": number of routed experts E
+        moe_top_k=2,              # moe: experts per token k (token choice), 1 ≤ k ≤ E
+        moe_d_ff=ml_collections.FieldReference(None, field_type=int),  # moe: expert width; d_ff
+        moe_expert_ffn="swiglu",  # moe: expert FFN kind (arch.ffn.FFNS; gated if 3 projections)
+        moe_capacity_factor=1.25,  # moe: slots per expert C = ⌈factor·k·T/E⌉ per sequence
+        moe_dropless=False,       # moe: C = T, no token dropped (O(B·T·E·T) dispatch memory)
+        moe_renormalize=True,     # moe: top-k gates renormalized to sum 1 (Mixtral); else raw
+        moe_shared_experts=0,     # moe: always-on shared experts s (DeepSeekMoE), width s·moe_d_ff
+        moe_balance_coef=0.01,    # moe: load-balancing loss coefficient α (Switch eq. 4)
+        moe_z_coef=1e-3,          # moe: router z-loss coefficient β (ST-MoE eq. 5)
         residual="prenorm",       # arch.residual.RESIDUALS
         use_ffn=True,             # False: attention-only blocks (rank-collapse ablation)
         head="tied",              # arch.heads.HEADS
@@ -58,6 +68,7 @@ def model_config() -> ml_collections.ConfigDict:
         final_norm=True,
         dtype="float32",          # compute dtype; parameters are always float32
         remat=False,              # recompute each block in the backward pass
+        reversible=False,         # RevNet/Reformer coupling, activations O(1) in depth (prenorm)
     ))
 
 

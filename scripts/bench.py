@@ -1,5 +1,6 @@
 """Benchmark one train step: `python scripts/bench.py --config PATH[:ARG] [--config.FIELD=VALUE ...]
-[--json] [--steps N] [--block K] [--depth_check]`
+[--json] [--steps N] [--block K] [--depth_check] [--baseline FIELD=VALUE[,...]]
+[--depth_memory A,B]`
 
 Runs on whatever devices exist (one CPU device normally) with random tokens of the config's
 batch_size × (seq_len + 1), and reports, in one run:
@@ -22,13 +23,28 @@ batch_size × (seq_len + 1), and reports, in one run:
                          ~15 s for the quickstart): cold compile time at num_layers=24 over
                          num_layers=4, the rest of the config as given, best of two fresh compiles
                          each; target ≤ 1.5 (the layer scan keeps compile time flat in depth).
+  baseline_step_time_s   only with --baseline FIELD=VALUE[,FIELD=VALUE...] (e.g.
+                         `--baseline model.reversible=False`): a second config, the benchmarked
+                         one with those overrides (applied before validation, so derived fields
+                         follow), compiled and timed interleaved with the framework step (same
+                         batch, ABBA blocks); its median step time, and
+  step_time_vs_baseline  step_time_s / baseline_step_time_s, and
+  temp_bytes_vs_baseline temp_bytes / the baseline's temp_bytes. Target for the reversible stack
+                         (issue 3) against the ordinary one: step_time_vs_baseline ≤ 1.5.
+  temp_bytes_depth_ratio only with --depth_memory A,B (e.g. `2,16`): compiled temp bytes of the
+                         train step at num_layers=B over num_layers=A (compile only, never run;
+                         each also reported as temp_bytes_layers_A / _B). Target for the
+                         reversible stack (issue 3): ≤ 1.3 from 2 to 16 layers.
 
 Targets are reported, never asserted. `--json` prints exactly one JSON object on stdout; progress
 goes to stderr. Example: python scripts/bench.py --config experiments/quickstart.py --depth_check
+Reversible vs ordinary: python scripts/bench.py --config experiments/quickstart.py
+  --config.model.reversible=True --baseline model.reversible=False --depth_memory 2,16
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import math
 import statistics
@@ -50,9 +66,16 @@ _JSON = flags.DEFINE_bool("json", False, "Print one JSON object on stdout instea
 _STEPS = flags.DEFINE_integer("steps", 20, "Timed steps, each of framework and reference.")
 _BLOCK = flags.DEFINE_integer("block", 5, "Steps per interleaved block.")
 _DEPTH = flags.DEFINE_bool("depth_check", False, "Also measure compile_24_over_4.")
+_BASELINE = flags.DEFINE_string(
+    "baseline", None, "FIELD=VALUE[,FIELD=VALUE...]: overrides giving a baseline config to time "
+    "against, e.g. model.reversible=False.")
+_DEPTH_MEMORY = flags.DEFINE_string(
+    "depth_memory", None, "A,B: compiled temp bytes of the train step at num_layers A and B.")
 flags.mark_flag_as_required("config")
 
-TARGETS = {"vs_reference": "<= 1.05", "compile_24_over_4": "<= 1.5"}
+TARGETS = {"vs_reference": "<= 1.05", "compile_24_over_4": "<= 1.5",
+           "step_time_vs_baseline": "<= 1.5 (reversible vs ordinary)",
+           "temp_bytes_depth_ratio": "<= 1.3 (reversible, 2 to 16 layers)"}
 
 
 def log(message: str) -> None:
@@ -112,6 +135,65 @@ def time_interleaved(runners: dict[str, Callable[[], None]], steps: int,
     return times
 
 
+def parse_value(text: str, current):
+    """A command-line value in the type of the field it replaces."""
+    if isinstance(current, bool):
+        if text.lower() not in ("true", "false"):
+            raise app.UsageError(f"expected True or False, got {text!r}")
+        return text.lower() == "true"
+    if isinstance(current, int | float):
+        return type(current)(text)
+    if isinstance(current, str):
+        return text
+    try:  # a field whose default is None
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def with_overrides(config, overrides: str):
+    """A copy of `config` with `FIELD=VALUE[,FIELD=VALUE...]` applied (dotted field paths)."""
+    config = config.copy_and_resolve_references()
+    for item in filter(None, overrides.split(",")):
+        path, sep, text = item.partition("=")
+        if not sep:
+            raise app.UsageError(f"--baseline: expected FIELD=VALUE, got {item!r}")
+        *parents, field = path.strip().split(".")
+        node = config
+        for name in parents:
+            node = node[name]
+        if field not in node:
+            raise app.UsageError(f"--baseline: no config field {path!r}")
+        node[field] = parse_value(text.strip(), node[field])
+    return config
+
+
+def depth_memory(config, depths: tuple[int, int]) -> dict[str, float]:
+    """Compiled temp bytes of the train step at each of two depths (compile only), and the
+    ratio of the second to the first."""
+    from train.loop import build_program
+
+    temp = {}
+    for layers in depths:
+        deep = config.copy_and_resolve_references()
+        deep.model.num_layers = layers
+        _, compiled = compile_train_step(build_program(deep))
+        temp[layers] = compiled.memory_analysis().temp_size_in_bytes
+        log(f"temp bytes at {layers} layers: {temp[layers]:,}")
+    a, b = depths
+    return {f"temp_bytes_layers_{a}": temp[a], f"temp_bytes_layers_{b}": temp[b],
+            "temp_bytes_depth_ratio": temp[b] / temp[a]}
+
+
+def reference_unsupported(cfg) -> str | None:
+    """Why the pure-JAX reference cannot time `cfg`'s model, or None."""
+    from arch import reference
+
+    if cfg.get("reversible", False):
+        return "the reference model has no reversible blocks (model.reversible=True)"
+    return reference.unsupported(cfg)
+
+
 def depth_compile_ratio(config, repeats: int = 2) -> dict[str, float]:
     """Cold compile seconds of the train step at 4 and 24 layers (best of `repeats`, each a
     fresh program, alternating depths), and their ratio."""
@@ -129,12 +211,14 @@ def depth_compile_ratio(config, repeats: int = 2) -> dict[str, float]:
             "compile_24_over_4": seconds[24] / seconds[4]}
 
 
-def bench(config, steps: int, block: int, depth_check: bool) -> dict:
-    from arch import reference
+def bench(config, steps: int, block: int, depth_check: bool, baseline: str | None = None,
+          depths: tuple[int, int] | None = None) -> dict:
     from arch.accounting import flops_per_token
     from train.loop import build_program
     from train.metrics import measure_matmul_peak
 
+    pristine = config.copy_and_resolve_references()  # before derived fields are filled in
+    baseline_config = with_overrides(pristine, baseline) if baseline else None
     program = build_program(config)  # validates and resolves config.model in place
     log(f"{jax.device_count()} device(s): {jax.devices()[0].device_kind}; compiling...")
     compile_time, compiled = compile_train_step(program)
@@ -143,7 +227,13 @@ def bench(config, steps: int, block: int, depth_check: bool) -> dict:
         0, config.model.vocab_size, (config.batch_size, config.seq_len + 1), dtype=np.int32)
     batch = program.put_batch(tokens)
     runners = {"framework": framework_runner(program, batch)}
-    if reason := reference.unsupported(config.model):
+    if baseline_config is not None:
+        log(f"compiling the baseline ({baseline})...")
+        baseline_program = build_program(baseline_config)
+        _, baseline_compiled = compile_train_step(baseline_program)
+        baseline_memory = baseline_compiled.memory_analysis()
+        runners["baseline"] = framework_runner(baseline_program, baseline_program.put_batch(tokens))
+    if reason := reference_unsupported(config.model):
         log(f"no reference comparison: {reason}")
     else:
         runners["reference"] = reference_runner(program, batch)
@@ -165,6 +255,15 @@ def bench(config, steps: int, block: int, depth_check: bool) -> dict:
         "vs_reference": step_time / reference_time if reference_time else None,
         "flops_per_token": flops, "devices": jax.device_count(), "steps": steps,
     }
+    if baseline_config is not None:
+        baseline_time = statistics.median(times["baseline"])
+        result.update(
+            baseline_step_time_s=baseline_time, step_time_vs_baseline=step_time / baseline_time,
+            baseline_temp_bytes=baseline_memory.temp_size_in_bytes,
+            temp_bytes_vs_baseline=(memory.temp_size_in_bytes
+                                    / max(baseline_memory.temp_size_in_bytes, 1)))
+    if depths is not None:
+        result.update(depth_memory(pristine, depths))
     if depth_check:
         result.update(depth_compile_ratio(config))
     return result
@@ -186,7 +285,17 @@ def main(argv: list[str]) -> None:
     from arch.config import ConfigError
 
     try:
-        result = bench(_CONFIG.value, _STEPS.value, _BLOCK.value, _DEPTH.value)
+        depths = None
+        if _DEPTH_MEMORY.value:
+            try:
+                a, b = (int(n) for n in _DEPTH_MEMORY.value.split(","))
+            except ValueError:
+                raise app.UsageError(
+                    f"--depth_memory: expected A,B (two layer counts), got {_DEPTH_MEMORY.value!r}"
+                ) from None
+            depths = (a, b)
+        result = bench(_CONFIG.value, _STEPS.value, _BLOCK.value, _DEPTH.value, _BASELINE.value,
+                       depths)
     except ConfigError as error:
         log(f"error: {error}")
         sys.exit(2)

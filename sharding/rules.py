@@ -36,7 +36,9 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     "head_mixture": None,  # K components of the mos/moc heads
     "head_context": "tensor",  # width of the mos/moc component contexts
     # activations
-    "act_batch": ("data", "fsdp"),
+    "act_batch": ("data", "fsdp", "expert"),  # outside MoE layers, expert = data parallelism
+    "act_expert_batch": ("data", "fsdp"),  # batch of the dispatched (B, E, C, d) MoE tokens
+    "act_experts": "expert",  # their experts axis: the change from act_batch is the all-to-all
     "act_seq": "sequence",
     "act_embed": None,
     "act_heads": "tensor",
@@ -44,6 +46,10 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     "act_mlp": "tensor",
     "act_vocab": "tensor",
 }
+
+
+# The residual stream's logical axes, constrained at every block boundary.
+STREAM = ("act_batch", "act_seq", "act_embed")
 
 
 def _mesh_axes(name: str | None, rules: dict) -> tuple[str, ...]:

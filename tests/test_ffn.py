@@ -61,7 +61,7 @@ def _param_count(cfg) -> int:
 
 def test_every_activation_and_ffn_is_covered_here():
     assert set(ACTIVATIONS) == set(CLOSED_FORMS)
-    assert set(FFNS) == {"mlp", *GATED}
+    assert set(FFNS) == {"mlp", "moe", *GATED}  # moe: tests/test_moe.py
     assert FFNS["mlp"].projections == 2 and all(FFNS[n].projections == 3 for n in GATED)
 
 

@@ -192,8 +192,5 @@ def test_new_norms_compose_with_the_model(name):
 
 def test_fixnorm_composes_with_the_model():
     cfg, model = tiny_model(fixnorm=True)
-    if model.embed.fixnorm_scale is None:  # arch/model.py does not pass model.fixnorm yet
-        model.embed = Embedding(cfg.vocab_size, cfg.d_model, rngs=nnx.Rngs(0), fixnorm=True,
-                                fixnorm_scale=cfg.fixnorm_scale)
     assert model.embed.fixnorm_scale == 1.0
     assert_finite_and_causal(model)

@@ -112,7 +112,7 @@ def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_pa
     (dict(model=dict(num_kv_heads=3)), "model.num_kv_heads=3 is invalid: must divide"),
     (dict(model=dict(head_dim=16)), "set model.attention_width=64"),
     (dict(model=dict(norm="groupnorm")), "valid norms: batchnorm, causal_batchnorm, dyt,"),
-    (dict(model=dict(ffn="conv")), "valid ffns: geglu, glu, mlp, reglu, swiglu"),
+    (dict(model=dict(ffn="conv")), "valid ffns: geglu, glu, mlp, moe, reglu, swiglu"),
     (dict(mesh=dict(data=3)), "product 3 ≠ the 8 devices"),
     (dict(batch_size=6, mesh=dict(data=4, fsdp=2)), "batch_size=6 is invalid"),
     (dict(mesh=dict(data=1, tensor=8)), "model.num_heads=4 is invalid: must be divisible by mesh"),

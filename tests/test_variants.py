@@ -37,11 +37,11 @@ VARIANTS = {
                                       activation="tanh", mla_kv_rank=16, mla_rope_dim=8),
     "batchnorm-hardtanh-xavier": dict(norm="batchnorm", ffn="mlp", activation="hardtanh",
                                       init=dict(default="xavier")),
-    "noskip-none-pure-attention": dict(residual="noskip", norm="none", use_ffn=False),
+    "noskip-none-sigmoid": dict(residual="noskip", norm="none", ffn="mlp", activation="sigmoid"),
     "relu-zero-outputs": dict(ffn="mlp", activation="relu",
                               init=dict(attention_output="zeros", ffn_output="zeros")),
-    "silu-layernorm": dict(ffn="mlp", activation="silu", norm="layernorm"),
-    "sigmoid-untied": dict(ffn="mlp", activation="sigmoid", head="untied"),
+    "moe-shared-mlp-silu": dict(ffn="moe", moe_experts=4, moe_shared_experts=1,
+                                moe_expert_ffn="mlp", activation="silu"),
 }
 
 

@@ -32,9 +32,10 @@ def validate(config, device_count: int, process_count: int = 1) -> dict[str, int
           "must be in (0, 1]")
 
     mesh = mesh_shape(config.mesh, device_count)
-    batch_shards = mesh["data"] * mesh["fsdp"]
+    # Outside the MoE layers the expert axis is extra data parallelism (sharding rule act_batch).
+    batch_shards = mesh["data"] * mesh["fsdp"] * mesh["expert"]
     check(config.batch_size % batch_shards == 0, "batch_size", config.batch_size,
-          f"must be divisible by mesh.data×mesh.fsdp = {batch_shards}")
+          f"must be divisible by mesh.data×mesh.fsdp×mesh.expert = {batch_shards}")
     check(config.batch_size % process_count == 0, "batch_size", config.batch_size,
           f"must be divisible by the {process_count} processes (each loads its own rows)")
     tensor = mesh["tensor"]
@@ -42,7 +43,12 @@ def validate(config, device_count: int, process_count: int = 1) -> dict[str, int
           f"must be divisible by mesh.tensor={tensor}")
     check(model.d_ff % tensor == 0, "model.d_ff", model.d_ff,
           f"must be divisible by mesh.tensor={tensor}")
-    for axis in ("sequence", "stage", "expert"):
+    if model.ffn == "moe":
+        check(model.moe_experts % mesh["expert"] == 0, "model.moe_experts", model.moe_experts,
+              f"must be divisible by mesh.expert={mesh['expert']}")
+        check(model.moe_d_ff % tensor == 0, "model.moe_d_ff", model.moe_d_ff,
+              f"must be divisible by mesh.tensor={tensor}")
+    for axis in ("sequence", "stage"):
         check(mesh[axis] == 1, f"mesh.{axis}", mesh[axis],
               f"{axis} parallelism is not available yet; use mesh.{axis}=1")
     return mesh

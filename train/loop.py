@@ -140,7 +140,9 @@ def train(config, workdir: str | Path) -> dict:
                           "grad_norm": float(metrics["grad_norm"]),
                           "learning_rate": float(metrics["learning_rate"]),
                           "tokens_per_sec": throughput,
-                          "mfu": throughput / tokens_per_step * model_flops / peak_flops}
+                          "mfu": throughput / tokens_per_step * model_flops / peak_flops,
+                          **{k: float(metrics[k]) for k in ("aux_loss", "moe_dropped_fraction")
+                             if k in metrics}}
                 progress.set_postfix(loss=f"{record['train_loss']:.3f}",
                                      tok_s=f"{throughput:,.0f}", mfu=f"{record['mfu']:.1%}")
             if step % config.eval_every == 0 or step == config.steps:

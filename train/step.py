@@ -17,6 +17,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from arch.model import TransformerLM
+from arch.moe import AuxLoss, DroppedFraction
 from sharding.rules import named_sharding
 from train.optim import make_optimizer, schedule
 
@@ -69,29 +70,44 @@ class TrainProgram:
                 "opt_state": self.optimizer.init(params)}
 
     def _loss_and_grads(self, params, model_state, tokens_BxT1):
-        """Training-mode loss, its gradients with respect to the parameters, and the model
-        state after the forward pass (nnx.value_and_grad carries that state's updates)."""
+        """Training-mode loss, its gradients with respect to the parameters, the model state after
+        the forward pass (nnx.value_and_grad carries that state's updates), and extra metrics.
+
+        The loss is next-token cross-entropy plus the sum of every `arch.moe.AuxLoss` the forward
+        pass wrote (MoE balancing and z-losses). The metrics are {"aux_loss",
+        "moe_dropped_fraction" (mean over layers)} for a model with such variables, else {}."""
         model = nnx.merge(self.graphdef, params, model_state)
 
         def loss(model):
-            return next_token_loss(model(tokens_BxT1[:, :-1]), tokens_BxT1[:, 1:])
+            value = next_token_loss(model(tokens_BxT1[:, :-1]), tokens_BxT1[:, 1:])
+            metrics = {}
+            aux_losses = jax.tree.leaves(nnx.state(model, AuxLoss))
+            if aux_losses:
+                metrics["aux_loss"] = sum(jnp.sum(leaf) for leaf in aux_losses)
+                value = value + metrics["aux_loss"]
+            dropped = jax.tree.leaves(nnx.state(model, DroppedFraction))
+            if dropped:
+                metrics["moe_dropped_fraction"] = jnp.mean(jnp.stack(
+                    [jnp.mean(leaf) for leaf in dropped]))
+            return value, metrics
 
-        value, grads = nnx.value_and_grad(loss)(model)
-        return value, grads, nnx.state(model, nnx.Not(nnx.Param))
+        (value, metrics), grads = nnx.value_and_grad(loss, has_aux=True)(model)
+        return value, grads, nnx.state(model, nnx.Not(nnx.Param)), metrics
 
     def _evaluation_loss(self, params, model_state, tokens_BxT1):
+        """Pure cross-entropy: auxiliary losses are training objectives, not evaluation."""
         model = nnx.merge(self.graphdef, params, model_state)
         model.eval()  # e.g. BatchNorm uses its running statistics
         return next_token_loss(model(tokens_BxT1[:, :-1]), tokens_BxT1[:, 1:])
 
     def _step(self, state, tokens_BxT1):
-        loss, grads, model_state = self._loss_and_grads(state["params"], state["model_state"],
-                                                        tokens_BxT1)
+        loss, grads, model_state, aux_metrics = self._loss_and_grads(
+            state["params"], state["model_state"], tokens_BxT1)
         updates, opt_state = self.optimizer.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
                    "update_norm": optax.tree.norm(updates),
-                   "learning_rate": self.learning_rate(state["step"])}
+                   "learning_rate": self.learning_rate(state["step"]), **aux_metrics}
         return {"step": state["step"] + 1, "params": params, "model_state": model_state,
                 "opt_state": opt_state}, metrics
 
