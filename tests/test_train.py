@@ -56,6 +56,8 @@ def test_resume_after_preemption_reproduces_the_uninterrupted_run(tmp_path, monk
     with Checkpointer(tmp_path / "b") as checkpointer:
         assert checkpointer.latest_step() == 3
     monkeypatch.setattr(data.Dataset, "batch", original_batch)
+    with pytest.raises(ConfigError, match="seed=1 is invalid: .* was trained with seed=0"):
+        train(data_parallel_config(seed=1), tmp_path / "b")
     resumed = train(data_parallel_config(), tmp_path / "b")
     assert resumed["step"] == 5
     assert list(losses(tmp_path / "b")) == [1, 2, 3, 4, 5]

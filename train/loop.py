@@ -89,8 +89,6 @@ def train(config, workdir: str | Path) -> dict:
     workdir = Path(workdir)
     program = build_program(config)  # every config error surfaces here, before compiling
     workdir.mkdir(parents=True, exist_ok=True)
-    if jax.process_index() == 0:
-        (workdir / "config.json").write_text(config.to_json_best_effort(indent=2) + "\n")
     try:
         train_data = data.load(config.data, "train")
         validation_data = data.load(config.data, "validation")
@@ -103,9 +101,14 @@ def train(config, workdir: str | Path) -> dict:
             state, step = program.init(config.seed), 0
         else:
             step, state, position = restored
-            assert position == {"next_step": step, "seed": config.seed}, position
+            if position["seed"] != config.seed:  # the batch order is a function of (seed, step)
+                raise ConfigError(
+                    f"seed={config.seed} is invalid: {checkpointer.directory} was trained with "
+                    f"seed={position['seed']}; resume with that seed or use a new --workdir")
             log.warning("resuming from the checkpoint at step %d in %s", step,
                         checkpointer.directory)
+        if jax.process_index() == 0:
+            (workdir / "config.json").write_text(config.to_json_best_effort(indent=2) + "\n")
         writer = stack.enter_context(MetricsWriter(workdir))
         progress = stack.enter_context(tqdm.tqdm(
             total=config.steps, initial=step, disable=jax.process_index() != 0,
