@@ -86,7 +86,7 @@ def resolve_model(cfg) -> None:
           "model.mos_components", cfg.mos_components, "must be an integer ≥ 1")
     if cfg.ffn == "moe":  # arch/moe.py
         _resolve_moe(cfg)
-    if cfg.get("reversible", False):  # arch/reversible.py
+    if cfg.reversible:  # arch/reversible.py
         _resolve_reversible(cfg)
 
 
@@ -113,6 +113,8 @@ def _resolve_reversible(cfg) -> None:
     check(cfg.norm not in ("batchnorm", "causal_batchnorm"), "model.reversible", True,
           f"reversible blocks cannot replay running statistics of model.norm={cfg.norm!r}; "
           "use a stateless norm")
+    check(cfg.ffn != "moe", "model.reversible", True,
+          "reversible blocks do not carry the MoE auxiliary losses; use a dense model.ffn")
 
 
 def _resolve_moe(cfg) -> None:

@@ -152,6 +152,9 @@ def test_train_step_on_2x2x2_mesh_matches_one_device():
     (dict(norm="batchnorm"),
      "model.reversible=True is invalid: reversible blocks cannot replay running statistics of "
      "model.norm='batchnorm'; use a stateless norm"),
+    (dict(ffn="moe"),
+     "model.reversible=True is invalid: reversible blocks do not carry the MoE auxiliary "
+     "losses; use a dense model.ffn"),
 ])
 def test_invalid_configs(overrides, message):
     config = tiny_config(reversible=True, **overrides)
