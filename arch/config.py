@@ -119,6 +119,11 @@ def _resolve_reversible(cfg) -> None:
 
 def _resolve_moe(cfg) -> None:
     """Mixture-of-experts fields (`arch.moe.MixtureOfExperts`); fills `moe_d_ff` (default d_ff)."""
+    check(isinstance(cfg.moe_every, int) and cfg.moe_every >= 1
+          and cfg.num_layers % cfg.moe_every == 0, "model.moe_every", cfg.moe_every,
+          f"must be a positive divisor of model.num_layers={cfg.num_layers}")
+    check(cfg.moe_dense_ffn in FFNS and cfg.moe_dense_ffn != "moe", "model.moe_dense_ffn",
+          cfg.moe_dense_ffn, f"valid dense ffns: {', '.join(sorted(set(FFNS) - {'moe'}))}")
     check(isinstance(cfg.moe_experts, int) and cfg.moe_experts >= 1, "model.moe_experts",
           cfg.moe_experts, "must be a positive integer")
     check(isinstance(cfg.moe_top_k, int) and 1 <= cfg.moe_top_k <= cfg.moe_experts,

@@ -5,8 +5,9 @@
         stream = attention sublayer, then FFN sublayer, each through the residual mechanism
     logits = head(final_norm(residual.end(stream)))
 
-Layer parameters are stacked along a leading `layers` axis at construction, and the forward pass
-scans over them, so compile time does not grow with depth. Non-parameter layer state (BatchNorm
+Layer parameters are stacked along a leading `layers` axis at construction (one entry per block,
+or per `BlockGroup` of k blocks when MoE is interleaved), and the forward pass scans over them, so
+compile time does not grow with depth. Non-parameter layer state (BatchNorm
 running statistics) comes out of the scan and is written back into the module.
 """
 
@@ -32,11 +33,11 @@ class Block(nnx.Module):
     """One Transformer block: an attention and an FFN sublayer (unless `model.use_ffn=False`),
     each wrapped by its own instance of the residual mechanism."""
 
-    def __init__(self, cfg, *, rngs: nnx.Rngs):
+    def __init__(self, cfg, *, ffn: str | None = None, rngs: nnx.Rngs):
         self.attention = ATTENTION[cfg.attention](cfg, rngs=rngs)
         self.attention_residual = RESIDUALS[cfg.residual](cfg, rngs=rngs)
         if cfg.use_ffn:  # False: a pure-attention stack (rank-collapse ablation)
-            self.ffn = FFNS[cfg.ffn](cfg, rngs=rngs)
+            self.ffn = FFNS[ffn or cfg.ffn](cfg, rngs=rngs)
             self.ffn_residual = RESIDUALS[cfg.residual](cfg, rngs=rngs)
         self.use_ffn = cfg.use_ffn
 
@@ -47,6 +48,30 @@ class Block(nnx.Module):
         if self.use_ffn:
             stream = self.ffn_residual.write(stream, self.ffn(self.ffn_residual.read(stream)))
         return jax.tree.map(lambda s: constrain(s, STREAM), stream), cache
+
+
+class BlockGroup(nnx.Module):
+    """Dense/MoE interleaving, one MoE block every k = `model.moe_every` blocks (GShard,
+    Lepikhin et al. 2020 §3.1 and Switch Transformer, Fedus et al. 2022, use k = 2): k − 1 blocks
+    with the dense `model.moe_dense_ffn`, then one with `ffn="moe"`, run as one step of the layer
+    scan. Its KV caches are stacked k per group."""
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs):
+        k = cfg.moe_every
+        self.layers = nnx.List([Block(cfg, ffn=cfg.moe_dense_ffn if j < k - 1 else "moe",
+                                      rngs=rngs) for j in range(k)])
+
+    def __call__(self, stream, positions_BxT, rotate, cache=None):
+        caches = []
+        for j, block in enumerate(self.layers):
+            layer_cache = None if cache is None else jax.tree.map(lambda c, j=j: c[j], cache)
+            stream, layer_cache = block(stream, positions_BxT, rotate, layer_cache)
+            caches.append(layer_cache)
+        return stream, None if cache is None else jax.tree.map(lambda *c: jnp.stack(c), *caches)
+
+
+def interleaves_moe(cfg) -> bool:
+    return cfg.use_ffn and cfg.ffn == "moe" and cfg.moe_every > 1
 
 
 class TransformerLM(nnx.Module):
@@ -63,10 +88,14 @@ class TransformerLM(nnx.Module):
                                init=group_init(cfg, "embedding")(cfg.d_model, cfg.vocab_size))
         self.position = POSITIONS[cfg.position](cfg, rngs=rngs)
 
-        @nnx.split_rngs(splits=cfg.num_layers)
+        unit = BlockGroup if interleaves_moe(cfg) else Block
+        self.stack_shape = ((cfg.num_layers // cfg.moe_every, cfg.moe_every)
+                            if unit is BlockGroup else (cfg.num_layers,))
+
+        @nnx.split_rngs(splits=self.stack_shape[0])
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
         def stacked_blocks(rngs):
-            return Block(cfg, rngs=rngs)
+            return unit(cfg, rngs=rngs)
 
         self.blocks = stacked_blocks(rngs)
         self.final_norm = make_norm(cfg, rngs=rngs) if cfg.final_norm else None
@@ -81,9 +110,10 @@ class TransformerLM(nnx.Module):
         return self._forward(tokens_BxT, positions_BxT, cache)
 
     def init_cache(self, batch: int, length: int, dtype=jnp.float32) -> dict:
-        """Zeroed KV cache for `length` positions, stacked over layers."""
+        """Zeroed KV cache for `length` positions, stacked over layers (groups × k when MoE is
+        interleaved)."""
         shapes = ATTENTION[self.cfg.attention].cache_shapes(self.cfg, batch, length)
-        return {name: jnp.zeros((self.cfg.num_layers, *shape), dtype)
+        return {name: jnp.zeros((*self.stack_shape, *shape), dtype)
                 for name, shape in shapes.items()}
 
     def _forward(self, tokens_BxT, positions_BxT, cache):

@@ -168,7 +168,10 @@ class MixtureOfExperts(nnx.Module):
     choice); a token that finds its expert full is dropped for that choice: its contribution from
     that expert is zero and the residual stream carries it unchanged. Tokens move through one-hot
     dispatch/combine tensors (B, T, E, C) and einsums. `model.moe_dropless=True`: C = T, every
-    token fits (the exact top-k mixture) at O(B·T·E·T) memory for those tensors.
+    token fits (the exact top-k mixture) at O(B·T·E·T) memory for those tensors. Causality: with
+    a finite capacity, a later token's first choice can take the slot an earlier token's second
+    choice would have had, so which assignments are dropped depends on later tokens (as in GShard);
+    dropless routing is causal.
 
     Shared experts (DeepSeekMoE, Dai et al. 2024 §3.2): s = `model.moe_shared_experts` always-on
     experts, implemented as one dense `moe_expert_ffn` FFN of width s·f added to the output.

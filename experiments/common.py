@@ -48,6 +48,8 @@ def model_config() -> ml_collections.ConfigDict:
         ffn_multiple_of=1,        # round a derived d_ff up to a multiple of this
         moe_experts=8,            # ffn="moe": number of routed experts E
         moe_top_k=2,              # moe: experts per token k (token choice), 1 ≤ k ≤ E
+        moe_every=1,              # moe: every k-th block is MoE, the others use moe_dense_ffn
+        moe_dense_ffn="swiglu",   # moe with moe_every > 1: the FFN of the dense blocks
         moe_d_ff=ml_collections.FieldReference(None, field_type=int),  # moe: expert width; d_ff
         moe_expert_ffn="swiglu",  # moe: expert FFN kind (arch.ffn.FFNS; gated if 3 projections)
         moe_capacity_factor=1.25,  # moe: slots per expert C = ⌈factor·k·T/E⌉ per sequence

@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from arch.accounting import active_parameter_count, matmul_parameter_count, parameter_count
 from arch.config import ConfigError
+from arch.ffn import FFNS
 from arch.moe import AuxLoss, DroppedFraction, MixtureOfExperts, balance_loss, z_loss
 from sharding.mesh import make_mesh
 from tests.helpers import random_tokens, tiny_config, tiny_model
@@ -240,3 +241,37 @@ def test_config_errors_are_one_line():
         validate(tiny_config(ffn="moe", moe_capacity_factor=0), 1)
     with pytest.raises(ConfigError, match=r"model.moe_expert_ffn='moe'"):
         validate(tiny_config(ffn="moe", moe_expert_ffn="moe"), 1)
+
+
+def test_every_kth_block_is_moe_and_decoding_matches_the_full_pass():
+    cfg, model = tiny_model(ffn="moe", moe_every=2, num_layers=4, moe_experts=4,
+                            moe_dropless=True)
+    first, second = model.blocks.layers
+    assert type(first.ffn) is FFNS["swiglu"] and type(second.ffn) is MixtureOfExperts
+    assert first.ffn.up.kernel.shape[0] == second.ffn.router.kernel.shape[0] == 2  # 2 groups
+    dense_cfg, _ = tiny_model(ffn="swiglu", num_layers=4)
+    all_moe_cfg, _ = tiny_model(ffn="moe", num_layers=4, moe_experts=4)
+    dense, all_moe = parameter_count(dense_cfg), parameter_count(all_moe_cfg)
+    assert parameter_count(cfg) == (dense + all_moe) // 2  # half the blocks are MoE
+    tokens = random_tokens((2, 12))
+    full = model(tokens)
+    changed = tokens.at[:, 8:].set((tokens[:, 8:] + 1) % 256)
+    # Dropless routing is causal up to float reordering: a later token can move an earlier
+    # token's second choice to another capacity slot (another row of the expert matmul).
+    np.testing.assert_allclose(model(changed)[:, :8], full[:, :8], atol=1e-5, rtol=1e-5)
+    cache = model.init_cache(2, 12)
+    assert cache["key"].shape[:2] == (2, 2)  # groups × blocks per group
+    positions = jnp.broadcast_to(jnp.arange(12), (2, 12))
+    prefill, cache = model.decode(tokens[:, :7], positions[:, :7], cache)
+    steps = [prefill]
+    for t in range(7, 12):
+        logits, cache = model.decode(tokens[:, t:t + 1], positions[:, t:t + 1], cache)
+        steps.append(logits)
+    np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, atol=2e-5, rtol=1e-5)
+
+
+def test_interleaving_must_divide_the_depth():
+    config = tiny_config(ffn="moe", moe_every=3)  # 2 layers
+    with pytest.raises(ConfigError, match=r"^model.moe_every=3 is invalid: must be a positive "
+                                          r"divisor of model.num_layers=2$"):
+        validate(config, 1)

@@ -40,8 +40,9 @@ VARIANTS = {
     "noskip-none-sigmoid": dict(residual="noskip", norm="none", ffn="mlp", activation="sigmoid"),
     "relu-zero-outputs": dict(ffn="mlp", activation="relu",
                               init=dict(attention_output="zeros", ffn_output="zeros")),
-    "moe-shared-mlp-silu": dict(ffn="moe", moe_experts=4, moe_shared_experts=1,
-                                moe_expert_ffn="mlp", activation="silu"),
+    "moe-every-2nd-shared-mlp-silu": dict(ffn="moe", moe_every=2, moe_experts=4,
+                                          moe_shared_experts=1, moe_expert_ffn="mlp",
+                                          activation="silu"),
 }
 
 
