@@ -40,3 +40,20 @@ def tiny_model(seed: int = 0, devices: int = 1, **model_overrides):
 
 def random_tokens(shape, seed: int = 1):
     return jax.random.randint(jax.random.key(seed), shape, 0, 256)
+
+
+def prefill_then_decode(model, tokens_BxT, prefill: int, cache_length: int):
+    """Logits from a KV-cache run: the first `prefill` tokens at once, then one token at a time.
+
+    Equal to `model(tokens_BxT)` for a causal model; tests compare the two."""
+    import jax.numpy as jnp
+
+    batch, length = tokens_BxT.shape
+    cache = model.init_cache(batch, cache_length)
+    positions = jnp.broadcast_to(jnp.arange(length), (batch, length))
+    logits, cache = model.decode(tokens_BxT[:, :prefill], positions[:, :prefill], cache)
+    steps = [logits]
+    for t in range(prefill, length):
+        logits, cache = model.decode(tokens_BxT[:, t:t + 1], positions[:, t:t + 1], cache)
+        steps.append(logits)
+    return jnp.concatenate(steps, axis=1)

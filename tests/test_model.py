@@ -14,7 +14,7 @@ from arch.accounting import flops_per_token, matmul_parameter_count, parameter_c
 from arch.attention import MultiHeadAttention, causal_mask
 from arch.norms import LayerNorm, RMSNorm
 from arch.positions import RoPE
-from tests.helpers import random_tokens, tiny_model
+from tests.helpers import prefill_then_decode, random_tokens, tiny_model
 
 VARIANTS = [dict(norm=n, position=p, ffn=f, head=h)
             for n, p, (f, h) in itertools.product(("rmsnorm", "layernorm"),
@@ -110,15 +110,8 @@ def test_norms_shift_and_scale_properties():
 def test_kv_cache_decoding_equals_the_full_forward_pass(position):
     _, model = tiny_model(position=position, num_kv_heads=1)
     tokens = random_tokens((2, 12))
-    full = model(tokens)
-    cache = model.init_cache(2, 16)
-    positions = jnp.broadcast_to(jnp.arange(12), (2, 12))
-    prefill, cache = model.decode(tokens[:, :7], positions[:, :7], cache)
-    steps = [prefill]
-    for t in range(7, 12):
-        logits, cache = model.decode(tokens[:, t:t + 1], positions[:, t:t + 1], cache)
-        steps.append(logits)
-    np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, atol=2e-5, rtol=1e-5)
+    np.testing.assert_allclose(prefill_then_decode(model, tokens, prefill=7, cache_length=16),
+                               model(tokens), atol=2e-5, rtol=1e-5)
 
 
 def test_bfloat16_compute_keeps_float32_parameters():

@@ -16,7 +16,7 @@ from arch.config import ConfigError
 from arch.ffn import FFNS
 from arch.moe import AuxLoss, DroppedFraction, MixtureOfExperts, balance_loss, z_loss
 from sharding.mesh import make_mesh
-from tests.helpers import random_tokens, tiny_config, tiny_model
+from tests.helpers import prefill_then_decode, random_tokens, tiny_config, tiny_model
 from train.config import validate
 from train.step import TrainProgram
 
@@ -259,15 +259,9 @@ def test_every_kth_block_is_moe_and_decoding_matches_the_full_pass():
     # Dropless routing is causal up to float reordering: a later token can move an earlier
     # token's second choice to another capacity slot (another row of the expert matmul).
     np.testing.assert_allclose(model(changed)[:, :8], full[:, :8], atol=1e-5, rtol=1e-5)
-    cache = model.init_cache(2, 12)
-    assert cache["key"].shape[:2] == (2, 2)  # groups × blocks per group
-    positions = jnp.broadcast_to(jnp.arange(12), (2, 12))
-    prefill, cache = model.decode(tokens[:, :7], positions[:, :7], cache)
-    steps = [prefill]
-    for t in range(7, 12):
-        logits, cache = model.decode(tokens[:, t:t + 1], positions[:, t:t + 1], cache)
-        steps.append(logits)
-    np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, atol=2e-5, rtol=1e-5)
+    assert model.init_cache(2, 12)["key"].shape[:2] == (2, 2)  # groups × blocks per group
+    np.testing.assert_allclose(prefill_then_decode(model, tokens, prefill=7, cache_length=12),
+                               full, atol=2e-5, rtol=1e-5)
 
 
 def test_interleaving_must_divide_the_depth():
