@@ -23,6 +23,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 from flax import nnx
 
 from arch.ffn import FFNS, activation
@@ -55,17 +56,11 @@ def _router_init(fan_in: int, fan_out: int):
     return truncated_normal(fan_in**-0.5)
 
 
-class _Width:
-    """`cfg` seen with another `d_ff` (for the shared experts' dense FFN of width s·f)."""
-
-    def __init__(self, cfg, d_ff: int):
-        self._cfg, self.d_ff = cfg, d_ff
-
-    def __getattr__(self, name):
-        return getattr(self._cfg, name)
-
-    def __getitem__(self, name):
-        return self.d_ff if name == "d_ff" else self._cfg[name]
+def _with_width(cfg, d_ff: int) -> ml_collections.ConfigDict:
+    """A copy of `cfg` with another `d_ff` (the shared experts' dense FFN of width s·f)."""
+    copy = ml_collections.ConfigDict(cfg.to_dict())
+    copy.d_ff = d_ff
+    return copy
 
 
 def route(logits_BxTxE: jax.Array, top_k: int, capacity_per_expert: int, renormalize: bool):
@@ -196,7 +191,7 @@ class MixtureOfExperts(nnx.Module):
                             dtype=jnp.float32, init=_router_init)
         self.routed_experts = RoutedExperts(cfg, rngs=rngs)
         shared_width = cfg.moe_shared_experts * cfg.moe_d_ff
-        self.shared_experts = (FFNS[cfg.moe_expert_ffn](_Width(cfg, shared_width), rngs=rngs)
+        self.shared_experts = (FFNS[cfg.moe_expert_ffn](_with_width(cfg, shared_width), rngs=rngs)
                                if shared_width else None)
         self.top_k, self.renormalize = cfg.moe_top_k, cfg.moe_renormalize
         self.dropless, self.capacity_factor = cfg.moe_dropless, cfg.moe_capacity_factor

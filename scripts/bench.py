@@ -185,15 +185,6 @@ def depth_memory(config, depths: tuple[int, int]) -> dict[str, float]:
             "temp_bytes_depth_ratio": temp[b] / temp[a]}
 
 
-def reference_unsupported(cfg) -> str | None:
-    """Why the pure-JAX reference cannot time `cfg`'s model, or None."""
-    from arch import reference
-
-    if cfg.get("reversible", False):
-        return "the reference model has no reversible blocks (model.reversible=True)"
-    return reference.unsupported(cfg)
-
-
 def depth_compile_ratio(config, repeats: int = 2) -> dict[str, float]:
     """Cold compile seconds of the train step at 4 and 24 layers (best of `repeats`, each a
     fresh program, alternating depths), and their ratio."""
@@ -213,6 +204,7 @@ def depth_compile_ratio(config, repeats: int = 2) -> dict[str, float]:
 
 def bench(config, steps: int, block: int, depth_check: bool, baseline: str | None = None,
           depths: tuple[int, int] | None = None) -> dict:
+    from arch import reference
     from arch.accounting import flops_per_token
     from train.loop import build_program
     from train.metrics import measure_matmul_peak
@@ -233,7 +225,7 @@ def bench(config, steps: int, block: int, depth_check: bool, baseline: str | Non
         _, baseline_compiled = compile_train_step(baseline_program)
         baseline_memory = baseline_compiled.memory_analysis()
         runners["baseline"] = framework_runner(baseline_program, baseline_program.put_batch(tokens))
-    if reason := reference_unsupported(config.model):
+    if reason := reference.unsupported(config.model):
         log(f"no reference comparison: {reason}")
     else:
         runners["reference"] = reference_runner(program, batch)
