@@ -88,6 +88,9 @@ def resolve_model(cfg) -> None:
         _resolve_moe(cfg)
     if cfg.reversible:  # arch/reversible.py
         _resolve_reversible(cfg)
+    resolve_residual = getattr(RESIDUALS[cfg.residual], "resolve", None)
+    if resolve_residual is not None:  # the mechanism's own fields (e.g. arch/attnres.py)
+        resolve_residual(cfg)
 
 
 def _resolve_mla(cfg) -> None:

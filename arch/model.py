@@ -1,9 +1,9 @@
 """The decoder-only Transformer LM, assembled from the component registries.
 
-    x⁰ = position.embed(E[tokens]);  stream = residual.begin(x⁰)
+    x⁰ = position.embed(E[tokens]);  state = residual_stream.begin(x⁰)
     for each of L blocks (run under one `jax.lax.scan` over stacked parameters):
-        stream = attention sublayer, then FFN sublayer, each through the residual mechanism
-    logits = head(final_norm(residual.end(stream)))
+        state = attention sublayer, then FFN sublayer, each through the residual mechanism
+    logits = head(final_norm(residual_stream.end(state)))
 
 Layer parameters are stacked along a leading `layers` axis at construction (one entry per block,
 or per `BlockGroup` of k blocks when MoE is interleaved), and the forward pass scans over them, so
@@ -24,7 +24,7 @@ from arch.init import group_init
 from arch.layers import Embedding
 from arch.norms import make_norm
 from arch.positions import POSITIONS
-from arch.residual import RESIDUALS
+from arch.residual import RESIDUALS, constrain_state
 from arch.reversible import run_reversible
 from sharding.rules import STREAM, constrain
 
@@ -47,7 +47,7 @@ class Block(nnx.Module):
         stream = self.attention_residual.write(stream, update)
         if self.use_ffn:
             stream = self.ffn_residual.write(stream, self.ffn(self.ffn_residual.read(stream)))
-        return jax.tree.map(lambda s: constrain(s, STREAM), stream), cache
+        return constrain_state(stream), cache
 
 
 class BlockGroup(nnx.Module):
@@ -98,6 +98,7 @@ class TransformerLM(nnx.Module):
             return unit(cfg, rngs=rngs)
 
         self.blocks = stacked_blocks(rngs)
+        self.residual_stream = RESIDUALS[cfg.residual].stream(cfg, rngs=rngs)
         self.final_norm = make_norm(cfg, rngs=rngs) if cfg.final_norm else None
         self.head = HEADS[cfg.head](cfg, rngs=rngs)
 
@@ -117,14 +118,14 @@ class TransformerLM(nnx.Module):
                 for name, shape in shapes.items()}
 
     def _forward(self, tokens_BxT, positions_BxT, cache):
-        residual = RESIDUALS[self.cfg.residual]
         x_BxTxD = self.position.embed(self.embed(tokens_BxT), positions_BxT)
         graphdef, layer_params, layer_states = nnx.split(self.blocks, nnx.Param, ...)
         if self.cfg.reversible:  # arch/reversible.py: two coupled streams
             x_BxTxD, cache = run_reversible(graphdef, layer_params, layer_states, x_BxTxD,
                                             positions_BxT, self.position.rotate, cache)
             return self._output(x_BxTxD), cache
-        stream = residual.begin(constrain(x_BxTxD, STREAM))
+        stream = constrain_state(self.residual_stream.begin(constrain(x_BxTxD, STREAM),
+                                                            decoding=cache is not None))
 
         def run_block(stream, layer):
             params, states, layer_cache = layer
@@ -137,7 +138,7 @@ class TransformerLM(nnx.Module):
         stream, (layer_states, cache) = jax.lax.scan(run_block, stream,
                                                      (layer_params, layer_states, cache))
         nnx.update(self.blocks, layer_states)  # e.g. BatchNorm running statistics
-        return self._output(residual.end(stream)), cache
+        return self._output(self.residual_stream.end(stream)), cache
 
     def _output(self, x_BxTxD):
         """Float32 logits from the stack's output: final norm (if any), then the head."""

@@ -1,20 +1,60 @@
 """Residual-stream mechanisms. Registry: `RESIDUALS[name](cfg, rngs=...)`, one per sublayer.
 
-A mechanism owns how a sublayer reads the stream and how it writes back:
-    h = mechanism.read(stream);  stream = mechanism.write(stream, sublayer(h))
-and, at the model level, how the stream starts from the embedding (`begin`) and what the final
-norm sees (`end`). The plain sum's stream is x_BxTxD; richer mechanisms (multi-stream, depth
-attention) carry richer state through the same four calls.
+A mechanism owns how a sublayer reads the residual state and how it writes back:
+    h = mechanism.read(state);  state = mechanism.write(state, sublayer(h))
+one instance per sublayer (stacked over layers with the blocks), and, at the model level, a
+`stream` module (`Mechanism.stream(cfg, rngs=...)`, built once, parameters not stacked) that
+starts the state from the embedding (`begin`) and gives what the final norm sees (`end`):
+    state = stream.begin(x_BxTxD, decoding=...);  ...;  x_BxTxD = stream.end(state)
+The plain sum's state is x_BxTxD itself. Richer mechanisms (several streams, a history of depth
+sources) carry a pytree through the same calls; by convention its leaves are x_BxTxD-shaped,
+stacked n×B×T×D, or small (counters, per-depth parameters), and `constrain_state` shards them.
+`decoding=True` when the model runs against a KV cache (generation), for mechanisms with a
+faster inference schedule.
 """
 
 from __future__ import annotations
 
+import jax
 from flax import nnx
 
 from arch.norms import make_norm
 from arch.registry import Registry
+from sharding.rules import STREAM, constrain
 
 RESIDUALS = Registry("residual")
+
+
+def constrain_state(state):
+    """Shard every activation leaf of a residual state: x_BxTxD like the stream, n×B×T×D with the
+    leading (stream or depth-source) axis replicated; other leaves are left alone."""
+    def leaf(x):
+        if x.ndim == 3:
+            return constrain(x, STREAM)
+        if x.ndim == 4:
+            return constrain(x, (None, *STREAM))
+        return x
+    return jax.tree.map(leaf, state)
+
+
+def record(module: nnx.Module, name: str, value) -> None:
+    """Expose a mixing quantity (depth weights, read gates, write strengths) to a caller that runs
+    the model under `nnx.capture(model, nnx.Intermediate)`; nothing is stored otherwise, so
+    training state never changes. Values sown inside the layer scan come out stacked over layers.
+    """
+    if hasattr(module, "__captures__"):
+        module.sow(nnx.Intermediate, name, value)
+
+
+class SumStream(nnx.Module):
+    """Model-level part of the single-stream mechanisms: the state is the embedding itself, and
+    the final norm reads the state."""
+
+    def begin(self, x_BxTxD, *, decoding: bool = False):
+        return x_BxTxD
+
+    def end(self, stream_BxTxD):
+        return stream_BxTxD
 
 
 @RESIDUALS.register("prenorm")
@@ -28,13 +68,9 @@ class PreNormSum(nnx.Module):
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         self.norm = make_norm(cfg, rngs=rngs)
 
-    @staticmethod
-    def begin(x_BxTxD):
-        return x_BxTxD
-
-    @staticmethod
-    def end(stream_BxTxD):
-        return stream_BxTxD
+    @classmethod
+    def stream(cls, cfg, *, rngs: nnx.Rngs) -> nnx.Module:
+        return SumStream()
 
     def read(self, stream_BxTxD):
         return self.norm(stream_BxTxD)

@@ -58,7 +58,22 @@ def model_config() -> ml_collections.ConfigDict:
         moe_shared_experts=0,     # moe: always-on shared experts s (DeepSeekMoE), width s·moe_d_ff
         moe_balance_coef=0.01,    # moe: load-balancing loss coefficient α (Switch eq. 4)
         moe_z_coef=1e-3,          # moe: router z-loss coefficient β (ST-MoE eq. 5)
-        residual="prenorm",       # arch.residual.RESIDUALS
+        residual="prenorm",       # arch.residual.RESIDUALS (prenorm, postnorm, deepnorm, noskip,
+                                  # attnres, block_attnres, hc, mhc, width, gated_residual)
+        residual_streams=4,       # hc/mhc/width/gated_residual: streams or branches n
+        residual_dynamic=True,    # hc/mhc/gated_residual: input-dependent part on (False: static)
+        hc_dynamic_scale=0.01,    # hc/mhc: initial scale s of the tanh dynamic weights
+        mhc_sinkhorn_iters=20,    # mhc: Sinkhorn iterations onto doubly-stochastic matrices
+        attnres_block_size=4,     # block_attnres: sublayers per block S (1: Full AttnRes)
+        attnres_query="static",   # attnres: "static" pseudo-query, or "input": + W·(current state)
+        attnres_heads=1,          # attnres: depth-attention heads (divides d)
+        attnres_weights="softmax",  # attnres: softmax | sigmoid | static (DenseFormer-style)
+        attnres_key_norm=True,    # attnres: RMS-normalized keys (False: raw sources)
+        attnres_window=0,         # attnres: attend to the W most recent sources only (0: all)
+        gr_rank=16,               # gated_residual: rank of the read-gate predictor
+        gr_channelwise=True,      # gated_residual: per-channel reads and writes (False: scalar)
+        gr_mixing=False,          # gated_residual: add back an n×n branch-mixing operator
+        gr_state_dtype="float32",  # gated_residual: branch storage dtype (float8_e4m3fn: FP8)
         use_ffn=True,             # False: attention-only blocks (rank-collapse ablation)
         head="tied",              # arch.heads.HEADS
         # Initialization scheme (arch.init.INITS) per parameter group; None: `default`.
