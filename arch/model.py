@@ -57,13 +57,15 @@ class BlockGroup(nnx.Module):
     scan. Its KV caches are stacked k per group."""
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
-        k = cfg.moe_every
-        self.layers = nnx.List([Block(cfg, ffn=cfg.moe_dense_ffn if j < k - 1 else "moe",
-                                      rngs=rngs) for j in range(k)])
+        self.size = cfg.moe_every
+        for j in range(self.size):  # attributes block_0 … block_{k-1}, the last one MoE
+            ffn = cfg.moe_dense_ffn if j < self.size - 1 else "moe"
+            setattr(self, f"block_{j}", Block(cfg, ffn=ffn, rngs=rngs))
 
     def __call__(self, stream, positions_BxT, rotate, cache=None):
         caches = []
-        for j, block in enumerate(self.layers):
+        for j in range(self.size):
+            block = getattr(self, f"block_{j}")
             layer_cache = None if cache is None else jax.tree.map(lambda c, j=j: c[j], cache)
             stream, layer_cache = block(stream, positions_BxT, rotate, layer_cache)
             caches.append(layer_cache)

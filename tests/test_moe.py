@@ -246,7 +246,7 @@ def test_config_errors_are_one_line():
 def test_every_kth_block_is_moe_and_decoding_matches_the_full_pass():
     cfg, model = tiny_model(ffn="moe", moe_every=2, num_layers=4, moe_experts=4,
                             moe_dropless=True)
-    first, second = model.blocks.layers
+    first, second = model.blocks.block_0, model.blocks.block_1
     assert type(first.ffn) is FFNS["swiglu"] and type(second.ffn) is MixtureOfExperts
     assert first.ffn.up.kernel.shape[0] == second.ffn.router.kernel.shape[0] == 2  # 2 groups
     dense_cfg, _ = tiny_model(ffn="swiglu", num_layers=4)
