@@ -1,0 +1,283 @@
+"""Gated Residual (arch/gated_residual.py): its equations, gate ranges, initialization, reduction
+to Pre-Norm, composition with the zoo and decoding, and the FP8 residual state."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from arch.config import ConfigError
+from arch.gated_residual import (
+    GatedResidual,
+    GatedResidualStream,
+    graded_write_strengths,
+    load_branches,
+    load_fp8,
+    store_fp8,
+)
+from tests.helpers import prefill_then_decode, random_tokens, tiny_config, tiny_model
+from train.config import validate
+
+N = 4  # branches (the default model.residual_streams)
+GATED = dict(residual="gated_residual", gr_mixing=True)  # the model most tests share (one build)
+
+
+def resolved(**model):
+    config = tiny_config(residual="gated_residual", **model)
+    validate(config, 1)
+    return config.model
+
+
+def randomize(module: nnx.Module, std: float, seed: int = 0) -> None:
+    """Replace every parameter of `module` by N(0, std²) values (non-zero, large on purpose), but
+    W_down by N(0, 1/(n·D)) and the gains by 1 + N(0, std²): gate logits ≈ N(0, 17·std²)."""
+    rng = np.random.default_rng(seed)
+    flat = []
+    for path, variable in nnx.to_flat_state(nnx.state(module, nnx.Param)):
+        value = std * rng.standard_normal(variable.shape)
+        if "gate_down" in path:
+            value = value / std * float(np.prod(variable.shape[-3:-1])) ** -0.5
+        elif path[-1] == "scale":  # branch gains around 1
+            value = 1 + value
+        flat.append((path, variable.replace(jnp.asarray(value, jnp.float32))))
+    nnx.update(module, nnx.from_flat_state(flat))
+
+
+def sigmoid(x):
+    return 1 / (1 + np.exp(-x))
+
+
+def reference(module: GatedResidual, branches, update, eps):
+    """Read and write of the module docstring, in float64 numpy."""
+    x = np.asarray(branches, np.float64)
+    normalized = x / np.sqrt(np.mean(x**2, -1, keepdims=True) + eps)
+    normalized = normalized * np.asarray(module.scale[...])[:, None, None, :]
+    read_logits = np.asarray(module.read_gate.bias[...])[:, None, None, :]
+    write_logits = np.asarray(module.write_gate.bias[...])[:, None, None, :]
+    if module.gate_down is not None:
+        summary = np.einsum("nbtd,ndr->btr", normalized, np.asarray(module.gate_down.kernel[...]))
+        read_logits = read_logits + np.einsum("btr,rnw->nbtw", summary,
+                                              np.asarray(module.read_gate.up.kernel[...]))
+        write_logits = write_logits + np.einsum("btr,rnw->nbtw", summary,
+                                                np.asarray(module.write_gate.up.kernel[...]))
+    h = np.sum(sigmoid(read_logits) * normalized, axis=0)
+    mixing = np.eye(x.shape[0])
+    if module.mixing is not None:
+        mixing = mixing + np.asarray(module.mixing[...])
+    written = np.einsum("mk,kbtd->mbtd", mixing, x) + 2 * sigmoid(write_logits) * update
+    return h, written
+
+
+@pytest.mark.parametrize("options", [dict(), dict(gr_channelwise=False, residual_dynamic=False),
+                                     dict(gr_mixing=True, gr_channelwise=False)])
+def test_read_and_write_follow_their_equations(options):
+    cfg = resolved(**options)
+    module = GatedResidual(cfg, rngs=nnx.Rngs(0))
+    randomize(module, 0.5)
+    branches = jax.random.normal(jax.random.key(1), (N, 2, 5, cfg.d_model))
+    update = jax.random.normal(jax.random.key(2), (2, 5, cfg.d_model))
+    state = {"branches": branches}
+    expected_h, expected_branches = reference(module, branches, update, cfg.norm_eps)
+    np.testing.assert_allclose(module.read(state), expected_h, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(module.write(state, update)["branches"], expected_branches,
+                               rtol=1e-5, atol=1e-5)
+    width = cfg.d_model if cfg.gr_channelwise else 1
+    assert module.read_gate.bias.shape == module.write_gate.bias.shape == (N, width)
+    assert (module.gate_down is None) == (not cfg.residual_dynamic)
+
+
+def test_initialization_reads_one_nth_of_each_branch_and_writes_graded_strengths():
+    cfg = resolved()
+    module = GatedResidual(cfg, rngs=nnx.Rngs(0))
+    np.testing.assert_allclose(sigmoid(np.asarray(module.read_gate.bias[...])), 1 / N, rtol=1e-6)
+    strengths = 2 * sigmoid(np.asarray(module.write_gate.bias[...]))
+    np.testing.assert_allclose(strengths[:, 0], [0.25, 0.75, 1.25, 1.75], rtol=1e-6)
+    assert graded_write_strengths(N) == [0.25, 0.75, 1.25, 1.75]
+    np.testing.assert_array_equal(module.read_gate.up.kernel[...], 0)
+    np.testing.assert_array_equal(module.write_gate.up.kernel[...], 0)
+    # Equal branches are read as a Pre-Norm read would: RMSNorm(x) with gain 1.
+    x = jax.random.normal(jax.random.key(0), (2, 5, cfg.d_model))
+    state = GatedResidualStream(cfg).begin(x)
+    rms_normalized = x / jnp.sqrt(jnp.mean(x**2, -1, keepdims=True) + cfg.norm_eps)
+    np.testing.assert_allclose(module.read(state), rms_normalized, rtol=1e-5, atol=1e-6)
+
+
+# Compiled once per model graph (models of one config share it).
+forward = nnx.jit(lambda model, tokens: nnx.capture(model, nnx.Intermediate)(tokens))
+logits_of = nnx.jit(lambda model, tokens: model(tokens))
+
+
+def test_read_gates_lie_in_zero_one_and_write_strengths_in_zero_two():
+    cfg, model = tiny_model(**GATED)
+    for residual in (model.blocks.attention_residual, model.blocks.ffn_residual):
+        randomize(residual, 0.5, seed=7)  # logits up to ≈ ±10: σ(10) < 1 in float32
+    _, captured = forward(model, random_tokens((2, 16)))
+    layers, batch, length, width = cfg.num_layers, 2, 16, cfg.d_model
+    for name in ("attention_residual", "ffn_residual"):
+        gates = np.asarray(captured["blocks"][name]["read_gates"].get_value()[0])
+        strengths = np.asarray(captured["blocks"][name]["write_strengths"].get_value()[0])
+        assert gates.shape == strengths.shape == (layers, batch, length, N, width)
+        assert gates.min() > 0 and gates.max() < 1
+        assert strengths.min() > 0 and strengths.max() < 2
+        # The bounds are approached, so tanh, σ-vs-2σ or an unbounded map would have broken them.
+        assert gates.min() < 0.01 and gates.max() > 0.99
+        assert strengths.min() < 0.02 and strengths.max() > 1.98
+        # Not a softmax: the read weights of a channel do not sum to one over the branches.
+        assert np.abs(gates.sum(axis=3) - 1).max() > 0.5
+        mixing = np.asarray(captured["blocks"][name]["mixing_matrix"].get_value()[0])
+        np.testing.assert_allclose(mixing, np.eye(N) + getattr(model.blocks, name).mixing[...])
+
+
+def copy_shared_parameters(source: nnx.Module, target: nnx.Module) -> None:
+    """Give `target` every parameter of `source` with the same path and shape."""
+    source_params = dict(nnx.to_flat_state(nnx.state(source, nnx.Param)))
+    target_state = nnx.state(target, nnx.Param)
+    flat = []
+    for path, variable in nnx.to_flat_state(target_state):
+        shared = source_params.get(path)
+        if shared is not None and shared.shape == variable.shape:
+            variable = variable.replace(shared[...])
+        flat.append((path, variable))
+    nnx.update(target, nnx.from_flat_state(flat))
+
+
+def test_equal_write_strengths_reduce_to_the_prenorm_model():
+    """Strengths s = 1 for every branch: the branches stay copies of the Pre-Norm stream (the
+    mixing M = I + Δ starts at Δ = 0), the read (gates 1/n, zero dynamic part) is RMSNorm with
+    gain 1, and the end (mean) is the stream, so the logits equal the Pre-Norm model's with the
+    same attention/FFN/embedding/head parameters."""
+    _, prenorm = tiny_model(seed=1)
+    _, gated = tiny_model(seed=2, **GATED)
+    copy_shared_parameters(prenorm, gated)
+    for residual in (gated.blocks.attention_residual, gated.blocks.ffn_residual):
+        residual.write_gate.bias[...] = jnp.zeros_like(residual.write_gate.bias[...])
+    tokens = random_tokens((2, 16))
+    expected = logits_of(prenorm, tokens)
+    np.testing.assert_allclose(forward(gated, tokens)[0], expected, atol=2e-5, rtol=1e-5)
+    # The graded initialization differs from Pre-Norm (the branches are not copies).
+    assert not np.allclose(forward(tiny_model(seed=2, **GATED)[1], tokens)[0], expected,
+                           atol=1e-2)
+
+
+class JittedDecoder:
+    """`model.decode` and `init_cache` for `prefill_then_decode`, compiled once per shape."""
+
+    def __init__(self, model):
+        self.model = model
+        self._decode = nnx.jit(lambda model, tokens, positions, cache:
+                               model.decode(tokens, positions, cache))
+
+    def init_cache(self, batch, length):
+        return self.model.init_cache(batch, length)
+
+    def decode(self, tokens, positions, cache):
+        return self._decode(self.model, tokens, positions, cache)
+
+
+def test_composes_with_mla_moe_interleaving_gatednorm_and_decoding():
+    """Decoding with a KV cache, one token at a time (one compiled shape), equals the full
+    forward (so the model is causal), with scalar gates on a model that uses MLA, a dropless MoE
+    every 2nd block and GatedNorm (the final norm; GR replaces the pre-norms)."""
+    _, model = tiny_model(residual="gated_residual", gr_channelwise=False, attention="mla",
+                          mla_kv_rank=16, mla_rope_dim=8, ffn="moe", moe_every=2, moe_experts=4,
+                          moe_dropless=True, norm="gatednorm")
+    randomize(model.blocks.layers[0].attention_residual, 0.5, seed=3)
+    randomize(model.blocks.layers[1].ffn_residual, 0.5, seed=4)
+    tokens = random_tokens((2, 16))
+    full = logits_of(model, tokens)
+    assert np.isfinite(full).all()
+    np.testing.assert_allclose(prefill_then_decode(JittedDecoder(model), tokens, 1, 16), full,
+                               atol=1e-4, rtol=1e-4)
+
+
+def test_bfloat16_compute_reads_in_bfloat16_and_keeps_the_state_dtype():
+    cfg = resolved(dtype="bfloat16")
+    module = GatedResidual(cfg, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(0), (2, 5, cfg.d_model), jnp.bfloat16)
+    state = GatedResidualStream(cfg).begin(x)
+    assert state["branches"].dtype == jnp.float32
+    h = module.read(state)
+    assert h.dtype == jnp.bfloat16
+    written = module.write(state, h)
+    assert written["branches"].dtype == jnp.float32
+    assert GatedResidualStream(cfg).end(written).dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("residual_streams", 1, "model.residual_streams=1 is invalid: gated_residual needs an integer "
+                            "n ≥ 2 branches (one branch: use residual='prenorm' with "
+                            "norm='gatednorm')"),
+    ("gr_state_dtype", "float16", "model.gr_state_dtype='float16' is invalid: valid: float32, "
+                                  "bfloat16, float8_e4m3fn"),
+    ("gr_rank", 0, "model.gr_rank=0 is invalid: must be a positive integer (rank of the gate "
+                   "predictor)"),
+])
+def test_invalid_fields_are_one_line_config_errors(field, value, message):
+    with pytest.raises(ConfigError) as error:
+        resolved(**{field: value})
+    assert str(error.value) == message
+
+
+def test_fp8_storage_round_trip_is_bounded_and_never_overflows():
+    magnitudes = jnp.array([1e-4, 1e-2, 1.0, 30.0, 1e4])[:, None]  # rows far beyond 448
+    x = magnitudes * jax.random.normal(jax.random.key(0), (5, 64))
+    payload, scale = store_fp8(x)
+    assert payload.dtype == jnp.float8_e4m3fn and scale.dtype == jnp.float32
+    np.testing.assert_array_equal(scale, 2.0 ** np.round(np.log2(scale)))  # powers of two
+    assert np.all(np.abs(x).max(-1, keepdims=True) / scale <= 448)
+    restored = load_fp8(payload, scale)
+    # 3 mantissa bits: half an ulp is 2⁻⁴ of |x| (normals), the subnormal step is 2⁻⁹·scale.
+    assert np.all(np.abs(restored - x) <= 2.0**-4 * np.abs(x) + 2.0**-10 * scale)
+    # Gradients go through the same per-row scaled FP8 storage: tiny ones do not underflow.
+    cotangent = 1e-20 * jax.random.normal(jax.random.key(1), x.shape)
+    _, pullback = jax.vjp(lambda x: load_fp8(*store_fp8(x)), x)
+    (gradient,) = pullback(cotangent)
+    assert np.all(np.abs(gradient - cotangent) <= 2.0**-4 * np.abs(cotangent) + 1e-40)
+    assert np.count_nonzero(gradient) > 0.95 * gradient.size
+
+
+def test_fp8_state_takes_half_the_bytes_of_bfloat16():
+    x = jax.random.normal(jax.random.key(0), (2, 5, 32))
+    fp8 = GatedResidualStream(resolved(gr_state_dtype="float8_e4m3fn")).begin(x)
+    bf16 = GatedResidualStream(resolved(gr_state_dtype="bfloat16")).begin(x)
+    assert fp8["branches"].dtype == jnp.float8_e4m3fn and fp8["branches"].shape == (N, 2, 5, 32)
+    assert fp8["branches"].dtype.itemsize * 2 == bf16["branches"].dtype.itemsize == 2
+    state_bytes = {name: sum(leaf.nbytes for leaf in jax.tree.leaves(state))
+                   for name, state in (("fp8", fp8), ("bf16", bf16))}
+    assert state_bytes["fp8"] / state_bytes["bf16"] == pytest.approx((32 + 4) / (2 * 32))
+    np.testing.assert_allclose(load_branches(fp8), jnp.broadcast_to(x, (N, 2, 5, 32)),
+                               rtol=2.0**-4)
+
+
+def test_fp8_state_stays_close_to_the_float32_state_in_logits_and_gradients():
+    """Accuracy cost of the FP8 state on the tiny model (same parameters; 4 sublayers, each
+    re-rounding all branches to 3 mantissa bits): measured ≈ 6% relative RMS error in the logits
+    and ≤ 14% relative error per parameter gradient; asserted with some margin. A loss scaled by
+    2⁻³⁰ gives gradients scaled by exactly 2⁻³⁰ (no underflow through the FP8 state). The FP8
+    model is rematerialized (the custom VJPs and the read-to-write hand-off under checkpoint)."""
+    tokens = random_tokens((2, 16))
+
+    @nnx.jit
+    def logits_and_gradients(model, loss_scale):
+        def loss(model):
+            logits = model(tokens)
+            return loss_scale * jnp.mean(jax.nn.log_softmax(logits)[..., 0]), logits
+        return nnx.grad(loss, has_aux=True)(model)
+
+    _, model32 = tiny_model(**GATED)
+    _, model8 = tiny_model(**GATED, gr_state_dtype="float8_e4m3fn", remat=True)
+    gradients32, logits32 = logits_and_gradients(model32, 1.0)
+    gradients8, logits8 = logits_and_gradients(model8, 1.0)
+    error = jnp.sqrt(jnp.mean((logits8 - logits32) ** 2) / jnp.mean(logits32**2))
+    assert 0 < float(error) < 0.1
+    flat8 = dict(nnx.to_flat_state(gradients8))
+    for path, gradient32 in nnx.to_flat_state(gradients32):
+        size = float(jnp.linalg.norm(gradient32[...]))
+        if size > 0:  # the zero-initialized up-projections give W_down no gradient at first
+            difference = float(jnp.linalg.norm(flat8[path][...] - gradient32[...]))
+            assert difference < 0.25 * size, path
+    tiny_gradients8, _ = logits_and_gradients(model8, 2.0**-30)
+    for small, gradient in zip(jax.tree.leaves(tiny_gradients8), jax.tree.leaves(gradients8),
+                               strict=True):
+        np.testing.assert_allclose(small * 2.0**30, gradient, rtol=1e-6, atol=0)
