@@ -3,7 +3,8 @@
 It shares no code with the modules in `arch/`: plain functions over the nested dict of parameter
 arrays that `nnx.to_pure_dict(nnx.state(model, nnx.Param))` gives. It covers the foundation's
 components (RMSNorm/LayerNorm, RoPE/learned/no positions, MHA/GQA/MQA, two-projection or SwiGLU
-FFN, Pre-Norm residual sum, tied/untied head), so a test can check the framework against it and
+FFN, Pre-Norm residual sum or Attention Residuals (Full or Block, every `attnres_*` variant),
+tied/untied head), so a test can check the framework against it and
 `scripts/bench.py` can time a train step the framework does not touch.
 """
 
@@ -35,12 +36,11 @@ def _rope(cfg, x, t):
     return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1).astype(x.dtype)
 
 
-def _block(cfg, x, p, dtype):
-    b, t, _ = x.shape
+def _attention(cfg, a, y, dtype):
+    """Causal multi-head attention of the normalized input y."""
+    b, t, _ = y.shape
     h, k = cfg.num_heads, cfg.num_kv_heads
     pos = jnp.arange(t)
-    a = p["attention"]
-    y = _norm(cfg, p["attention_residual"]["norm"], x)
     q = _rope(cfg, jnp.einsum("btd,dhp->bthp", y, a["query"]["kernel"].astype(dtype)), pos)
     kk = _rope(cfg, jnp.einsum("btd,dkp->btkp", y, a["key"]["kernel"].astype(dtype)), pos)
     v = jnp.einsum("btd,dkp->btkp", y, a["value"]["kernel"].astype(dtype))
@@ -48,21 +48,82 @@ def _block(cfg, x, p, dtype):
     s = jnp.einsum("bthp,bshp->bhts", q, kk).astype(jnp.float32) / jnp.sqrt(q.shape[-1])
     s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -jnp.inf)
     o = jnp.einsum("bhts,bshp->bthp", jax.nn.softmax(s, -1).astype(dtype), v)
-    x = x + jnp.einsum("bthp,hpd->btd", o, a["output"]["kernel"].astype(dtype))
-    f = p["ffn"]
-    y = _norm(cfg, p["ffn_residual"]["norm"], x)
+    return jnp.einsum("bthp,hpd->btd", o, a["output"]["kernel"].astype(dtype))
+
+
+def _ffn(cfg, f, y, dtype):
     if cfg.ffn == "swiglu":
         hid = jax.nn.silu(y @ f["gate"]["kernel"].astype(dtype)) * (y @ f["up"]["kernel"]
                                                                     .astype(dtype))
     else:
         act = {"gelu": jax.nn.gelu, "relu": jax.nn.relu, "silu": jax.nn.silu}[cfg.activation]
         hid = act(y @ f["up"]["kernel"].astype(dtype))
-    return x + hid @ f["down"]["kernel"].astype(dtype)
+    return hid @ f["down"]["kernel"].astype(dtype)
+
+
+def _block(cfg, x, p, dtype):
+    x = x + _attention(cfg, p["attention"], _norm(cfg, p["attention_residual"]["norm"], x), dtype)
+    return x + _ffn(cfg, p["ffn"], _norm(cfg, p["ffn_residual"]["norm"], x), dtype)
+
+
+def _depth_read(cfg, sources, index, stream, projection):
+    """AttnRes read of sublayer `index` (index = n: the final read), float32: Σ_j α_j v_j over
+    `sources` (a list of B×T×D arrays, list position = source slot)."""
+    heads, d = cfg.attnres_heads, cfg.d_model
+    slots = list(range(len(sources)))
+    if cfg.attnres_window:
+        slots = slots[-cfg.attnres_window:]
+
+    def split(x):  # B×T×D → B×T×H×(D/H), float32
+        return x.astype(jnp.float32).reshape(*x.shape[:-1], heads, d // heads)
+
+    def key(x):
+        if not cfg.attnres_key_norm:
+            return split(x)
+        return split(x) / jnp.sqrt(jnp.mean(split(x) ** 2, -1, keepdims=True) + cfg.norm_eps)
+
+    if cfg.attnres_weights == "static":
+        table = stream["static_weights"][index]                       # slots × H
+        weights = [jnp.broadcast_to(table[j], sources[0].shape[:2] + (heads,)) for j in slots]
+    else:
+        query = split(stream["pseudo_queries"][index][None, None])   # 1×1×H×K
+        if projection is not None:  # the newest source, as a key, through W
+            query = query + split(key(sources[-1]).reshape(sources[-1].shape)
+                                  @ projection["kernel"])
+        scores = jnp.stack([(key(sources[j]) * query).sum(-1) for j in slots])  # n×B×T×H
+        weights = (jax.nn.softmax(scores, 0) if cfg.attnres_weights == "softmax"
+                   else jax.nn.sigmoid(scores))
+    mixed = sum(w[..., None] * split(sources[j]) for w, j in zip(weights, slots, strict=True))
+    return mixed.reshape(sources[0].shape)
+
+
+def _attnres_stack(cfg, x, params, dtype):
+    """Full/Block AttnRes over Python lists: `sources` holds the embedding and the completed
+    block summaries, `partial` the current block's partial sum (None while empty)."""
+    block_size = cfg.attnres_block_size if cfg.residual == "block_attnres" else 1
+    stream = params["residual_stream"]
+    sources, partial, index = [x], None, 0
+    for layer in range(cfg.num_layers):
+        p = jax.tree.map(lambda a, layer=layer: a[layer], params["blocks"])
+        for name, sublayer in (("attention", _attention), ("ffn", _ffn)):
+            residual = p[f"{name}_residual"]
+            available = sources + ([] if partial is None else [partial])
+            mixed = _depth_read(cfg, available, index, stream, residual.get("query_projection"))
+            update = sublayer(cfg, p[name], _norm(cfg, residual["norm"], mixed.astype(dtype)),
+                              dtype)
+            partial = update if partial is None else partial + update
+            index += 1
+            if index % block_size == 0:  # the block is complete: its summary becomes a source
+                sources, partial = sources + [partial], None
+    available = sources + ([] if partial is None else [partial])
+    return _depth_read(cfg, available, index, stream,
+                       stream.get("final_query_projection")).astype(dtype)
 
 
 SUPPORTED = dict(attention=("mha",), norm=("rmsnorm", "layernorm"), ffn=("mlp", "swiglu"),
-                 activation=("gelu", "relu", "silu"), residual=("prenorm",),
-                 head=("tied", "untied"), position=("rope", "learned", "none"))
+                 activation=("gelu", "relu", "silu"),
+                 residual=("prenorm", "attnres", "block_attnres"), head=("tied", "untied"),
+                 position=("rope", "learned", "none"))
 
 
 def unsupported(cfg) -> str | None:
@@ -78,8 +139,9 @@ def unsupported(cfg) -> str | None:
 
 
 def logits(cfg, params: dict, tokens_BxT: jax.Array) -> jax.Array:
-    """Float32 logits of the Pre-Norm decoder described by `cfg` (a resolved model config).
-    Initialization does not matter here (parameters come in), so `model.init` is ignored."""
+    """Float32 logits of the Pre-Norm (or AttnRes) decoder described by `cfg` (a resolved model
+    config). Initialization does not matter here (parameters come in), so `model.init` is
+    ignored."""
     if reason := unsupported(cfg):
         raise ValueError(reason)
     dtype = jnp.dtype(cfg.dtype)
@@ -87,7 +149,10 @@ def logits(cfg, params: dict, tokens_BxT: jax.Array) -> jax.Array:
     x = table[tokens_BxT].astype(dtype)
     if cfg.position == "learned":
         x = x + params["position"]["table"][: tokens_BxT.shape[1]].astype(dtype)
-    x, _ = jax.lax.scan(lambda x, p: (_block(cfg, x, p, dtype), None), x, params["blocks"])
+    if cfg.residual == "prenorm":
+        x, _ = jax.lax.scan(lambda x, p: (_block(cfg, x, p, dtype), None), x, params["blocks"])
+    else:
+        x = _attnres_stack(cfg, x, params, dtype)
     if cfg.final_norm:
         x = _norm(cfg, params["final_norm"], x)
     w = table.T if cfg.head == "tied" else params["head"]["output"]["kernel"]

@@ -1,0 +1,510 @@
+"""Attention Residuals (Kimi Team 2026, "Attention Residuals", arXiv 2603.15031): each sublayer
+reads a learned attention mixture over depth instead of the unit-weight residual sum.
+
+Full AttnRes (paper §3, "Full Attention Residuals"), registered as "attnres". The sources of
+sublayer l (0-based, attention and FFN sublayers counted separately, n = 2L of them, L with
+`model.use_ffn=False`) are the token embedding v₀ = x⁰ and every earlier sublayer output
+v_j = F_j(h_j), j < l. With a pseudo-query w_l ∈ R^d per sublayer,
+
+    α_{j→l} = softmax_j( w_l · k̂_j ),   k̂_j = v_j / sqrt(mean(v_j²) + ε),    (scores in float32)
+    h_l = norm_l( Σ_j α_{j→l} v_j ),     the sublayer input (a Pre-Norm on the mixed read),
+
+and a final read with its own pseudo-query w_n feeds the model's final norm. The keys are RMS-
+normalized without a gain on purpose: w · (g ⊙ k̂) = (w ⊙ g) · k̂, so a key gain is redundant with
+the query. Initialization: every w = 0, so the weights start uniform over the available sources
+(1/(l+1)), not at the ordinary unit-weight sum (the norm that follows removes the scale anyway).
+
+Block AttnRes (paper §3, "Block Attention Residuals"), registered as "block_attnres": the n
+sublayers form N = ⌈n/S⌉ blocks of S = `model.attnres_block_size` consecutive sublayers. The
+outputs of a block are summed, b_m = Σ_{j ∈ block m} v_j; sublayer l of block m = ⌊l/S⌋ attends
+over the embedding, the completed summaries b_0 … b_{m−1} and, unless it is the block's first
+sublayer, the partial sum of block m's earlier outputs. Boundary rules: a read happens before its
+own output is added; a summary becomes a source once, when its block completes; an output is in
+exactly one source; an empty partial sum is never a source. S = 1 is Full AttnRes exactly; S ≥ n
+(N = 1) keeps the embedding beside one running sum.
+
+Storage: one buffer of 1 + N source slots, kept token-major as B×T×((N+1)·D) (slot j is
+features j·D … (j+1)·D − 1; a 3-D leaf, so `constrain_state` shards it like the stream, and each
+token's sources are contiguous, which keeps the depth contractions free of transposes on CPU):
+the embedding in slot 0 and block m's sum in slot m + 1. A block's slot holds its partial sum
+while the block runs and its summary once complete, so a write touches one slot (in place) and
+slot j ≥ 1 is a source of sublayer l iff it holds at least one output, (j − 1)·S < l, i.e.
+j ≤ ⌈l/S⌉. Beside each slot its 1/rms (per head, B×T×((N+1)·H), float32), computed once when the
+slot is written, so no read recomputes a norm. Training therefore costs O(N) per read (no O(L²)
+work for Block AttnRes), O(n) for Full. The one-head softmax read has a hand-written gradient
+(`softmax_read`); writes pass the buffer's cotangent through untouched.
+
+Cost (CPU, the issue's benchmark: d = 192, 16 blocks, 16×128 tokens, 8 AttnRes blocks of S = 4):
+each read streams the N + 1 slots forward and backward, and the layer scan saves the buffer for
+every read's backward pass (autodiff of the scan cannot know that completed slots never change),
+so a train step measured 1.29× the plain Pre-Norm sum's, with 1.5× its temporary memory; a
+one-token decode step 1.05–1.15× (two-phase). Reaching ~1.05× in training needs the layer scan
+to step one AttnRes block at a time (phase 1 unconditional at the step's start, one saved buffer
+per block), a change to `arch/model.py`.
+
+Variants (config fields):
+- `attnres_query="input"`: w_l + W_l k̂_cur, with W_l ∈ R^{d×d} zero-initialized and the
+  "current state" k̂_cur the most recent source (slot ⌈l/S⌉: the previous sublayer's output for
+  Full AttnRes, the current partial sum or the last summary for Block), normalized like a key.
+- `attnres_heads=H`: d split into H chunks of d/H features; each chunk has its own query chunk,
+  per-chunk key normalization and its own softmax over the sources.
+- `attnres_weights="sigmoid"`: α_j = σ(w_l · k̂_j), unnormalized over the sources.
+- `attnres_weights="static"`: input-independent learned weights α_{j→l} (per head), DenseFormer
+  style (Pagliardini et al. 2024, "DenseFormer", §3, depth-weighted averages). Initialized to 1 on
+  every available source, DenseFormer's principle of starting exactly at the standard residual
+  model: with all-one weights h_l = norm(x⁰ + Σ_{j<l} v_j) is the Pre-Norm sum.
+- `attnres_key_norm=False`: raw sources as keys.
+- `attnres_window=W > 0`: only the W most recent sources (slots ⌈l/S⌉ − W + 1 … ⌈l/S⌉).
+
+Two-phase inference (paper, "Two-phase computation"; used with a KV cache, `decoding=True`):
+the pseudo-queries do not depend on the input, so when a block starts, the S queries of the block
+are batched against the completed sources once (phase 1: running max, denominator and weighted
+numerator per query and head), and each read of the block then merges its one partial-sum
+source into that result with an online-softmax merge (phase 2), O(d) per read instead of O(N·d).
+Equal to the naive read to float rounding. It applies to softmax weights with static queries and
+no window; the other variants keep the naive read in decoding. Training keeps the naive read:
+under autodiff the phase-1 `lax.cond` copies the state and pads its saved residuals with zeros
+at every write, which measured slower than reading the N + 1 slots directly.
+
+Recorded (`arch.residual.record`): "depth_weights", the weights over the N + 1 slots (zero on
+unavailable slots) averaged over batch, tokens and heads, one row per read (stacked over layers
+for the sublayer reads; the final read from the stream module). Under `nnx.capture` the reads
+take the autodiff path (and two-phase reads also compute the naive weights) to record them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from arch.layers import Dense, param
+from arch.norms import make_norm
+from arch.residual import RESIDUALS, record
+
+WEIGHTS = ("softmax", "sigmoid", "static")
+QUERIES = ("static", "input")
+
+
+@dataclasses.dataclass(frozen=True)
+class DepthLayout:
+    """The static shape of an AttnRes stack: how many sublayers, blocks, heads and which variant."""
+
+    sublayers: int       # n: 2L, or L without FFNs
+    block_size: int      # S sublayers per block (1: Full AttnRes)
+    heads: int           # H depth-attention heads
+    weights: str         # softmax | sigmoid | static
+    query: str           # static | input
+    key_norm: bool
+    window: int          # 0: every source
+    eps: float
+
+    @property
+    def slots(self) -> int:
+        """1 + N: the embedding and one slot per block."""
+        return 1 + math.ceil(self.sublayers / self.block_size)
+
+    @property
+    def normalizes_keys(self) -> bool:
+        return self.key_norm and self.weights != "static"
+
+    @property
+    def two_phase(self) -> bool:
+        """Whether decoding uses the two-phase schedule (input-independent softmax scores)."""
+        return self.weights == "softmax" and self.query == "static" and self.window == 0
+
+
+def _split_heads(x: jax.Array, heads: int) -> jax.Array:
+    """…×D → …×H×(D/H)."""
+    return x.reshape(*x.shape[:-1], heads, x.shape[-1] // heads)
+
+
+def inverse_rms(x: jax.Array, heads: int, eps: float) -> jax.Array:
+    """1 / sqrt(mean(x²) + ε) per head chunk of d/H features: …×D → …×H, float32."""
+    x = _split_heads(x.astype(jnp.float32), heads)
+    return jax.lax.rsqrt(jnp.mean(x * x, axis=-1) + eps)
+
+
+def depth_scores(query, sources_BxTxNxD, inverse_rms_BxTxNxH, heads: int) -> jax.Array:
+    """Scores w · k̂_j of one query (D, or B×T×D for an input-dependent query) against every
+    source, B×T×N×H float32; keys are the sources scaled by their 1/rms (None: raw keys)."""
+    if heads == 1:  # no head axis in the contraction: XLA:CPU would transpose the sources
+        equation = "btnd,d->btn" if query.ndim == 1 else "btnd,btd->btn"
+        scores = jnp.einsum(equation, sources_BxTxNxD.astype(jnp.float32),
+                            query.astype(jnp.float32))[..., None]
+    else:
+        values = _split_heads(sources_BxTxNxD.astype(jnp.float32), heads)
+        query = _split_heads(query.astype(jnp.float32), heads)
+        equation = "btnhk,hk->btnh" if query.ndim == 2 else "btnhk,bthk->btnh"
+        scores = jnp.einsum(equation, values, query)
+    return scores if inverse_rms_BxTxNxH is None else scores * inverse_rms_BxTxNxH
+
+
+def depth_weights(scores_BxTxNxH, valid_N, kind: str) -> jax.Array:
+    """Mixing weights over sources from scores: softmax over the valid sources, or an elementwise
+    sigmoid; invalid sources get weight 0."""
+    mask = valid_N[:, None]
+    if kind == "softmax":
+        return jax.nn.softmax(jnp.where(mask, scores_BxTxNxH, -jnp.inf), axis=2)
+    return jnp.where(mask, jax.nn.sigmoid(scores_BxTxNxH), 0.0)
+
+
+def mix_sources(weights, sources_BxTxNxD, heads: int) -> jax.Array:
+    """Σ_j α_j v_j per head, float32 B×T×D; weights B×T×N×H, or N×H (input-independent)."""
+    if heads == 1:
+        equation = "n,btnd->btd" if weights.ndim == 2 else "btn,btnd->btd"
+        return jnp.einsum(equation, weights[..., 0], sources_BxTxNxD.astype(jnp.float32))
+    values = _split_heads(sources_BxTxNxD.astype(jnp.float32), heads)
+    equation = "nh,btnhk->bthk" if weights.ndim == 2 else "btnh,btnhk->bthk"
+    mixed = jnp.einsum(equation, weights, values)
+    return mixed.reshape(*mixed.shape[:-2], -1)
+
+
+def depth_read(query, sources_BxTxNxD, inverse_rms_BxTxNxH, valid_N, heads: int,
+               kind: str = "softmax") -> tuple[jax.Array, jax.Array]:
+    """The naive read: (Σ_j α_j v_j as float32 B×T×D, weights B×T×N×H)."""
+    weights = depth_weights(depth_scores(query, sources_BxTxNxD, inverse_rms_BxTxNxH, heads),
+                            valid_N, kind)
+    return mix_sources(weights, sources_BxTxNxD, heads), weights
+
+
+@jax.custom_vjp
+def softmax_read(query, sources_BxTxNxD, inverse_rms_BxTxN, valid_N) -> jax.Array:
+    """`depth_read` for one head with softmax weights (query D, or B×T×D), float32 B×T×D, with a
+    hand-written gradient: one saved copy of the sources per read and no head axis in the
+    contractions (autodiff saves them once per contraction, XLA:CPU transposes them)."""
+    return _softmax_read_forward(query, sources_BxTxNxD, inverse_rms_BxTxN, valid_N)[0]
+
+
+def _softmax_read_forward(query, sources_BxTxNxD, inverse_rms_BxTxN, valid_N):
+    values = sources_BxTxNxD.astype(jnp.float32)
+    query = query.astype(jnp.float32)
+    raw = jnp.einsum("btnd,d->btn" if query.ndim == 1 else "btnd,btd->btn", values, query)
+    weights = jax.nn.softmax(jnp.where(valid_N, raw * inverse_rms_BxTxN, -jnp.inf), axis=-1)
+    mixed = jnp.einsum("btn,btnd->btd", weights, values)
+    return mixed, (query, sources_BxTxNxD, inverse_rms_BxTxN, weights, raw)
+
+
+def _softmax_read_backward(residuals, mixed_cotangent_BxTxD):
+    query, sources, inverse, weights, raw = residuals
+    values = sources.astype(jnp.float32)
+    weight_cotangent = jnp.einsum("btd,btnd->btn", mixed_cotangent_BxTxD, values)
+    score_cotangent = weights * (weight_cotangent
+                                 - jnp.sum(weights * weight_cotangent, -1, keepdims=True))
+    raw_cotangent = score_cotangent * inverse
+    query_cotangent = jnp.einsum("btn,btnd->d" if query.ndim == 1 else "btn,btnd->btd",
+                                 raw_cotangent, values)
+    query_term = query if query.ndim == 1 else query[:, :, None]
+    source_cotangent = (weights[..., None] * mixed_cotangent_BxTxD[:, :, None]
+                        + raw_cotangent[..., None] * query_term)
+    return (query_cotangent, source_cotangent.astype(sources.dtype), score_cotangent * raw,
+            None)
+
+
+softmax_read.defvjp(_softmax_read_forward, _softmax_read_backward)
+
+
+def phase_one(queries_SxD, sources_BxTxNxD, inverse_rms_BxTxNxH, valid_N, heads: int):
+    """Phase 1 of two-phase AttnRes: the S queries of a block against the completed sources at
+    once. Returns the online-softmax state per query and head: running max m (B×T×S×H),
+    denominator Σ_j e^{s_j − m} (B×T×S×H) and numerator Σ_j e^{s_j − m} v_j (B×T×S×D), float32."""
+    values = sources_BxTxNxD.astype(jnp.float32)
+    if heads == 1:
+        scores = jnp.einsum("btnd,sd->btsn", values, queries_SxD.astype(jnp.float32))[..., None]
+    else:
+        scores = jnp.einsum("btnhk,shk->btsnh", _split_heads(values, heads),
+                            _split_heads(queries_SxD.astype(jnp.float32), heads))
+    if inverse_rms_BxTxNxH is not None:
+        scores = scores * inverse_rms_BxTxNxH[:, :, None]
+    scores = jnp.where(valid_N[:, None], scores, -jnp.inf)
+    running_max = jax.lax.stop_gradient(scores.max(axis=3))  # cancels in the ratio
+    exponentials = jnp.exp(scores - running_max[:, :, :, None])
+    if heads == 1:
+        numerator = jnp.einsum("btsn,btnd->btsd", exponentials[..., 0], values)
+    else:
+        numerator = jnp.einsum("btsnh,btnhk->btshk", exponentials, _split_heads(values, heads))
+        numerator = numerator.reshape(*numerator.shape[:-2], -1)
+    return running_max, exponentials.sum(axis=3), numerator
+
+
+def merge_partial(query_D, running_max_BxTxH, denominator_BxTxH, numerator_BxTxD, partial_BxTxD,
+                  partial_inverse_rms_BxTxH, has_partial, heads: int) -> jax.Array:
+    """Phase 2: merge one more source (the block's partial sum; skipped where `has_partial` is
+    False) into a phase-1 result with the online-softmax update, and normalize:
+    m' = max(m, s), read = (e^{m−m'}·num + e^{s−m'}·v) / (e^{m−m'}·den + e^{s−m'}), float32."""
+    partial = _split_heads(partial_BxTxD.astype(jnp.float32), heads)
+    score = jnp.einsum("bthk,hk->bth", partial, _split_heads(query_D.astype(jnp.float32), heads))
+    if partial_inverse_rms_BxTxH is not None:
+        score = score * partial_inverse_rms_BxTxH
+    score = jnp.where(has_partial, score, -jnp.inf)
+    new_max = jax.lax.stop_gradient(jnp.maximum(running_max_BxTxH, score))
+    keep, add = jnp.exp(running_max_BxTxH - new_max), jnp.exp(score - new_max)
+    numerator = _split_heads(numerator_BxTxD, heads) * keep[..., None] + partial * add[..., None]
+    mixed = numerator / (denominator_BxTxH * keep + add)[..., None]
+    return mixed.reshape(*mixed.shape[:-2], -1)
+
+
+def two_phase_reads(queries_SxD, sources_BxTxNxD, inverse_rms_BxTxNxH, valid_N,
+                    partials_SxBxTxD, partial_inverse_rms_SxBxTxH, heads: int) -> jax.Array:
+    """The S reads of one block by the two-phase schedule, S×B×T×D float32: read i attends over
+    the valid completed sources and, for i > 0, `partials[i]` (the sum of the block's first i
+    outputs; `partials[0]` is ignored). Equal to `depth_read` over the same sources."""
+    phase = phase_one(queries_SxD, sources_BxTxNxD, inverse_rms_BxTxNxH, valid_N, heads)
+    reads = []
+    for i in range(queries_SxD.shape[0]):
+        inverse = None if partial_inverse_rms_SxBxTxH is None else partial_inverse_rms_SxBxTxH[i]
+        reads.append(merge_partial(queries_SxD[i], *(p[:, :, i] for p in phase),
+                                   partials_SxBxTxD[i], inverse, i > 0, heads))
+    return jnp.stack(reads)
+
+
+# The state keeps every per-token array 3-D, B×T×(k·width) with k slots side by side, so that
+# `constrain_state` shards it like the stream; these views split and index the slots.
+def _unflatten(x_BxTxKW: jax.Array, width: int) -> jax.Array:
+    return x_BxTxKW.reshape(*x_BxTxKW.shape[:2], -1, width)
+
+
+def _slot(x_BxTxKW: jax.Array, index, width: int) -> jax.Array:
+    return jax.lax.dynamic_slice_in_dim(x_BxTxKW, index * width, width, axis=2)
+
+
+def _set_slot(x_BxTxKW: jax.Array, value, index, width: int) -> jax.Array:
+    return jax.lax.dynamic_update_slice_in_dim(x_BxTxKW, value.astype(x_BxTxKW.dtype),
+                                               index * width, axis=2)
+
+
+@jax.custom_vjp
+def _add_to_slot(x_BxTxKW: jax.Array, update_BxTxW: jax.Array, index) -> jax.Array:
+    """x with `update` added to slot `index` (in place). Its gradient is written by hand: the
+    cotangent of x passes through untouched (autodiff of the slice-add-update would rebuild the
+    whole buffer's cotangent at every write) and the update's is the slot's slice."""
+    width = update_BxTxW.shape[-1]
+    return _set_slot(x_BxTxKW, _slot(x_BxTxKW, index, width) + update_BxTxW.astype(x_BxTxKW.dtype),
+                     index, width)
+
+
+def _add_to_slot_forward(x_BxTxKW, update_BxTxW, index):
+    dtype_witness = jnp.zeros((0,), update_BxTxW.dtype)  # residuals must be arrays
+    return _add_to_slot(x_BxTxKW, update_BxTxW, index), (index, dtype_witness,
+                                                          update_BxTxW.shape[-1])
+
+
+def _add_to_slot_backward(residuals, cotangent_BxTxKW):
+    index, dtype_witness, width = residuals
+    update = _slot(cotangent_BxTxKW, index, width).astype(dtype_witness.dtype)
+    return cotangent_BxTxKW, update, None
+
+
+_add_to_slot.defvjp(_add_to_slot_forward, _add_to_slot_backward)
+
+
+def _row(table, index):
+    return jax.lax.dynamic_index_in_dim(table, index, axis=0, keepdims=False)
+
+
+def _phase_one_state(layout: DepthLayout, state: dict) -> dict:
+    """Phase 1 for the block that starts at sublayer `state["sublayer"]` (its S pseudo-queries,
+    from a table padded by S rows, against the completed sources)."""
+    first = state["sublayer"]
+    queries = jax.lax.dynamic_slice_in_dim(state["pseudo_queries"], first, layout.block_size)
+    valid = jnp.arange(layout.slots) <= first // layout.block_size
+    sources = _unflatten(state["sources"], state["pseudo_queries"].shape[-1])
+    inverse = state.get("inverse_rms")
+    inverse = None if inverse is None else _unflatten(inverse, layout.heads)
+    running_max, denominator, numerator = phase_one(queries, sources, inverse, valid,
+                                                    layout.heads)
+    flat = lambda x: x.reshape(*x.shape[:2], -1)  # noqa: E731
+    return dict(state, phase_max=flat(running_max), phase_denominator=flat(denominator),
+                phase_numerator=flat(numerator))
+
+
+def _two_phase_read(layout: DepthLayout, state: dict) -> jax.Array:
+    index = state["sublayer"]
+    position, block = index % layout.block_size, index // layout.block_size
+    heads, width = layout.heads, state["pseudo_queries"].shape[-1]
+    inverse = state.get("inverse_rms")
+    partial_inverse = None if inverse is None else _slot(inverse, block + 1, heads)
+    return merge_partial(
+        _row(state["pseudo_queries"], index), _slot(state["phase_max"], position, heads),
+        _slot(state["phase_denominator"], position, heads),
+        _slot(state["phase_numerator"], position, width),
+        _slot(state["sources"], block + 1, width), partial_inverse, position > 0, heads)
+
+
+def _read(layout: DepthLayout, state: dict, query_projection, module: nnx.Module,
+          naive: bool = False) -> jax.Array:
+    """The mixed read Σ_j α_{j→l} v_j (float32 B×T×D) of sublayer l = `state["sublayer"]` (l = n:
+    the final read)."""
+    if "phase_max" in state and not naive:
+        if hasattr(module, "__captures__"):  # weights for `record` only under nnx.capture
+            _read(layout, state, query_projection, module, naive=True)
+        return _two_phase_read(layout, state)
+    index = state["sublayer"]
+    sources = _unflatten(state["sources"], state["sources"].shape[-1] // layout.slots)
+    inverse = state.get("inverse_rms")
+    inverse = None if inverse is None else _unflatten(inverse, layout.heads)
+    newest = (index + layout.block_size - 1) // layout.block_size  # ⌈l/S⌉, the newest source
+    slot = jnp.arange(layout.slots)
+    valid = slot <= newest
+    if layout.window:
+        valid &= slot > newest - layout.window
+    if layout.weights == "static":
+        weights = _row(state["static_weights"], index).reshape(layout.slots, layout.heads)
+        weights = jnp.where(valid[:, None], weights, 0.0)
+        record(module, "depth_weights", weights.mean(-1))
+        return mix_sources(weights, sources, layout.heads)
+    query = _row(state["pseudo_queries"], index)
+    if query_projection is not None:  # + W_l k̂_cur, the newest source as a key
+        current = _split_heads(sources[:, :, newest].astype(jnp.float32), layout.heads)
+        if inverse is not None:
+            current = current * inverse[:, :, newest, :, None]
+        query = query + query_projection(current.reshape(*current.shape[:-2], -1))
+    if layout.heads == 1 and layout.weights == "softmax" and not hasattr(module, "__captures__"):
+        ones = jnp.ones(sources.shape[:3], jnp.float32)
+        return softmax_read(query, sources, ones if inverse is None else inverse[..., 0], valid)
+    mixed, weights = depth_read(query, sources, inverse, valid, layout.heads, layout.weights)
+    record(module, "depth_weights", weights.mean((0, 1, 3)))
+    return mixed
+
+
+def _query_projection(cfg, rngs: nnx.Rngs) -> Dense:
+    """W ∈ R^{d×d}, zero-initialized: the input-dependent query starts at the static one."""
+    return Dense((cfg.d_model,), (cfg.d_model,), ("embed",), (None,), rngs=rngs,
+                 init=lambda fan_in, fan_out: nnx.initializers.zeros)
+
+
+class AttnResStream(nnx.Module):
+    """Model-level part of AttnRes: the pseudo-query table w_0 … w_n (the last row is the final
+    read's), zero-initialized, or the static weight table (1 on every source); `begin` fills the
+    source buffer with the embedding, `end` is the final read (no norm: the model's final norm
+    follows)."""
+
+    def __init__(self, layout: DepthLayout, cfg, *, rngs: nnx.Rngs):
+        self.layout = layout
+        rows = layout.sublayers + 1
+        if layout.weights == "static":
+            self.static_weights = param(rngs, nnx.initializers.ones,
+                                        (rows, layout.slots, layout.heads), (None, None, None))
+        else:
+            self.pseudo_queries = param(rngs, nnx.initializers.zeros, (rows, cfg.d_model),
+                                        (None, None))
+        self.final_query_projection = (_query_projection(cfg, rngs) if layout.query == "input"
+                                       else None)
+
+    def begin(self, x_BxTxD, *, decoding: bool = False) -> dict:
+        layout = self.layout
+        batch, length, width = x_BxTxD.shape
+        sources = _set_slot(jnp.zeros((batch, length, layout.slots * width), x_BxTxD.dtype),
+                            x_BxTxD, 0, width)
+        state = dict(sources=sources, sublayer=jnp.zeros((), jnp.int32))
+        if layout.normalizes_keys:
+            state["inverse_rms"] = _set_slot(
+                jnp.zeros((batch, length, layout.slots * layout.heads), jnp.float32),
+                inverse_rms(x_BxTxD, layout.heads, layout.eps), 0, layout.heads)
+        if layout.weights == "static":  # kept 2-D: constrain_state shards 3-D leaves as streams
+            state["static_weights"] = self.static_weights[...].reshape(layout.sublayers + 1, -1)
+        else:
+            state["pseudo_queries"] = self.pseudo_queries[...]
+        if decoding and layout.two_phase:
+            padding = jnp.zeros((layout.block_size, width), jnp.float32)
+            state["pseudo_queries"] = jnp.concatenate([state["pseudo_queries"], padding])
+            state = _phase_one_state(layout, state)
+        return state
+
+    def end(self, state: dict) -> jax.Array:
+        mixed = _read(self.layout, state, self.final_query_projection, self, naive=True)
+        return mixed.astype(state["sources"].dtype)
+
+
+@RESIDUALS.register("attnres")
+class AttentionResidual(nnx.Module):
+    """Full Attention Residuals, per sublayer: h_l = norm(Σ_j α_{j→l} v_j) over the embedding and
+    every earlier sublayer output (equations, initialization and sources: the module docstring of
+    `arch/attnres.py`). Parameters here: the read's norm (`model.norm`, gain 1) and, with
+    `attnres_query="input"`, the zero-initialized query projection W_l."""
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs):
+        self.layout = self.depth_layout(cfg)
+        self.norm = make_norm(cfg, rngs=rngs)
+        self.query_projection = (_query_projection(cfg, rngs) if self.layout.query == "input"
+                                 else None)
+
+    @staticmethod
+    def block_size(cfg) -> int:
+        return 1
+
+    @classmethod
+    def depth_layout(cls, cfg) -> DepthLayout:
+        return DepthLayout(sublayers=cfg.num_layers * (2 if cfg.use_ffn else 1),
+                           block_size=cls.block_size(cfg), heads=cfg.attnres_heads,
+                           weights=cfg.attnres_weights, query=cfg.attnres_query,
+                           key_norm=cfg.attnres_key_norm, window=cfg.attnres_window,
+                           eps=cfg.norm_eps)
+
+    @classmethod
+    def stream(cls, cfg, *, rngs: nnx.Rngs) -> nnx.Module:
+        return AttnResStream(cls.depth_layout(cfg), cfg, rngs=rngs)
+
+    @staticmethod
+    def resolve(cfg) -> None:
+        from arch.config import check
+
+        block = cfg.attnres_block_size
+        check(isinstance(block, int) and not isinstance(block, bool) and block >= 1,
+              "model.attnres_block_size", block, "must be an integer ≥ 1 (sublayers per block)")
+        check(cfg.attnres_weights in WEIGHTS, "model.attnres_weights", cfg.attnres_weights,
+              f"valid: {', '.join(WEIGHTS)}")
+        check(cfg.attnres_query in QUERIES, "model.attnres_query", cfg.attnres_query,
+              f"valid: {', '.join(QUERIES)}")
+        check(cfg.attnres_query == "static" or cfg.attnres_weights != "static",
+              "model.attnres_query", cfg.attnres_query,
+              "static (input-independent) weights use no query; set model.attnres_query='static'"
+              " or model.attnres_weights='softmax'/'sigmoid'")
+        heads, d = cfg.attnres_heads, cfg.d_model
+        check(isinstance(heads, int) and heads >= 1 and d % heads == 0, "model.attnres_heads",
+              heads, f"must divide model.d_model={d}; valid: "
+              f"{[k for k in range(1, d + 1) if d % k == 0]}")
+        check(isinstance(cfg.attnres_key_norm, bool), "model.attnres_key_norm",
+              cfg.attnres_key_norm, "must be True or False")
+        window = cfg.attnres_window
+        check(isinstance(window, int) and not isinstance(window, bool) and window >= 0,
+              "model.attnres_window", window, "must be an integer ≥ 0 (0: every source)")
+
+    def read(self, state: dict) -> jax.Array:
+        mixed = _read(self.layout, state, self.query_projection, self)
+        return self.norm(mixed.astype(state["sources"].dtype))
+
+    def write(self, state: dict, update_BxTxD) -> dict:
+        """Add the output to its block's slot (in place); the slot becomes a source from the next
+        read on; in decoding, run phase 1 for the next block once this one completes."""
+        layout = self.layout
+        index, sources = state["sublayer"], state["sources"]
+        slot, width = index // layout.block_size + 1, update_BxTxD.shape[-1]
+        sources = _add_to_slot(sources, update_BxTxD, slot)
+        total = _slot(sources, slot, width)
+        state = dict(state, sources=sources, sublayer=index + 1)
+        if layout.normalizes_keys:
+            state["inverse_rms"] = _set_slot(state["inverse_rms"],
+                                             inverse_rms(total, layout.heads, layout.eps), slot,
+                                             layout.heads)
+        if "phase_max" in state and layout.block_size == 1:  # every write completes a block
+            state = _phase_one_state(layout, state)
+        elif "phase_max" in state:
+            state = jax.lax.cond((index + 1) % layout.block_size == 0,
+                                 lambda s: _phase_one_state(layout, s), lambda s: s, state)
+        return state
+
+
+@RESIDUALS.register("block_attnres")
+class BlockAttentionResidual(AttentionResidual):
+    """Block Attention Residuals, per sublayer: blocks of S = `model.attnres_block_size`
+    sublayers summed into one source each; the read attends over the embedding, the completed
+    block summaries and the current partial sum (boundary rules and sources: the module docstring
+    of `arch/attnres.py`). S = 1 equals Full AttnRes."""
+
+    @staticmethod
+    def block_size(cfg) -> int:
+        return cfg.attnres_block_size

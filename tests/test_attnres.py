@@ -1,0 +1,220 @@
+"""Attention Residuals (Full and Block): the pure-JAX oracle, uniform start, boundary rules by a
+probe, two-phase inference against the naive read, gradients and config errors."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from arch import reference
+from arch.attnres import (
+    AttentionResidual,
+    BlockAttentionResidual,
+    depth_read,
+    inverse_rms,
+    softmax_read,
+    two_phase_reads,
+)
+from arch.config import ConfigError
+from tests.helpers import prefill_then_decode, random_tokens, tiny_config, tiny_model
+from train.config import validate
+
+
+def perturb_parameters(model, scale: float = 0.1, seed: int = 5) -> None:
+    """Move every parameter off its initialization (pseudo-queries off zero, static weights off
+    one), so that the depth mixing is not uniform."""
+    params = nnx.state(model, nnx.Param)
+    leaves, tree = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    moved = [leaf + scale * jax.random.normal(key, leaf.shape)
+             for leaf, key in zip(leaves, keys, strict=True)]
+    nnx.update(model, jax.tree.unflatten(tree, moved))
+
+
+ORACLE_CASES = {  # Block S=1: test_block_of_one_sublayer_is_full_attnres_exactly
+    "full": dict(residual="attnres"),
+    "block-S2": dict(residual="block_attnres", attnres_block_size=2),
+    "block-S3-ragged-input-query-heads": dict(  # blocks of 3 and 1 sublayers
+        residual="block_attnres", attnres_block_size=3, attnres_query="input", attnres_heads=4,
+        norm="layernorm"),
+    "block-N1-static-window-heads": dict(  # S ≥ n = 4 sublayers: one block
+        residual="block_attnres", attnres_block_size=5, attnres_weights="static",
+        attnres_window=2, attnres_heads=2),
+    "full-sigmoid-window-rawkeys": dict(residual="attnres", attnres_weights="sigmoid",
+                                        attnres_window=2, attnres_key_norm=False),
+}
+
+
+@pytest.mark.parametrize("case", ORACLE_CASES.values(), ids=ORACLE_CASES.keys())
+def test_matches_the_list_of_sources_reference(case):
+    cfg, model = tiny_model(**case)
+    perturb_parameters(model)
+    tokens = random_tokens((2, 8))
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    expected = jax.jit(functools.partial(reference.logits, cfg))(params, tokens)
+    np.testing.assert_allclose(nnx.jit(lambda m, t: m(t))(model, tokens), expected, atol=1e-4,
+                               rtol=1e-5)
+
+
+def test_block_of_one_sublayer_is_full_attnres_exactly():
+    _, full = tiny_model(residual="attnres")
+    _, block = tiny_model(residual="block_attnres", attnres_block_size=1)
+    perturb_parameters(full)
+    perturb_parameters(block)
+    both = nnx.jit(lambda full, block, tokens: (full(tokens), block(tokens)))
+    np.testing.assert_array_equal(*both(full, block, random_tokens((2, 8))))
+
+
+def test_zero_pseudo_queries_give_uniform_recorded_weights():
+    block_size = 2
+    cfg, model = tiny_model(residual="block_attnres", attnres_block_size=block_size)
+    _, intermediates = nnx.capture(model, nnx.Intermediate)(random_tokens((2, 8)))
+    recorded = nnx.to_pure_dict(intermediates)
+    attention = recorded["blocks"]["attention_residual"]["depth_weights"][0]  # layers × slots
+    ffn = recorded["blocks"]["ffn_residual"]["depth_weights"][0]
+    reads = [row for pair in zip(attention, ffn, strict=True) for row in pair]
+    reads.append(recorded["residual_stream"]["depth_weights"][0])  # the final read
+    for index, weights in enumerate(reads):
+        sources = -(-index // block_size) + 1  # embedding + ⌈l/S⌉ summaries or partial sums
+        expected = np.zeros(len(weights))
+        expected[:sources] = 1 / sources
+        np.testing.assert_allclose(weights, expected, atol=1e-6, err_msg=f"read {index}")
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 8, 20], ids=["full", "S3", "S-eq-n", "N1"])
+def test_boundary_rules_every_output_lands_in_exactly_one_source(block_size):
+    """Embedding e₀ and outputs u₁ … u₈ are distinct basis vectors; with the identity norm and
+    zero pseudo-queries every read is the plain mean of its sources, so each read's coefficients
+    show which outputs it sees and how many sources there are."""
+    config = tiny_config(residual="block_attnres", attnres_block_size=block_size, norm="none",
+                         num_layers=4)
+    validate(config, 1)
+    cfg = config.model
+    n, d = 8, cfg.d_model
+    stream = BlockAttentionResidual.stream(cfg, rngs=nnx.Rngs(0))
+    mechanism = BlockAttentionResidual(cfg, rngs=nnx.Rngs(0))
+    basis = jnp.eye(d)[:, None, None, :]  # d × B=1 × T=1 × D
+
+    @nnx.jit
+    def drive(stream, mechanism):
+        """Every read (the last one: the final read) and the source buffer it saw."""
+        reads, buffers = [], []
+        state = stream.begin(basis[0])
+        for index in range(n + 1):
+            reads.append((mechanism.read(state) if index < n else stream.end(state))[0, 0])
+            buffers.append(state["sources"][0, 0].reshape(-1, d))  # slots × D: coefficients
+            if index < n:
+                state = mechanism.write(state, basis[index + 1])
+        return reads, buffers
+
+    for index, (read, buffer) in enumerate(zip(*drive(stream, mechanism), strict=True)):
+        block, position = divmod(index, block_size)
+        sources = 1 + block + (position > 0)  # an empty partial sum is not a source
+        expected = np.zeros(d)
+        expected[:index + 1] = 1 / sources  # e₀ and u₁ … u_l once each; u_{l+1} not yet
+        np.testing.assert_allclose(read, expected, atol=1e-6, err_msg=f"read {index}")
+        assert np.all((buffer == 0) | (buffer == 1)), "a coefficient other than 0 or 1"
+        np.testing.assert_array_equal(buffer[:, :index + 1].sum(0), 1)  # exactly one source each
+        assert buffer[:, index + 1:].sum() == 0  # later outputs nowhere yet
+        assert buffer[0, 0] == 1 and buffer[0, 1:].sum() == 0  # e₀ alone in slot 0
+
+
+@pytest.mark.parametrize("key_norm,heads", [(True, 1), (False, 2)])
+def test_two_phase_reads_equal_the_naive_reads(key_norm, heads):
+    block, completed, shape = 4, 3, (2, 5, 16)
+    rng = np.random.default_rng(0)
+    queries = 2 * rng.standard_normal((block, shape[-1]), np.float32)
+    scales = np.arange(1, completed + 3, dtype=np.float32)[:, None]
+    sources = rng.standard_normal((*shape[:2], completed + 2, shape[-1]), np.float32) * scales
+    outputs = rng.standard_normal((block, *shape), np.float32)
+    partials = np.concatenate([np.zeros((1, *shape), np.float32), np.cumsum(outputs, 0)[:-1]])
+
+    @jax.jit
+    def both_ways(queries, sources, partials):
+        inverse = inverse_rms(sources, heads, 1e-6) if key_norm else None
+        partial_inverse = inverse_rms(partials, heads, 1e-6) if key_norm else None
+        valid = jnp.arange(completed + 2) < completed  # two padding slots that must stay out
+        two_phase = two_phase_reads(queries, sources, inverse, valid, partials, partial_inverse,
+                                    heads)
+        naive = []
+        for i in range(block):
+            available = jnp.concatenate([sources[:, :, :completed], partials[i][:, :, None]], 2)
+            available_inverse = None if inverse is None else jnp.concatenate(
+                [inverse[:, :, :completed], partial_inverse[i][:, :, None]], 2)
+            naive.append(depth_read(queries[i], available, available_inverse,
+                                    jnp.arange(completed + 1) < completed + (i > 0), heads)[0])
+        return two_phase, jnp.stack(naive)
+
+    np.testing.assert_allclose(*both_ways(queries, sources, partials), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("query_shape", [(16,), (2, 5, 16)], ids=["static", "input"])
+def test_hand_written_read_gradient_equals_autodiff(query_shape):
+    rng = np.random.default_rng(1)
+    query = rng.standard_normal(query_shape, np.float32)
+    sources = rng.standard_normal((2, 5, 4, 16), np.float32)
+    inverse = rng.random((2, 5, 4), np.float32) + 0.5
+    valid = jnp.arange(4) < 3
+    probe = rng.standard_normal((2, 5, 16), np.float32)
+
+    def loss(read):
+        return lambda q, v, r: jnp.sum(probe * read(q, v, r))
+
+    fast = loss(lambda q, v, r: softmax_read(q, v, r, valid))
+    naive = loss(lambda q, v, r: depth_read(q, v, r[..., None], valid, 1)[0])
+    grads = jax.jit(lambda *a: (jax.grad(fast, (0, 1, 2))(*a), jax.grad(naive, (0, 1, 2))(*a)))
+    for fast_grad, naive_grad in zip(*grads(query, sources, inverse), strict=True):
+        np.testing.assert_allclose(fast_grad, naive_grad, atol=1e-5, rtol=1e-5)
+
+
+def test_kv_cache_decoding_uses_two_phase_and_equals_the_forward_pass():
+    cfg, model = tiny_model(residual="block_attnres", attnres_block_size=3)  # blocks of 3 and 1
+    perturb_parameters(model)
+    state = model.residual_stream.begin(jnp.ones((1, 1, cfg.d_model)), decoding=True)
+    assert "phase_max" in state and state["phase_max"].shape == (1, 1, 3)  # B×T×(S·H)
+    tokens = random_tokens((2, 6))
+    decoded = nnx.jit(prefill_then_decode, static_argnums=(2, 3))(model, tokens, 5, 6)
+    np.testing.assert_allclose(decoded, nnx.jit(lambda m, t: m(t))(model, tokens), atol=2e-5,
+                               rtol=1e-5)
+
+
+def test_pseudo_query_gradients_one_source_has_none():
+    """The first read has a single source (the embedding), so its softmax is constant and its
+    pseudo-query gets exactly zero gradient; every later pseudo-query learns from step one."""
+    _, model = tiny_model(residual="block_attnres", attnres_block_size=2)
+    tokens = random_tokens((2, 9))
+
+    def loss(model):
+        logits = model(tokens[:, :-1])
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], -1))
+
+    grads = nnx.jit(nnx.grad(loss))(model).residual_stream.pseudo_queries[...]
+    assert np.all(grads[0] == 0)
+    assert np.all(np.abs(grads[1:]).max(-1) > 0)
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("attnres_heads", 3, "model.attnres_heads=3 is invalid: must divide model.d_model=32; "
+                         "valid: [1, 2, 4, 8, 16, 32]"),
+    ("attnres_block_size", 0, "model.attnres_block_size=0 is invalid: must be an integer ≥ 1 "
+                              "(sublayers per block)"),
+    ("attnres_weights", "relu", "model.attnres_weights='relu' is invalid: valid: softmax, "
+                                "sigmoid, static"),
+    ("attnres_window", -1, "model.attnres_window=-1 is invalid: must be an integer ≥ 0 "
+                           "(0: every source)"),
+])
+def test_config_errors_name_the_field_and_the_fix(field, value, message):
+    config = tiny_config(residual="block_attnres", **{field: value})
+    with pytest.raises(ConfigError) as error:
+        validate(config, 1)
+    assert str(error.value) == message
+
+
+def test_input_query_needs_scores():
+    config = tiny_config(residual="attnres", attnres_query="input", attnres_weights="static")
+    with pytest.raises(ConfigError, match="model.attnres_query='input' is invalid: static"):
+        validate(config, 1)
+    assert AttentionResidual.block_size(config.model) == 1
