@@ -1,3 +1,15 @@
 """The model zoo. Importing any part of it registers every component in its registry."""
 
-from arch import attention, batchnorm, ffn, heads, moe, norms, positions, residual  # noqa: F401
+from arch import (  # noqa: F401
+    attention,
+    attnres,
+    batchnorm,
+    ffn,
+    gated_residual,
+    heads,
+    hyper,
+    moe,
+    norms,
+    positions,
+    residual,
+)

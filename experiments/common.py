@@ -73,7 +73,7 @@ def model_config() -> ml_collections.ConfigDict:
         gr_rank=16,               # gated_residual: rank of the read-gate predictor
         gr_channelwise=True,      # gated_residual: per-channel reads and writes (False: scalar)
         gr_mixing=False,          # gated_residual: add back an n×n branch-mixing operator
-        gr_state_dtype="float32",  # gated_residual: branch storage dtype (float8_e4m3fn: FP8)
+        gr_state_dtype="float32",  # gated_residual: branch dtype: float32, bfloat16, float8_e4m3fn
         use_ffn=True,             # False: attention-only blocks (rank-collapse ablation)
         head="tied",              # arch.heads.HEADS
         # Initialization scheme (arch.init.INITS) per parameter group; None: `default`.
@@ -129,6 +129,7 @@ def base_config() -> ml_collections.ConfigDict:
             decay_embeddings=False,
             decay_norms=False,
             decay_biases=False,
+            decay_mixing=False,   # residual mixing parameters (train/optim.py MIXING_PARAMS)
             grad_clip=1.0,        # global-norm clip; 0 disables
         ),
         data=dict(

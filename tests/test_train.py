@@ -21,7 +21,7 @@ from train import data
 from train.checkpoint import Checkpointer
 from train.config import validate
 from train.loop import NonFiniteLoss, build_program, train
-from train.optim import decay_mask, make_optimizer, schedule
+from train.optim import MIXING_PARAMS, decay_mask, make_optimizer, schedule
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -209,3 +209,16 @@ def test_weight_decay_skips_norm_gains_biases_and_embeddings():
         assert decayed.get_value() == (name == "kernel"), path
         assert bool(jnp.any(update[...] != 0)) == (name == "kernel"), path
     assert isinstance(optimizer, optax.GradientTransformation)
+
+
+@pytest.mark.parametrize("residual", ["hc", "mhc", "width", "attnres"])
+def test_weight_decay_skips_residual_mixing_parameters(residual):
+    from flax import nnx
+
+    _, model = tiny_model(residual=residual)
+    mask = nnx.to_flat_state(decay_mask(tiny_config().optimizer, nnx.state(model, nnx.Param)))
+    decayed = {path[-1]: flag.get_value() for path, flag in mask}
+    mixing = set(decayed) & set(MIXING_PARAMS)
+    assert mixing, sorted(decayed)
+    assert not any(decayed[name] for name in mixing)
+    assert decayed["kernel"]

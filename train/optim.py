@@ -9,6 +9,12 @@ import optax
 NORM_PARAMS = ("scale", "alpha")  # norm gains; DyT's scalar α
 BIAS_PARAMS = ("bias",)
 EMBEDDING_PARAMS = ("embedding", "table")
+# Residual-mechanism mixing parameters whose initialization sets the starting mechanism (AttnRes
+# pseudo-queries, HC/mHC static weights, biases and scales, the width baseline's branch weights):
+# decay would pull them away from it (to uniform depth weights, or no stream at all).
+MIXING_PARAMS = ("pseudo_queries", "static_weights", "static_read", "static_mixing",
+                 "static_write", "width_scale", "depth_scale", "read_bias", "write_bias",
+                 "mixing_bias", "read_scale", "write_scale", "mixing_scale", "branch_weights")
 
 
 def schedule(opt, steps: int) -> optax.Schedule:
@@ -31,9 +37,11 @@ def schedule(opt, steps: int) -> optax.Schedule:
 
 
 def decay_mask(opt, params):
-    """True for parameters that get weight decay: all but norm gains, biases and embeddings,
-    unless `optimizer.decay_norms / decay_biases / decay_embeddings` say otherwise."""
+    """True for parameters that get weight decay: all but norm gains, biases, embeddings and
+    residual mixing parameters, unless `optimizer.decay_norms / decay_biases / decay_embeddings /
+    decay_mixing` say otherwise."""
     excluded = ((() if opt.decay_norms else NORM_PARAMS)
+                + (() if opt.decay_mixing else MIXING_PARAMS)
                 + (() if opt.decay_biases else BIAS_PARAMS)
                 + (() if opt.decay_embeddings else EMBEDDING_PARAMS))
 
