@@ -1,6 +1,6 @@
 """Benchmark one train step: `python scripts/bench.py --config PATH[:ARG] [--config.FIELD=VALUE ...]
 [--json] [--steps N] [--block K] [--depth_check] [--baseline FIELD=VALUE[,...]]
-[--depth_memory A,B]`
+[--depth_memory A,B] [--compare FIELD=VALUE[,...][;FIELD=VALUE[,...]...]] [--decode]`
 
 Runs on whatever devices exist (one CPU device normally) with random tokens of the config's
 batch_size × (seq_len + 1), and reports, in one run:
@@ -31,6 +31,20 @@ batch_size × (seq_len + 1), and reports, in one run:
   step_time_vs_baseline  step_time_s / baseline_step_time_s, and
   temp_bytes_vs_baseline temp_bytes / the baseline's temp_bytes. Target for the reversible stack
                          (issue 3) against the ordinary one: step_time_vs_baseline ≤ 1.5.
+  compare                only with --compare "A;B;...", each item FIELD=VALUE[,FIELD=VALUE...]:
+                         one variant of the benchmarked config per item (overrides applied like
+                         --baseline's), all compiled and timed interleaved with it and with each
+                         other (ABBA blocks, same batch); a dict label → {step_time_s,
+                         step_time_vs_config, temp_bytes, temp_bytes_vs_config[, decode_time_s,
+                         decode_time_vs_config]}, label = the overrides without "model.".
+                         Ratios are variant / benchmarked config (note: --baseline's are
+                         config / baseline), so benchmark the plain sum and compare mechanisms.
+  decode_time_s          only with --decode: median seconds of one jitted single-token KV-cache
+                         decode step (evaluation mode, greedy, cache donated) of --decode_batch
+                         sequences (default 1) after a prefill of seq_len / 2 tokens into a
+                         cache of seq_len positions (train/generate.py's decode path), timed in
+                         ABBA blocks over the config, the baseline and the --compare variants;
+                         with --baseline also baseline_decode_time_s and decode_time_vs_baseline.
   temp_bytes_depth_ratio only with --depth_memory A,B (e.g. `2,16`): compiled temp bytes of the
                          train step at num_layers=B over num_layers=A (compile only, never run;
                          each also reported as temp_bytes_layers_A / _B). Target for the
@@ -40,11 +54,22 @@ Targets are reported, never asserted. `--json` prints exactly one JSON object on
 goes to stderr. Example: python scripts/bench.py --config experiments/quickstart.py --depth_check
 Reversible vs ordinary: python scripts/bench.py --config experiments/quickstart.py
   --config.model.reversible=True --baseline model.reversible=False --depth_memory 2,16
+
+Residual-stream mechanisms (issue 4) against the plain Pre-Norm sum, 16 blocks = 32 sublayers, so
+8 AttnRes blocks of attnres_block_size=4 sublayers. Targets: compare.<block_attnres>.
+step_time_vs_config ≤ 1.05 and decode_time_vs_config ≤ 1.05; the others are reported:
+  python scripts/bench.py --config experiments/quickstart.py --config.model.num_layers=16
+    --config.model.residual=prenorm --decode --compare "model.residual=block_attnres,
+    model.attnres_block_size=4;model.residual=attnres;model.residual=hc;model.residual=mhc;
+    model.residual=gated_residual"
+(one argument, no spaces or line breaks inside the quotes). Their residual I/O, history memory
+and added parameters come from `arch.accounting.residual_accounting(config.model)`.
 """
 
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import math
 import statistics
@@ -71,11 +96,18 @@ _BASELINE = flags.DEFINE_string(
     "against, e.g. model.reversible=False.")
 _DEPTH_MEMORY = flags.DEFINE_string(
     "depth_memory", None, "A,B: compiled temp bytes of the train step at num_layers A and B.")
+_COMPARE = flags.DEFINE_string(
+    "compare", None, "FIELD=VALUE[,FIELD=VALUE...][;FIELD=VALUE...]: variants of the config, "
+    "each timed interleaved with it and reported as ratios to it.")
+_DECODE = flags.DEFINE_bool("decode", False, "Also time one-token KV-cache decoding.")
+_DECODE_BATCH = flags.DEFINE_integer("decode_batch", 1, "Sequences decoded at once (--decode).")
 flags.mark_flag_as_required("config")
 
 TARGETS = {"vs_reference": "<= 1.05", "compile_24_over_4": "<= 1.5",
            "step_time_vs_baseline": "<= 1.5 (reversible vs ordinary)",
-           "temp_bytes_depth_ratio": "<= 1.3 (reversible, 2 to 16 layers)"}
+           "temp_bytes_depth_ratio": "<= 1.3 (reversible, 2 to 16 layers)",
+           "step_time_vs_config": "<= 1.05 (block_attnres, 8 blocks, vs the plain sum)",
+           "decode_time_vs_config": "<= 1.05 (two-phase inference vs the plain sum)"}
 
 
 def log(message: str) -> None:
@@ -119,6 +151,49 @@ def reference_runner(program, batch: jax.Array) -> Callable[[], None]:
     return step
 
 
+def decode_runner(program, prompt_BxP: jax.Array, length: int) -> Callable[[], None]:
+    """One synced single-token KV-cache decode per call (jitted, cache donated), in evaluation
+    mode as in `train.generate`: the prompt is prefilled once into a cache of `length`
+    positions, then each call decodes the greedy next token at the next position, wrapping
+    back to the first position after the prompt when the cache is full (the cost of a decode
+    step does not depend on its position: attention reads the whole masked cache)."""
+    graphdef, dtype = program.graphdef, jnp.dtype(program.model_cfg.dtype)
+    batch, prompt_len = prompt_BxP.shape
+    state = program.init(program.config.seed)
+
+    def merged(params, model_state):
+        model = nnx.merge(graphdef, params, model_state)
+        model.eval()
+        return model
+
+    @jax.jit
+    def prefill(params, model_state, prompt_BxP):
+        model = merged(params, model_state)
+        cache = model.init_cache(batch, length, dtype)
+        positions_BxP = jnp.broadcast_to(jnp.arange(prompt_len), prompt_BxP.shape)
+        logits_BxPxV, cache = model.decode(prompt_BxP, positions_BxP, cache)
+        return jnp.argmax(logits_BxPxV[:, -1:], axis=-1).astype(jnp.int32), cache
+
+    @functools.partial(jax.jit, donate_argnums=2)
+    def decode(params, model_state, cache, token_Bx1, position):
+        logits_Bx1xV, cache = merged(params, model_state).decode(
+            token_Bx1, jnp.full(token_Bx1.shape, position, jnp.int32), cache)
+        return jnp.argmax(logits_Bx1xV, axis=-1).astype(jnp.int32), cache
+
+    with jax.set_mesh(program.mesh):
+        token, cache = prefill(state["params"], state["model_state"], prompt_BxP)
+    carry = {"token": token, "cache": cache, "count": 0}
+
+    def step() -> None:
+        position = jnp.int32(prompt_len + carry["count"] % (length - prompt_len))
+        with jax.set_mesh(program.mesh):
+            carry["token"], carry["cache"] = decode(state["params"], state["model_state"],
+                                                    carry["cache"], carry["token"], position)
+        carry["count"] += 1
+        jax.block_until_ready(carry["token"])
+    return step
+
+
 def time_interleaved(runners: dict[str, Callable[[], None]], steps: int,
                      block: int) -> dict[str, list[float]]:
     """Per-step seconds of each runner: two warm-up steps each, then alternating blocks."""
@@ -151,21 +226,47 @@ def parse_value(text: str, current):
         return text
 
 
-def with_overrides(config, overrides: str):
+def with_overrides(config, overrides: str, flag: str = "--baseline"):
     """A copy of `config` with `FIELD=VALUE[,FIELD=VALUE...]` applied (dotted field paths)."""
     config = config.copy_and_resolve_references()
     for item in filter(None, overrides.split(",")):
         path, sep, text = item.partition("=")
         if not sep:
-            raise app.UsageError(f"--baseline: expected FIELD=VALUE, got {item!r}")
+            raise app.UsageError(f"{flag}: expected FIELD=VALUE, got {item!r}")
         *parents, field = path.strip().split(".")
         node = config
         for name in parents:
+            if name not in node:
+                raise app.UsageError(f"{flag}: no config field {path.strip()!r}")
             node = node[name]
         if field not in node:
-            raise app.UsageError(f"--baseline: no config field {path!r}")
+            raise app.UsageError(f"{flag}: no config field {path.strip()!r}")
         node[field] = parse_value(text.strip(), node[field])
     return config
+
+
+def parse_compare(text: str | None) -> dict[str, str]:
+    """--compare's variants: label → overrides, one per `;`-separated item. The label is the
+    overrides with each field's leading "model." dropped."""
+    variants = {}
+    for overrides in filter(None, (item.strip() for item in (text or "").split(";"))):
+        label = ",".join(item.strip().removeprefix("model.")
+                         for item in overrides.split(",") if item.strip())
+        if label in variants:
+            raise app.UsageError(f"--compare: variant {label!r} is given twice")
+        variants[label] = overrides
+    return variants
+
+
+def prepare(config, tokens: np.ndarray) -> dict:
+    """A variant ready to time: its program (config validated in place), compiled memory and a
+    train-step runner on `tokens` placed with its batch sharding."""
+    from train.loop import build_program
+
+    program = build_program(config)
+    compile_time, compiled = compile_train_step(program)
+    return {"program": program, "memory": compiled.memory_analysis(), "compile_time": compile_time,
+            "runner": framework_runner(program, program.put_batch(tokens))}
 
 
 def depth_memory(config, depths: tuple[int, int]) -> dict[str, float]:
@@ -203,36 +304,44 @@ def depth_compile_ratio(config, repeats: int = 2) -> dict[str, float]:
 
 
 def bench(config, steps: int, block: int, depth_check: bool, baseline: str | None = None,
-          depths: tuple[int, int] | None = None) -> dict:
+          depths: tuple[int, int] | None = None, compare: str | None = None,
+          decode: bool = False, decode_batch: int = 1) -> dict:
     from arch import reference
     from arch.accounting import flops_per_token
-    from train.loop import build_program
     from train.metrics import measure_matmul_peak
 
     pristine = config.copy_and_resolve_references()  # before derived fields are filled in
-    baseline_config = with_overrides(pristine, baseline) if baseline else None
-    program = build_program(config)  # validates and resolves config.model in place
-    log(f"{jax.device_count()} device(s): {jax.devices()[0].device_kind}; compiling...")
-    compile_time, compiled = compile_train_step(program)
-    memory = compiled.memory_analysis()
+    others = {label: with_overrides(pristine, overrides, "--compare")
+              for label, overrides in parse_compare(compare).items()}
+    if baseline:
+        others = {"baseline": with_overrides(pristine, baseline), **others}
     tokens = np.random.default_rng(0).integers(
         0, config.model.vocab_size, (config.batch_size, config.seq_len + 1), dtype=np.int32)
-    batch = program.put_batch(tokens)
-    runners = {"framework": framework_runner(program, batch)}
-    if baseline_config is not None:
-        log(f"compiling the baseline ({baseline})...")
-        baseline_program = build_program(baseline_config)
-        _, baseline_compiled = compile_train_step(baseline_program)
-        baseline_memory = baseline_compiled.memory_analysis()
-        runners["baseline"] = framework_runner(baseline_program, baseline_program.put_batch(tokens))
+    log(f"{jax.device_count()} device(s): {jax.devices()[0].device_kind}; compiling...")
+    main = prepare(config, tokens)  # validates and resolves config.model in place
+    program, memory, compile_time = main["program"], main["memory"], main["compile_time"]
+    variants = {"framework": main}
+    for label, variant_config in others.items():
+        log(f"compiling {label}...")
+        variants[label] = prepare(variant_config, tokens)
+    runners = {label: variant["runner"] for label, variant in variants.items()}
     if reason := reference.unsupported(config.model):
         log(f"no reference comparison: {reason}")
     else:
-        runners["reference"] = reference_runner(program, batch)
-    log(f"timing {steps} steps each of {' and '.join(runners)}, in blocks of {block}...")
+        runners["reference"] = reference_runner(program, program.put_batch(tokens))
+    log(f"timing {steps} steps each of {', '.join(runners)}, in blocks of {block}...")
     times = time_interleaved(runners, steps, block)
-    step_time = statistics.median(times["framework"])
-    reference_time = statistics.median(times["reference"]) if "reference" in times else None
+    medians = {label: statistics.median(seconds) for label, seconds in times.items()}
+    decode_times = {}
+    if decode:
+        prompt = tokens[:decode_batch, :config.seq_len // 2]
+        log(f"timing {steps} one-token decode steps each of {', '.join(variants)}...")
+        decoders = {label: decode_runner(variant["program"], jnp.asarray(prompt), config.seq_len)
+                    for label, variant in variants.items()}
+        decode_times = {label: statistics.median(seconds)
+                        for label, seconds in time_interleaved(decoders, steps, block).items()}
+    step_time = medians["framework"]
+    reference_time = medians.get("reference")
     peak = measure_matmul_peak()
     tokens_per_sec = config.batch_size * config.seq_len / step_time
     flops = flops_per_token(config.model, config.seq_len)
@@ -247,13 +356,30 @@ def bench(config, steps: int, block: int, depth_check: bool, baseline: str | Non
         "vs_reference": step_time / reference_time if reference_time else None,
         "flops_per_token": flops, "devices": jax.device_count(), "steps": steps,
     }
-    if baseline_config is not None:
-        baseline_time = statistics.median(times["baseline"])
+    if decode:
+        result["decode_time_s"] = decode_times["framework"]
+    temp = {label: variant["memory"].temp_size_in_bytes for label, variant in variants.items()}
+    if baseline:
         result.update(
-            baseline_step_time_s=baseline_time, step_time_vs_baseline=step_time / baseline_time,
-            baseline_temp_bytes=baseline_memory.temp_size_in_bytes,
-            temp_bytes_vs_baseline=(memory.temp_size_in_bytes
-                                    / max(baseline_memory.temp_size_in_bytes, 1)))
+            baseline_step_time_s=medians["baseline"],
+            step_time_vs_baseline=step_time / medians["baseline"],
+            baseline_temp_bytes=temp["baseline"],
+            temp_bytes_vs_baseline=temp["framework"] / max(temp["baseline"], 1))
+        if decode:
+            result.update(baseline_decode_time_s=decode_times["baseline"],
+                          decode_time_vs_baseline=decode_times["framework"]
+                          / decode_times["baseline"])
+    if compare:
+        result["compare"] = {}
+        for label in parse_compare(compare):
+            entry = {"step_time_s": medians[label], "step_time_vs_config": medians[label]
+                     / step_time, "temp_bytes": temp[label],
+                     "temp_bytes_vs_config": temp[label] / max(temp["framework"], 1)}
+            if decode:
+                entry.update(decode_time_s=decode_times[label],
+                             decode_time_vs_config=decode_times[label]
+                             / decode_times["framework"])
+            result["compare"][label] = entry
     if depths is not None:
         result.update(depth_memory(pristine, depths))
     if depth_check:
@@ -264,9 +390,16 @@ def bench(config, steps: int, block: int, depth_check: bool, baseline: str | Non
 def table(result: dict) -> str:
     rows = [f"{'metric':<24}{'value':>16}  target"]
     for name, value in result.items():
+        if name == "compare":
+            continue
         text = (f"{value:,}" if isinstance(value, int) else "n/a" if value is None
                 else f"{value:.3%}" if name == "mfu" else f"{value:.4g}")
         rows.append(f"{name:<24}{text:>16}  {TARGETS.get(name, '')}".rstrip())
+    for label, entry in result.get("compare", {}).items():  # the targets are Block AttnRes's
+        targeted = "residual=block_attnres" in label
+        rows.append(f"vs {label}:")
+        rows.extend(f"  {name:<22}{value:>16.4g}  {TARGETS.get(name, '') * targeted}".rstrip()
+                    for name, value in entry.items())
     return "\n".join(rows)
 
 
@@ -287,7 +420,7 @@ def main(argv: list[str]) -> None:
                 ) from None
             depths = (a, b)
         result = bench(_CONFIG.value, _STEPS.value, _BLOCK.value, _DEPTH.value, _BASELINE.value,
-                       depths)
+                       depths, _COMPARE.value, _DECODE.value, _DECODE_BATCH.value)
     except ConfigError as error:
         log(f"error: {error}")
         sys.exit(2)

@@ -14,7 +14,11 @@ BASELINE = ("baseline_step_time_s", "step_time_vs_baseline", "temp_bytes_vs_base
             "temp_bytes_layers_1", "temp_bytes_layers_2", "temp_bytes_depth_ratio")
 
 
-def test_bench_json_with_baseline_and_depth_memory():
+COMPARE = ("step_time_s", "step_time_vs_config", "temp_bytes", "temp_bytes_vs_config",
+           "decode_time_s", "decode_time_vs_config")
+
+
+def test_bench_json_with_baseline_compare_decode_and_depth_memory():
     # One CPU device: conftest's XLA_FLAGS (8 simulated devices) is dropped from the child's env.
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["JAX_PLATFORMS"] = "cpu"
@@ -23,13 +27,19 @@ def test_bench_json_with_baseline_and_depth_memory():
                "--config.model.d_model=32", "--config.model.num_heads=4",
                "--config.model.num_layers=2", "--config.seq_len=16", "--config.batch_size=8",
                "--json", "--steps", "3", "--block", "1",
-               "--baseline", "model.ffn=mlp", "--depth_memory", "1,2"]
+               "--baseline", "model.ffn=mlp", "--depth_memory", "1,2",
+               "--compare", "model.num_kv_heads=1", "--decode"]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout)  # exactly one JSON object on stdout
-    for key in REQUIRED + BASELINE:
+    for key in REQUIRED + BASELINE + ("decode_time_s", "decode_time_vs_baseline"):
         assert math.isfinite(result[key]) and result[key] > 0, (key, result.get(key))
+    variant = result["compare"]["num_kv_heads=1"]  # ratios are variant / benchmarked config
+    for key in COMPARE:
+        assert math.isfinite(variant[key]) and variant[key] > 0, (key, variant.get(key))
+    assert variant["temp_bytes_vs_config"] == variant["temp_bytes"] / result["temp_bytes"]
+    assert variant["decode_time_vs_config"] == variant["decode_time_s"] / result["decode_time_s"]
     assert 0 < result["mfu"] < 10  # loose: a noisy shared CPU can beat its measured "peak"
     assert result["devices"] == 1
     assert "compile_24_over_4" not in result  # the depth check is opt-in

@@ -1,0 +1,253 @@
+"""Residual-mechanism accounting (I/O, history, added parameters) and the depth-mixing heatmaps."""
+
+import contextlib
+import json
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+from flax import nnx
+
+from arch.accounting import (
+    added_parameters,
+    residual_accounting,
+    residual_history,
+    residual_io,
+    residual_state_elements_per_token,
+)
+from arch.layers import Dense
+from arch.model import TransformerLM
+from arch.residual import RESIDUALS, PreNormSum, SumStream, record
+from tests.helpers import random_tokens, tiny_config, tiny_model
+from train.checkpoint import Checkpointer
+from train.config import validate
+from train.loop import build_program
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import depth_mixing  # noqa: E402
+
+
+def resolved(**model):
+    """A validated tiny model config (nothing built: accounting works from shapes alone)."""
+    config = tiny_config(**model)
+    validate(config, 1)
+    return config.model
+
+
+# The AttnRes report's residual I/O per token per sublayer at L = 128 sublayers, S = 16, n = 4.
+@pytest.mark.parametrize("mechanism,expected", [
+    ("prenorm", 3), ("postnorm", 3), ("deepnorm", 3), ("noskip", 3), ("block_attnres", 5.5),
+    ("attnres", 24), ("hc", 34), ("mhc", 34), ("width", 8), ("gated_residual", 18)])
+def test_residual_io_reproduces_the_reported_numbers(mechanism, expected):
+    io = residual_io(mechanism, sublayers=128, block_size=16, streams=4)
+    assert io.total == expected
+    assert io.reads + io.writes == io.total
+
+
+def test_residual_io_itemization_and_closed_forms():
+    mhc = residual_io("mhc", sublayers=128, block_size=16, streams=4)
+    assert (mhc.reads, mhc.writes, mhc.scalars) == (5 * 4 + 1, 3 * 4 + 1, 2 * 16 + 4 * 4)
+    for n in (1, 2, 8):
+        assert residual_io("hc", sublayers=8, streams=n).total == 8 * n + 2
+        assert residual_io("width", sublayers=8, streams=n).total == n + 4
+        assert residual_io("gated_residual", sublayers=8, streams=n).total == 4 * n + 2
+        mixed = residual_io("gated_residual", sublayers=8, streams=n, gr_mixing=True)
+        assert mixed.total == 6 * n + 2
+        assert mixed.state_total() == 6 * n  # all but the gated read (d) and the output (d)
+    for L, S in ((128, 16), (32, 4), (64, 8)):
+        assert residual_io("attnres", sublayers=L, block_size=S).total == L / S + S
+        assert residual_io("block_attnres", sublayers=L, block_size=S).total == L / S / S + 5
+    with pytest.raises(ValueError, match="no residual I/O model for 'bogus'; modelled: prenorm"):
+        residual_io("bogus", sublayers=4)
+
+
+def test_residual_history_per_token():
+    assert residual_history("prenorm", sublayers=128) == 1
+    assert residual_history("attnres", sublayers=128) == 129
+    assert residual_history("block_attnres", sublayers=128, block_size=16) == 9
+    assert residual_history("mhc", sublayers=128, streams=4) == 4
+
+
+@pytest.mark.parametrize("residual,use_ffn,dtype", [("prenorm", True, "float32"),
+                                                    ("noskip", False, "bfloat16")])
+def test_accounting_of_the_plain_sums(residual, use_ffn, dtype):
+    cfg = resolved(residual=residual, use_ffn=use_ffn, dtype=dtype, num_layers=3)
+    books = residual_accounting(cfg)
+    d, itemsize = cfg.d_model, {"float32": 4, "bfloat16": 2}[dtype]
+    assert books["sublayers"] == (6 if use_ffn else 3)
+    assert books["added_parameters"] == 0
+    assert books["io_per_token_per_sublayer"] == 3
+    assert books["io_elements_per_token_per_sublayer"] == 3 * d
+    assert books["io_bytes_per_token_per_sublayer"] == 3 * d * itemsize
+    assert books["history_elements_per_token"] == books["state_elements_per_token"] == d
+
+
+def expected_added_parameters(cfg) -> int:
+    """What each mechanism's files create (arch/attnres.py, arch/hyper.py,
+    arch/gated_residual.py), minus the plain sum's RMSNorm gain (d) per sublayer, where a
+    mechanism has no Pre-Norm of its own."""
+    L, n, d, r = 2 * cfg.num_layers, cfg.residual_streams, cfg.d_model, cfg.gr_rank
+    if cfg.residual in ("attnres", "block_attnres"):  # pseudo-queries w_0 … w_L, final read's too
+        return (L + 1) * d
+    if cfg.residual == "hc":  # static a, A_r, b; norm of H̄, W_m, W_r, W_β, s_α, s_β
+        return L * (n + n * n + n + (d + d + d * n + d + 2) * cfg.residual_dynamic)
+    if cfg.residual == "mhc":  # biases; norm over n·d, φ_pre, φ_post, φ_res, three α
+        return L * (2 * n + n * n + (n * d + 2 * n * d * n + n * d * n * n + 3)
+                    * cfg.residual_dynamic)
+    if cfg.residual == "width":
+        return L * n
+    if cfg.residual == "gated_residual":  # gains, W_down, two gates (bias + W_up) − the norm
+        width = d if cfg.gr_channelwise else 1
+        gate = n * width + r * n * width * cfg.residual_dynamic
+        return L * (n * d + n * d * r * cfg.residual_dynamic + 2 * gate
+                    + n * n * cfg.gr_mixing - d)
+    raise AssertionError(cfg.residual)
+
+
+MECHANISMS = [dict(residual="attnres"), dict(residual="block_attnres", attnres_block_size=2),
+              dict(residual="hc"), dict(residual="hc", residual_dynamic=False),
+              dict(residual="mhc"), dict(residual="width"), dict(residual="gated_residual"),
+              dict(residual="gated_residual", gr_channelwise=False, gr_mixing=True,
+                   gr_state_dtype="float8_e4m3fn")]
+
+
+@pytest.mark.parametrize("model", MECHANISMS, ids=lambda m: ",".join(map(str, m.values())))
+def test_accounting_of_the_mechanisms(model):
+    if model["residual"] not in RESIDUALS:
+        pytest.skip(f"{model['residual']} is not registered")
+    cfg = resolved(num_layers=3, **model)
+    books = residual_accounting(cfg)
+    d, n, L = cfg.d_model, cfg.residual_streams, 6
+    assert books["added_parameters"] == expected_added_parameters(cfg)
+    io = residual_io(cfg.residual, sublayers=L, block_size=cfg.attnres_block_size, streams=n,
+                     gr_mixing=cfg.gr_mixing)
+    assert books["io_per_token_per_sublayer"] == io.total
+    history = {"attnres": L + 1, "block_attnres": 3 + 1}.get(cfg.residual, n) * d
+    assert books["history_elements_per_token"] == history
+    # what the scan carries: AttnRes adds a cached 1/rms per source and head, FP8 a scale per row
+    extra = {"attnres": L + 1, "block_attnres": 3 + 1}.get(cfg.residual, 0)
+    extra += n if cfg.gr_state_dtype == "float8_e4m3fn" else 0
+    assert books["state_elements_per_token"] == history + extra
+    if cfg.gr_state_dtype == "float8_e4m3fn":  # branches at 1 byte (+ scale), the rest float32
+        state = io.state_total()
+        assert books["io_bytes_per_token_per_sublayer"] == pytest.approx(
+            d * (state * (1 + 4 / d) + (io.total - state) * 4))
+
+
+# A recording mechanism for the heatmap tests (removed from the registry afterwards): Pre-Norm
+# plus an input-dependent read gate σ(W·x) over 3 columns, a constant 2×2 "mixing matrix", and a
+# final read that records the same gate shape.
+class _GateStream(SumStream):
+    def __init__(self, cfg, *, rngs):
+        self.gate = Dense((cfg.d_model,), (3,), ("embed",), (None,), rngs=rngs)
+
+    def end(self, stream_BxTxD):
+        record(self, "read_gates", jax.nn.sigmoid(self.gate(stream_BxTxD)))
+        return stream_BxTxD
+
+
+class _RecordingPreNorm(PreNormSum):
+    def __init__(self, cfg, *, rngs):
+        super().__init__(cfg, rngs=rngs)
+        self.gate = Dense((cfg.d_model,), (3,), ("embed",), (None,), rngs=rngs)
+
+    @classmethod
+    def stream(cls, cfg, *, rngs):
+        return _GateStream(cfg, rngs=rngs)
+
+    def read(self, stream_BxTxD):
+        record(self, "read_gates", jax.nn.sigmoid(self.gate(stream_BxTxD)))
+        record(self, "mixing_matrix", jax.numpy.eye(2) * self.gate.kernel[0, 0])
+        return super().read(stream_BxTxD)
+
+
+@contextlib.contextmanager
+def recording_mechanism():
+    RESIDUALS.register("test_recording")(_RecordingPreNorm)
+    try:
+        yield "test_recording"
+    finally:
+        del RESIDUALS["test_recording"]
+
+
+def test_accounting_measures_added_parameters_and_state_generically():
+    with recording_mechanism() as name:
+        cfg = resolved(residual=name, num_layers=3)
+        with pytest.raises(ValueError, match="no residual I/O model for 'test_recording'"):
+            residual_accounting(cfg)
+        # 6 sublayer gates and the final read's gate, d×3 each
+        assert added_parameters(cfg) == 7 * cfg.d_model * 3
+        assert residual_state_elements_per_token(cfg) == cfg.d_model
+
+
+def test_mixing_rows_follow_network_order_with_interleaved_moe():
+    # With model.moe_every=k the scan runs groups of k blocks (attributes block_j, stacked over
+    # groups g: block g·k + j). Each sublayer's read weights are set to 10·g + j (+ 0.5 for the
+    # ffn), so the rows must come out as 0, 0.5, 1, 1.5, 10, ... in network order.
+    cfg, model = tiny_model(residual="width", ffn="moe", moe_every=2, num_layers=4,
+                            moe_experts=4)
+    n = cfg.residual_streams
+    for j in range(2):
+        block = getattr(model.blocks, f"block_{j}")
+        for offset, residual in ((0.0, block.attention_residual), (0.5, block.ffn_residual)):
+            values = 10.0 * np.arange(2) + j + offset
+            residual.branch_weights[...] = jnp.asarray(np.repeat(values[:, None], n, axis=1))
+    quantities = depth_mixing.capture_mixing(model, random_tokens((2, 5)))
+    weights = quantities["read_weights"]
+    assert weights["rows"] == [f"layer {b} {m}" for b in range(4) for m in ("attention", "ffn")]
+    assert [float(v[0]) for v in weights["values"]] == [0, 0.5, 1, 1.5, 10, 10.5, 11, 11.5]
+    assert all(np.shape(v) == (n,) for v in weights["values"])
+
+
+def write_run(config, workdir, step: int) -> None:
+    """A run directory as `train.loop.train` leaves it (config.json, a checkpoint at `step`),
+    holding the initial state: restoring is what the script tests, not training."""
+    program = build_program(config)
+    with Checkpointer(workdir) as checkpointer:
+        checkpointer.save(step, program.init(config.seed), {"next_step": step, "seed": 0},
+                          force=True)
+    (workdir / "config.json").write_text(config.to_json_best_effort(indent=2) + "\n")
+
+
+def test_depth_mixing_script_plots_and_writes_the_captured_numbers(tmp_path, capsys):
+    with recording_mechanism() as name:
+        config = tiny_config(residual=name)
+        config.mesh.data = -1
+        write_run(config, tmp_path, step=2)
+        out = tmp_path / "plots" / "mixing.png"
+        assert depth_mixing.main(["--workdir", str(tmp_path), "--out", str(out),
+                                  "--batch", "8"]) == 0
+        program, step, state = depth_mixing.restore_run(tmp_path)
+        model = nnx.merge(program.graphdef, state["params"], state["model_state"])
+        from train import data
+        from train.loop import VALIDATION_SEED
+        tokens = data.load(config.data, "validation").batch(0, 8, 16, VALIDATION_SEED)[:, :-1]
+        _, captured = nnx.capture(model, nnx.Intermediate)(tokens)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    written = json.loads(out.with_suffix(".json").read_text())
+    assert (written["mechanism"], written["step"], written["seq_len"]) == (name, 2, 16)
+    gates = written["quantities"]["read_gates"]
+    attention = captured["blocks"]["attention_residual"]["read_gates"].get_value()[0]
+    final = captured["residual_stream"]["read_gates"].get_value()[0]
+    np.testing.assert_allclose(gates["values"][2], attention[1].mean(axis=(0, 1)), rtol=1e-5)
+    np.testing.assert_allclose(gates["values"][-1], final.mean(axis=(0, 1)), rtol=1e-5)
+    assert gates["rows"][2] == "layer 1 attention" and gates["shape"] == [3]
+    matrix = written["quantities"]["mixing_matrix"]
+    kernel = state["params"]["blocks"]["ffn_residual"]["gate"]["kernel"][...]
+    np.testing.assert_allclose(matrix["values"][1], np.eye(2) * float(kernel[0, 0, 0]),
+                               rtol=1e-6)
+    assert "mixing_matrix, read_gates" in capsys.readouterr().out
+
+
+def test_depth_mixing_refuses_plain_sums_and_missing_runs(tmp_path, capsys):
+    cfg = resolved()  # traced only: a plain sum sows nothing
+    captured = jax.eval_shape(lambda tokens: nnx.capture(TransformerLM(
+        ml_collections.FrozenConfigDict(cfg), rngs=nnx.Rngs(0)), nnx.Intermediate)(tokens)[1],
+        random_tokens((2, 8)))
+    assert depth_mixing.mixing_quantities(captured, batch=2, seq_len=8, d_model=32) == {}
+    assert depth_mixing.main(["--workdir", str(tmp_path)]) == 2
+    assert "holds no config.json" in capsys.readouterr().err
