@@ -1,7 +1,8 @@
 """Every block variant trains on the embedded corpus, and sharding does not change the numbers.
 
 Variants are grouped into a few combined configurations so that each registered choice is covered
-at least once without compiling one program per choice.
+at least once without compiling one program per choice; each residual mechanism rides with a few
+zoo variants, so the combinations are also composition tests.
 """
 
 import jax
@@ -27,22 +28,25 @@ VARIANTS = {
                                          head="mos", final_norm=False,
                                          init=dict(value="deepnorm", attention_output="deepnorm",
                                                    ffn_input="deepnorm", ffn_output="deepnorm")),
-    "dyt-glu-moc-learned-bert": dict(norm="dyt", ffn="glu", head="moc", position="learned",
-                                     init=dict(default="bert")),
-    "gatednorm-leaky-fixnorm-depth-scaled": dict(norm="gatednorm", ffn="mlp",
-                                                 activation="leaky_relu", fixnorm=True,
-                                                 init=dict(attention_output="depth_scaled",
-                                                           ffn_output="depth_scaled")),
-    "causal-batchnorm-mla-tanh": dict(norm="causal_batchnorm", attention="mla", ffn="mlp",
-                                      activation="tanh", mla_kv_rank=16, mla_rope_dim=8),
-    "batchnorm-hardtanh-xavier": dict(norm="batchnorm", ffn="mlp", activation="hardtanh",
-                                      init=dict(default="xavier")),
+    "mhc-dyt-glu-moc-learned-bert": dict(residual="mhc", norm="dyt", ffn="glu", head="moc",
+                                         position="learned", init=dict(default="bert")),
+    "gated-residual-gatednorm-leaky-fixnorm-depth-scaled": dict(
+        residual="gated_residual", gr_mixing=True, gr_channelwise=False, norm="gatednorm",
+        ffn="mlp", activation="leaky_relu", fixnorm=True,
+        init=dict(attention_output="depth_scaled", ffn_output="depth_scaled")),
+    "block-attnres-causal-batchnorm-mla-tanh": dict(
+        residual="block_attnres", attnres_block_size=3, norm="causal_batchnorm",
+        attention="mla", ffn="mlp", activation="tanh", mla_kv_rank=16, mla_rope_dim=8),
+    "attnres-heads-batchnorm-hardtanh-xavier": dict(residual="attnres", attnres_heads=2,
+                                                    norm="batchnorm", ffn="mlp",
+                                                    activation="hardtanh",
+                                                    init=dict(default="xavier")),
     "noskip-none-sigmoid": dict(residual="noskip", norm="none", ffn="mlp", activation="sigmoid"),
-    "relu-zero-outputs": dict(ffn="mlp", activation="relu",
-                              init=dict(attention_output="zeros", ffn_output="zeros")),
-    "moe-every-2nd-shared-mlp-silu": dict(ffn="moe", moe_every=2, moe_experts=4,
-                                          moe_shared_experts=1, moe_expert_ffn="mlp",
-                                          activation="silu"),
+    "hc-relu-zero-outputs": dict(residual="hc", ffn="mlp", activation="relu",
+                                 init=dict(attention_output="zeros", ffn_output="zeros")),
+    "width-moe-every-2nd-shared-mlp-silu": dict(residual="width", ffn="moe", moe_every=2,
+                                                moe_experts=4, moe_shared_experts=1,
+                                                moe_expert_ffn="mlp", activation="silu"),
 }
 
 
