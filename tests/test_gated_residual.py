@@ -182,8 +182,8 @@ def test_composes_with_mla_moe_interleaving_gatednorm_and_decoding():
     _, model = tiny_model(residual="gated_residual", gr_channelwise=False, attention="mla",
                           mla_kv_rank=16, mla_rope_dim=8, ffn="moe", moe_every=2, moe_experts=4,
                           moe_dropless=True, norm="gatednorm")
-    randomize(model.blocks.layers[0].attention_residual, 0.5, seed=3)
-    randomize(model.blocks.layers[1].ffn_residual, 0.5, seed=4)
+    randomize(model.blocks.block_0.attention_residual, 0.5, seed=3)
+    randomize(model.blocks.block_1.ffn_residual, 0.5, seed=4)
     tokens = random_tokens((2, 16))
     full = logits_of(model, tokens)
     assert np.isfinite(full).all()
