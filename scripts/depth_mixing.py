@@ -2,7 +2,7 @@
 
     python scripts/depth_mixing.py --workdir runs/X [--out mixing.png] [--batch 4] [--seq_len 128]
 
-Restores the newest checkpoint of the run in --workdir (its config.json, the way
+Restores the newest checkpoint of the run in --workdir (`train.loop.restore_run`, as
 `python -m train.generate` does), runs the model on the first batch of the run's validation data
 under `nnx.capture(model, nnx.Intermediate)`, and plots every quantity the residual mechanism
 recorded with `arch.residual.record` (depth_weights, read_weights, write_strengths,
@@ -30,35 +30,11 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 from flax import nnx
 
 RESIDUAL_MODULES = ("attention_residual", "ffn_residual")
 STREAM_MODULE = "residual_stream"
-
-
-def restore_run(workdir: str | Path):
-    """(program, step, train state) of the newest restorable checkpoint in `workdir`, restored
-    onto all local devices along the data axis (as `python -m train.generate` does).
-
-    Raises FileNotFoundError with a one-line message when there is no config or checkpoint."""
-    from train.checkpoint import Checkpointer
-    from train.loop import build_program
-
-    config_path = Path(workdir) / "config.json"
-    if not config_path.exists():
-        raise FileNotFoundError(f"--workdir={workdir} holds no config.json; train a model there "
-                                "first with python -m train")
-    config = ml_collections.ConfigDict(json.loads(config_path.read_text()))
-    config.mesh = dict(data=-1, fsdp=1, tensor=1, sequence=1, stage=1, expert=1)
-    program = build_program(config)
-    with Checkpointer(workdir) as checkpointer:
-        restored = checkpointer.restore_latest(program.abstract_state())
-    if restored is None:
-        raise FileNotFoundError(f"--workdir={workdir} holds no restorable checkpoint")
-    step, state, _ = restored
-    return program, step, state
 
 
 def _per_row(value: np.ndarray, batch: int, seq_len: int, d_model: int) -> np.ndarray:
@@ -186,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from arch.config import ConfigError
     from train import data
-    from train.loop import VALIDATION_SEED
+    from train.loop import VALIDATION_SEED, restore_run
 
     try:
         program, step, state = restore_run(args.workdir)

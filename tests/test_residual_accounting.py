@@ -25,7 +25,7 @@ from arch.residual import RESIDUALS, PreNormSum, SumStream, record
 from tests.helpers import random_tokens, tiny_config, tiny_model
 from train.checkpoint import Checkpointer
 from train.config import validate
-from train.loop import build_program
+from train.loop import build_program, restore_run
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import depth_mixing  # noqa: E402
@@ -221,7 +221,7 @@ def test_depth_mixing_script_plots_and_writes_the_captured_numbers(tmp_path, cap
         out = tmp_path / "plots" / "mixing.png"
         assert depth_mixing.main(["--workdir", str(tmp_path), "--out", str(out),
                                   "--batch", "8"]) == 0
-        program, step, state = depth_mixing.restore_run(tmp_path)
+        program, step, state = restore_run(tmp_path)
         model = nnx.merge(program.graphdef, state["params"], state["model_state"])
         from train import data
         from train.loop import VALIDATION_SEED

@@ -10,13 +10,10 @@ is sampled and decoded against the cache, all inside one jitted `lax.scan`.
 from __future__ import annotations
 
 import functools
-import json
 import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 from flax import nnx
 
@@ -78,8 +75,7 @@ def generate_text(program, state, prompt: str, num_tokens: int, *, temperature: 
 def main(argv=None) -> int:
     import argparse
 
-    from train.checkpoint import Checkpointer
-    from train.loop import build_program
+    from train.loop import restore_run  # train.loop imports this module
 
     parser = argparse.ArgumentParser(prog="python -m train.generate", description=__doc__.split(
         "\n")[0])
@@ -90,20 +86,11 @@ def main(argv=None) -> int:
     parser.add_argument("--top_k", type=int, default=40)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    config_path = Path(args.workdir) / "config.json"
-    if not config_path.exists():
-        print(f"error: --workdir={args.workdir} holds no config.json; train a model there first "
-              "with python -m train", file=sys.stderr)
+    try:
+        program, step, state = restore_run(args.workdir)
+    except FileNotFoundError as error:
+        print(f"error: {error}", file=sys.stderr)
         return 2
-    config = ml_collections.ConfigDict(json.loads(config_path.read_text()))
-    config.mesh = dict(data=-1, fsdp=1, tensor=1, sequence=1, stage=1, expert=1)
-    program = build_program(config)
-    with Checkpointer(args.workdir) as checkpointer:
-        restored = checkpointer.restore_latest(program.abstract_state())
-    if restored is None:
-        print(f"error: --workdir={args.workdir} holds no restorable checkpoint", file=sys.stderr)
-        return 2
-    step, state, _ = restored
     print(f"[step {step}]")
     print(generate_text(program, state, args.prompt, args.num_tokens,
                         temperature=args.temperature, top_k=args.top_k, seed=args.seed))

@@ -10,6 +10,7 @@ anything bad is saved.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import signal
@@ -17,6 +18,7 @@ import time
 from pathlib import Path
 
 import jax
+import ml_collections
 import numpy as np
 import tqdm
 
@@ -43,6 +45,26 @@ def build_program(config) -> TrainProgram:
     maybe_initialize_distributed()
     validate(config, jax.device_count(), jax.process_count())
     return TrainProgram(config, make_mesh(config.mesh))
+
+
+def restore_run(workdir: str | Path):
+    """(program, step, train state) of the newest restorable checkpoint of the training run in
+    `workdir`, rebuilt from its config.json onto all local devices along the data axis (for
+    generation and analysis). Raises FileNotFoundError with a one-line message when there is no
+    config or checkpoint."""
+    config_path = Path(workdir) / "config.json"
+    if not config_path.exists():
+        raise FileNotFoundError(f"--workdir={workdir} holds no config.json; train a model there "
+                                "first with python -m train")
+    config = ml_collections.ConfigDict(json.loads(config_path.read_text()))
+    config.mesh = dict(data=-1, fsdp=1, tensor=1, sequence=1, stage=1, expert=1)
+    program = build_program(config)
+    with Checkpointer(workdir) as checkpointer:
+        restored = checkpointer.restore_latest(program.abstract_state())
+    if restored is None:
+        raise FileNotFoundError(f"--workdir={workdir} holds no restorable checkpoint")
+    step, state, _ = restored
+    return program, step, state
 
 
 def evaluate(program: TrainProgram, state, dataset: data.Dataset) -> float:
