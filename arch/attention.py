@@ -54,8 +54,10 @@ class MultiHeadAttention(nnx.Module):
 
     q = x W_Q (d → H×P), k = x W_K, v = x W_V (d → K×P); head j reads KV head ⌊j/G⌋;
     y = concat_j softmax(q_j k_⌊j/G⌋ᵀ/√P + M) v_⌊j/G⌋ · W_O (H×P → d), M the causal mask.
-    H·P may differ from d (`attention_width`). Initialization: `model.init` groups query, key,
-    value and attention_output (default: variance 1/fan_in for all four).
+    H·P may differ from d (`attention_width`). With `model.linear_bias` each of the four
+    projections adds a bias (x W + b; GPT-2, Radford et al. 2019), zero-initialized.
+    Initialization: `model.init` groups query, key, value and attention_output (default: variance
+    1/fan_in for all four).
 
     KV cache: {"key", "value"} of shape B×S_max×K×P; an input block at positions t₀..t₀+T−1
     writes its keys/values at those slots and attends to every slot at or before its position.
@@ -63,15 +65,15 @@ class MultiHeadAttention(nnx.Module):
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         d, h, k, p = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        dtype = jnp.dtype(cfg.dtype)
+        dtype, bias = jnp.dtype(cfg.dtype), cfg.linear_bias
         self.query = Dense((d,), (h, p), ("embed",), ("heads", "head_dim"), rngs=rngs, dtype=dtype,
-                           init=group_init(cfg, "query"))
+                           use_bias=bias, init=group_init(cfg, "query"))
         self.key = Dense((d,), (k, p), ("embed",), ("kv_heads", "head_dim"), rngs=rngs, dtype=dtype,
-                         init=group_init(cfg, "key"))
+                         use_bias=bias, init=group_init(cfg, "key"))
         self.value = Dense((d,), (k, p), ("embed",), ("kv_heads", "head_dim"), rngs=rngs,
-                           dtype=dtype, init=group_init(cfg, "value"))
+                           dtype=dtype, use_bias=bias, init=group_init(cfg, "value"))
         self.output = Dense((h, p), (d,), ("heads", "head_dim"), ("embed",), rngs=rngs, dtype=dtype,
-                            init=group_init(cfg, "attention_output"))
+                            use_bias=bias, init=group_init(cfg, "attention_output"))
 
     @staticmethod
     def score_flops_per_token(cfg, seq_len: int) -> float:

@@ -82,6 +82,12 @@ def resolve_model(cfg) -> None:
     if cfg.d_ff is None:
         cfg.d_ff = hidden_width(cfg)  # ffn_ratio·d, or matched to the two-projection FFN
     check(cfg.d_ff > 0, "model.d_ff", cfg.d_ff, "must be positive")
+    if cfg.linear_bias:  # biases exist in MultiHeadAttention and the dense FFNs only
+        check(cfg.attention == "mha", "model.linear_bias", True,
+              f"model.attention={cfg.attention!r} has no biases; use attention='mha' or "
+              "linear_bias=False")
+        check(not cfg.use_ffn or cfg.ffn != "moe", "model.linear_bias", True,
+              "model.ffn='moe' has no biases; use a dense model.ffn or linear_bias=False")
     check(isinstance(cfg.mos_components, int) and cfg.mos_components >= 1,
           "model.mos_components", cfg.mos_components, "must be an integer ≥ 1")
     if cfg.ffn == "moe":  # arch/moe.py

@@ -86,17 +86,18 @@ def hidden_width(cfg) -> int:
 class MLP(nnx.Module):
     """Two-projection FFN (Vaswani et al. 2017 eq. 2; Shazeer 2020 eqs. 2–3, no biases):
     y = φ(x W₁) W₂, W₁ (`up`): d → d_ff, W₂ (`down`): d_ff → d, φ = `model.activation`.
-    Initialization: `model.init` groups ffn_input (W₁) and ffn_output (W₂); default variance
-    1/fan_in."""
+    `model.linear_bias`: y = φ(x W₁ + b₁) W₂ + b₂ (Vaswani et al. eq. 2 as written; GPT-2),
+    biases zero-initialized. Initialization: `model.init` groups ffn_input (W₁) and ffn_output
+    (W₂); default variance 1/fan_in."""
 
     projections = 2
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
-        dtype = jnp.dtype(cfg.dtype)
+        dtype, bias = jnp.dtype(cfg.dtype), cfg.linear_bias
         self.up = Dense((cfg.d_model,), (cfg.d_ff,), ("embed",), ("mlp",), rngs=rngs, dtype=dtype,
-                        init=group_init(cfg, "ffn_input"))
+                        use_bias=bias, init=group_init(cfg, "ffn_input"))
         self.down = Dense((cfg.d_ff,), (cfg.d_model,), ("mlp",), ("embed",), rngs=rngs, dtype=dtype,
-                          init=group_init(cfg, "ffn_output"))
+                          use_bias=bias, init=group_init(cfg, "ffn_output"))
         self.activation = activation(cfg)
 
     def __call__(self, x_BxTxD):
@@ -111,6 +112,8 @@ class GatedFFN(nnx.Module):
     as in Shazeer 2020 eq. 5/6: `glu` σ (sigmoid), `reglu` ReLU, `geglu` GELU, `swiglu` Swish₁ =
     SiLU. `model.activation` is not used. Three d × d_ff matrices instead of two: use
     `model.ffn_width="match_mlp"` for the parameter count of the two-projection FFN.
+    `model.linear_bias`: every projection adds a zero-initialized bias,
+    y = (φ(x W + b) ⊙ (x V + c)) W₂ + b₂.
     Initialization: `model.init` groups ffn_input (W, V) and ffn_output (W₂); default variance
     1/fan_in.
     """
@@ -119,14 +122,14 @@ class GatedFFN(nnx.Module):
     gate_activation: str
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
-        dtype = jnp.dtype(cfg.dtype)
+        dtype, bias = jnp.dtype(cfg.dtype), cfg.linear_bias
         d, f = cfg.d_model, cfg.d_ff
         self.gate = Dense((d,), (f,), ("embed",), ("mlp",), rngs=rngs, dtype=dtype,
-                          init=group_init(cfg, "ffn_input"))
+                          use_bias=bias, init=group_init(cfg, "ffn_input"))
         self.up = Dense((d,), (f,), ("embed",), ("mlp",), rngs=rngs, dtype=dtype,
-                        init=group_init(cfg, "ffn_input"))
+                        use_bias=bias, init=group_init(cfg, "ffn_input"))
         self.down = Dense((f,), (d,), ("mlp",), ("embed",), rngs=rngs, dtype=dtype,
-                          init=group_init(cfg, "ffn_output"))
+                          use_bias=bias, init=group_init(cfg, "ffn_output"))
         self.activation = activation(cfg, self.gate_activation)
 
     def __call__(self, x_BxTxD):

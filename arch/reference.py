@@ -132,9 +132,9 @@ def unsupported(cfg) -> str | None:
         if cfg[field] not in choices:
             return (f"the reference model has no model.{field}={cfg[field]!r}; it covers "
                     f"{', '.join(choices)}")
-    if cfg.fixnorm or cfg.head_bias or not cfg.use_ffn or cfg.reversible:
-        return ("the reference model covers neither fixnorm, head_bias, use_ffn=False nor "
-                "reversible blocks")
+    if cfg.fixnorm or cfg.head_bias or cfg.linear_bias or not cfg.use_ffn or cfg.reversible:
+        return ("the reference model covers neither fixnorm, head_bias, linear_bias, "
+                "use_ffn=False nor reversible blocks")
     return None
 
 

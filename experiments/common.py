@@ -75,6 +75,8 @@ def model_config() -> ml_collections.ConfigDict:
         gr_mixing=False,          # gated_residual: add back an n×n branch-mixing operator
         gr_state_dtype="float32",  # gated_residual: branch dtype: float32, bfloat16, float8_e4m3fn
         use_ffn=True,             # False: attention-only blocks (rank-collapse ablation)
+        linear_bias=False,        # + b on attention q/k/v/output and FFN projections (GPT-2); mha
+                                  # and dense FFNs only (not mla, not moe)
         head="tied",              # arch.heads.HEADS
         # Initialization scheme (arch.init.INITS) per parameter group; None: `default`.
         init=dict(default="fan_in", **{group: ml_collections.FieldReference(None, field_type=str)

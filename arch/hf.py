@@ -1,0 +1,463 @@
+"""Hugging Face checkpoints → `TransformerLM`: Llama-family and GPT-2 models from local safetensors.
+
+    model_cfg, model = load_hf_checkpoint("path/to/dir")   # config.json + model.safetensors
+                                                           # (or model.safetensors.index.json)
+
+The imported model's float32 logits equal the `transformers` implementation's on the same weights
+(tests/test_hf_import.py). Nothing is downloaded, and neither torch nor transformers is used:
+tensors are read with `safetensors`' numpy API (BF16 through `ml_dtypes`) and cast to float32.
+
+Architecture (`model_config_from_hf`: config.json → `experiments.common.model_config()` fields):
+
+    ours             llama / mistral                          gpt2
+    vocab_size       vocab_size                               vocab_size
+    d_model          hidden_size                              n_embd
+    num_layers       num_hidden_layers                        n_layer
+    num_heads        num_attention_heads                      n_head
+    num_kv_heads     num_key_value_heads (default: heads)     n_head
+    head_dim         head_dim (default: hidden/heads; h·p ≠ d sets attention_width)  n_embd/n_head
+    d_ff             intermediate_size                        n_inner (default: 4·n_embd)
+    norm_eps         rms_norm_eps                             layer_norm_epsilon
+    rope_base        rope_theta or rope_parameters.rope_theta —
+    max_seq_len      max_position_embeddings                  n_positions
+    head             tie_word_embeddings (default false)      tie_word_embeddings (default true)
+                     → "tied" / "untied"
+    ffn              hidden_act silu, swish / relu / sigmoid  "mlp"
+                     / gelu_new, gelu_pytorch_tanh
+                     → swiglu / reglu / glu / geglu
+    activation       —                                        activation_function gelu_new,
+                                                              gelu_pytorch_tanh / relu / silu,
+                                                              swish / tanh / sigmoid → gelu /
+                                                              relu / silu / tanh / sigmoid
+    norm, position   "rmsnorm", "rope"                        "layernorm", "learned"
+    linear_bias      False                                    True
+
+Both: attention="mha", residual="prenorm", final_norm=True, head_bias=False, dtype float32.
+Our "gelu" is the tanh approximation, which is HF's gelu_new / gelu_pytorch_tanh (HF's "gelu" is
+the erf form and raises). What the framework cannot represent raises ValueError naming the field
+and value, never a silently different model: any `rope_scaling` (or `rope_parameters` other than
+plain {rope_type: default, rope_theta}); llama `attention_bias` / `mlp_bias` true; mistral
+`sliding_window` shorter than max_position_embeddings; gpt2 `scale_attn_weights` false,
+`scale_attn_by_inverse_layer_idx` true, `add_cross_attention` true; an activation without an
+exact counterpart; any other model_type.
+
+Weights (`params_from_hf`). Names are those `save_pretrained` writes for *ForCausalLM; the base
+prefix ("model." / "transformer.") may be absent (e.g. openai-community/gpt2). Our Dense kernels
+are in_shape + out_shape; torch `nn.Linear` stores (out, in), hence ᵀ; GPT-2's `Conv1D` stores
+(in, out). Per-layer tensors (layer i) are stacked on our leading `layers` axis (L×, not shown).
+V vocab, d width, N positions, H / K query / key-value heads, P head width, F = d_ff.
+
+    Llama / Mistral                          shape      ours                                shape
+    model.embed_tokens.weight                V×d        embed/embedding                     V×d
+    model.layers.i.input_layernorm.weight    d          blocks/attention_residual/norm/scale d
+    model.layers.i.self_attn.q_proj.weight   (H·P)×d  ᵀ blocks/attention/query/kernel       d×H×P
+    model.layers.i.self_attn.k_proj.weight   (K·P)×d  ᵀ blocks/attention/key/kernel         d×K×P
+    model.layers.i.self_attn.v_proj.weight   (K·P)×d  ᵀ blocks/attention/value/kernel       d×K×P
+    model.layers.i.self_attn.o_proj.weight   d×(H·P)  ᵀ blocks/attention/output/kernel      H×P×d
+    model.layers.i.post_attention_layernorm.weight d    blocks/ffn_residual/norm/scale      d
+    model.layers.i.mlp.gate_proj.weight      F×d      ᵀ blocks/ffn/gate/kernel              d×F
+    model.layers.i.mlp.up_proj.weight        F×d      ᵀ blocks/ffn/up/kernel                d×F
+    model.layers.i.mlp.down_proj.weight      d×F      ᵀ blocks/ffn/down/kernel              F×d
+    model.norm.weight                        d          final_norm/scale                    d
+    lm_head.weight (untied head)             V×d      ᵀ head/output/kernel                  d×V
+
+    GPT-2                                    shape      ours                                shape
+    transformer.wte.weight                   V×d        embed/embedding                     V×d
+    transformer.wpe.weight                   N×d        position/table                      N×d
+    transformer.h.i.ln_1.weight, .bias       d          blocks/attention_residual/norm/scale, bias
+    transformer.h.i.attn.c_attn.weight       d×3d       blocks/attention/{query,key,value}/kernel
+                                                        (column thirds [q | k | v])         d×H×P
+    transformer.h.i.attn.c_attn.bias         3d         blocks/attention/{query,key,value}/bias
+                                                        (thirds)                            H×P
+    transformer.h.i.attn.c_proj.weight       d×d        blocks/attention/output/kernel      H×P×d
+    transformer.h.i.attn.c_proj.bias         d          blocks/attention/output/bias        d
+    transformer.h.i.ln_2.weight, .bias       d          blocks/ffn_residual/norm/scale, bias
+    transformer.h.i.mlp.c_fc.weight, .bias   d×F, F     blocks/ffn/up/kernel, bias          d×F, F
+    transformer.h.i.mlp.c_proj.weight, .bias F×d, d     blocks/ffn/down/kernel, bias        F×d, d
+    transformer.ln_f.weight, .bias           d          final_norm/scale, bias              d
+    lm_head.weight (untied head)             V×d      ᵀ head/output/kernel                  d×V
+
+A tied head has no lm_head.weight, or one equal to the embedding (consumed, checked). Ignored
+buffers: GPT-2's h.i.attn.bias / h.i.attn.masked_bias (causal masks), Llama's
+layers.i.self_attn.rotary_emb.inv_freq. Every other tensor must be consumed and every parameter
+filled, else ValueError listing the missing and unexpected names.
+
+Checked, not assumed (the logits tests): HF Llama's `rotate_half` with cos/sin of cat(θ, θ)
+rotates feature pairs (j, j + P/2) of a head by t·base^(−2j/P), as `arch.positions.RoPE` does, and
+q_proj/k_proj rows are head-major (viewed as H×P), so no permutation is needed; GPT-2's c_attn
+columns are [q | k | v], each head-major.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import jax.numpy as jnp
+import ml_collections
+import ml_dtypes  # noqa: F401 -- registers bfloat16 with numpy: safetensors needs it for BF16
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+
+from arch.accounting import abstract_model
+from arch.config import resolve_model
+from arch.model import TransformerLM
+from experiments.common import model_config
+
+LLAMA_FAMILY = ("llama", "mistral")
+MODEL_TYPES = (*LLAMA_FAMILY, "gpt2")
+# Hugging Face activation name → our gated FFN (Llama: φ(x W_gate) ⊙ x W_up) and our activation
+# (GPT-2 MLP). Only exact counterparts: our "gelu" is the tanh approximation (HF gelu_new).
+LLAMA_GATED_FFN = {"silu": "swiglu", "swish": "swiglu", "relu": "reglu", "sigmoid": "glu",
+                   "gelu_new": "geglu", "gelu_pytorch_tanh": "geglu"}
+GPT2_ACTIVATION = {"gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "relu": "relu",
+                   "silu": "silu", "swish": "silu", "tanh": "tanh", "sigmoid": "sigmoid"}
+BASE_PREFIX = {"llama": "model.", "gpt2": "transformer."}
+IGNORED_SUFFIXES = {"llama": (".rotary_emb.inv_freq",), "gpt2": (".attn.bias", ".attn.masked_bias")}
+# Components each weight layout fills; `params_from_hf` refuses a config outside them.
+LAYOUTS = {
+    "llama": dict(attention="mha", norm="rmsnorm", position="rope", residual="prenorm",
+                  ffn=tuple(sorted(set(LLAMA_GATED_FFN.values()))), linear_bias=False),
+    "gpt2": dict(attention="mha", norm="layernorm", position="learned", residual="prenorm",
+                 ffn=("mlp",), linear_bias=True),
+}
+COMMON_LAYOUT = dict(head=("tied", "untied"), head_bias=False, final_norm=True, use_ffn=True,
+                     fixnorm=False, reversible=False)
+
+
+def _unsupported(field: str, value, why: str) -> ValueError:
+    return ValueError(f"config.json {field}={value!r} is not supported: {why}")
+
+
+def _required(hf_config: Mapping, field: str):
+    if hf_config.get(field) is None:
+        raise ValueError(f"config.json has no {field!r}, which a model_type="
+                         f"{hf_config.get('model_type')!r} checkpoint must give")
+    return hf_config[field]
+
+
+def _rope_base(hf_config: Mapping) -> float:
+    """θ of plain RoPE; any frequency scaling raises (ours has none). Reads both the
+    transformers ≥ 5 form (`rope_parameters`) and the older `rope_theta` + `rope_scaling`."""
+    if hf_config.get("rope_scaling") is not None:
+        raise _unsupported("rope_scaling", hf_config["rope_scaling"],
+                           "blockbench's RoPE has no frequency scaling; only rope_scaling=null "
+                           "imports exactly")
+    parameters = hf_config.get("rope_parameters")
+    if parameters is None:
+        return float(hf_config.get("rope_theta", 10_000.0))
+    kind = parameters.get("rope_type", parameters.get("type", "default"))
+    if kind != "default" or set(parameters) - {"rope_type", "type", "rope_theta"}:
+        raise _unsupported("rope_parameters", parameters,
+                           "blockbench's RoPE has no frequency scaling; only {'rope_type': "
+                           "'default', 'rope_theta': θ} imports exactly")
+    return float(parameters.get("rope_theta", hf_config.get("rope_theta", 10_000.0)))
+
+
+def _llama_fields(hf: Mapping) -> dict:
+    model_type = hf["model_type"]
+    if model_type == "llama":
+        for field in ("attention_bias", "mlp_bias"):
+            if hf.get(field):
+                raise _unsupported(field, hf[field], "blockbench's Llama layout has no biases "
+                                   "(model.linear_bias puts them on attention and FFN together)")
+    max_positions = int(_required(hf, "max_position_embeddings"))
+    window = hf.get("sliding_window")
+    if model_type == "mistral" and window is not None and window < max_positions:
+        raise _unsupported("sliding_window", window, "blockbench attention is fully causal; "
+                           "only sliding_window=null (or ≥ max_position_embeddings="
+                           f"{max_positions}) imports exactly")
+    hidden_act = hf.get("hidden_act", "silu")
+    if hidden_act not in LLAMA_GATED_FFN:
+        raise _unsupported("hidden_act", hidden_act, "supported: "
+                           f"{', '.join(sorted(LLAMA_GATED_FFN))} (gated FFN φ(x W_gate) ⊙ x W_up)")
+    d, heads = int(_required(hf, "hidden_size")), int(_required(hf, "num_attention_heads"))
+    head_dim = int(hf.get("head_dim") or d // heads)
+    return dict(
+        vocab_size=int(_required(hf, "vocab_size")), d_model=d,
+        num_layers=int(_required(hf, "num_hidden_layers")), num_heads=heads,
+        num_kv_heads=int(hf.get("num_key_value_heads") or heads), head_dim=head_dim,
+        attention_width=None if heads * head_dim == d else heads * head_dim,
+        d_ff=int(_required(hf, "intermediate_size")), norm="rmsnorm",
+        norm_eps=float(_required(hf, "rms_norm_eps")), position="rope",
+        rope_base=_rope_base(hf), max_seq_len=max_positions, ffn=LLAMA_GATED_FFN[hidden_act],
+        linear_bias=False, head="tied" if hf.get("tie_word_embeddings", False) else "untied")
+
+
+def _gpt2_fields(hf: Mapping) -> dict:
+    for field, exact in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
+                         ("add_cross_attention", False)):
+        if hf.get(field, exact) != exact:
+            raise _unsupported(field, hf[field], f"only {field}={str(exact).lower()} imports "
+                               "exactly (blockbench scales attention scores by 1/√P in every "
+                               "layer and has no cross-attention)")
+    activation = hf.get("activation_function", "gelu_new")
+    if activation not in GPT2_ACTIVATION:
+        raise _unsupported("activation_function", activation,
+                           f"supported: {', '.join(sorted(GPT2_ACTIVATION))} (blockbench's "
+                           "'gelu' is the tanh approximation, HF's gelu_new; HF's 'gelu' is the "
+                           "erf form)")
+    d = int(_required(hf, "n_embd"))
+    return dict(
+        vocab_size=int(_required(hf, "vocab_size")), d_model=d,
+        num_layers=int(_required(hf, "n_layer")), num_heads=int(_required(hf, "n_head")),
+        num_kv_heads=int(_required(hf, "n_head")), d_ff=int(hf.get("n_inner") or 4 * d),
+        norm="layernorm", norm_eps=float(_required(hf, "layer_norm_epsilon")),
+        position="learned", max_seq_len=int(_required(hf, "n_positions")), ffn="mlp",
+        activation=GPT2_ACTIVATION[activation], linear_bias=True,
+        head="tied" if hf.get("tie_word_embeddings", True) else "untied")
+
+
+def model_config_from_hf(hf_config: Mapping) -> ml_collections.ConfigDict:
+    """Our (resolved) model config for a Hugging Face config.json dict: model_type "llama",
+    "mistral" (Llama with a sliding window, accepted when the window never binds) or "gpt2".
+    Raises ValueError naming the field and value for anything not represented exactly."""
+    model_type = hf_config.get("model_type")
+    if model_type in LLAMA_FAMILY:
+        fields = _llama_fields(hf_config)
+    elif model_type == "gpt2":
+        fields = _gpt2_fields(hf_config)
+    else:
+        raise _unsupported("model_type", model_type, f"supported: {', '.join(MODEL_TYPES)}")
+    cfg = model_config()
+    cfg.update(fields, attention="mha", residual="prenorm", final_norm=True, head_bias=False,
+               dtype="float32")
+    resolve_model(cfg)
+    return cfg
+
+
+# Weights ------------------------------------------------------------------------------------------
+
+Transform = Callable[[np.ndarray], np.ndarray]
+# (Hugging Face name, its shape, [(our path, transform to our shape), ...]); per-layer names are
+# relative to the layer prefix and our paths to `blocks`.
+Rule = tuple[str, tuple[int, ...], list[tuple[tuple[str, ...], Transform]]]
+
+
+def _layout(cfg) -> str:
+    """Which weight layout fills `cfg`'s parameters; ValueError if the config is in neither."""
+    layout = "llama" if cfg.position == "rope" else "gpt2"
+    for field, valid in {**LAYOUTS[layout], **COMMON_LAYOUT}.items():
+        allowed = valid if isinstance(valid, tuple) else (valid,)
+        if cfg[field] not in allowed:
+            raise ValueError(f"model.{field}={cfg[field]!r} is not in the {layout} weight layout "
+                             f"(needs {' or '.join(map(repr, allowed))})")
+    return layout
+
+
+def _llama_rules(cfg) -> tuple[list[Rule], list[Rule]]:
+    d, h, k, p, f, v = (cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.d_ff,
+                        cfg.vocab_size)
+    transpose = lambda w: w.T
+    top = [("model.embed_tokens.weight", (v, d), [(("embed", "embedding"), np.asarray)]),
+           ("model.norm.weight", (d,), [(("final_norm", "scale"), np.asarray)])]
+    if cfg.head == "untied":
+        top.append(("lm_head.weight", (v, d), [(("head", "output", "kernel"), transpose)]))
+    layer = [
+        ("input_layernorm.weight", (d,), [(("attention_residual", "norm", "scale"), np.asarray)]),
+        ("self_attn.q_proj.weight", (h * p, d),
+         [(("attention", "query", "kernel"), lambda w: w.T.reshape(d, h, p))]),
+        ("self_attn.k_proj.weight", (k * p, d),
+         [(("attention", "key", "kernel"), lambda w: w.T.reshape(d, k, p))]),
+        ("self_attn.v_proj.weight", (k * p, d),
+         [(("attention", "value", "kernel"), lambda w: w.T.reshape(d, k, p))]),
+        ("self_attn.o_proj.weight", (d, h * p),
+         [(("attention", "output", "kernel"), lambda w: w.T.reshape(h, p, d))]),
+        ("post_attention_layernorm.weight", (d,),
+         [(("ffn_residual", "norm", "scale"), np.asarray)]),
+        ("mlp.gate_proj.weight", (f, d), [(("ffn", "gate", "kernel"), transpose)]),
+        ("mlp.up_proj.weight", (f, d), [(("ffn", "up", "kernel"), transpose)]),
+        ("mlp.down_proj.weight", (d, f), [(("ffn", "down", "kernel"), transpose)]),
+    ]
+    return top, layer
+
+
+def _gpt2_rules(cfg) -> tuple[list[Rule], list[Rule]]:
+    d, h, p, f, v = cfg.d_model, cfg.num_heads, cfg.head_dim, cfg.d_ff, cfg.vocab_size
+    same = np.asarray
+
+    def third(j: int, shape: tuple[int, ...]) -> Transform:  # c_attn's columns: [q | k | v]
+        return lambda w: np.split(w, 3, axis=-1)[j].reshape(shape)
+
+    def norm(name: str, ours: str) -> list[Rule]:
+        return [(f"{name}.weight", (d,), [((ours, "norm", "scale"), same)]),
+                (f"{name}.bias", (d,), [((ours, "norm", "bias"), same)])]
+
+    top = [("transformer.wte.weight", (v, d), [(("embed", "embedding"), same)]),
+           ("transformer.wpe.weight", (cfg.max_seq_len, d), [(("position", "table"), same)]),
+           ("transformer.ln_f.weight", (d,), [(("final_norm", "scale"), same)]),
+           ("transformer.ln_f.bias", (d,), [(("final_norm", "bias"), same)])]
+    if cfg.head == "untied":
+        top.append(("lm_head.weight", (v, d), [(("head", "output", "kernel"), lambda w: w.T)]))
+    layer = [
+        *norm("ln_1", "attention_residual"),
+        ("attn.c_attn.weight", (d, 3 * d),
+         [(("attention", name, "kernel"), third(j, (d, h, p)))
+          for j, name in enumerate(("query", "key", "value"))]),
+        ("attn.c_attn.bias", (3 * d,),
+         [(("attention", name, "bias"), third(j, (h, p)))
+          for j, name in enumerate(("query", "key", "value"))]),
+        ("attn.c_proj.weight", (d, d),
+         [(("attention", "output", "kernel"), lambda w: w.reshape(h, p, d))]),
+        ("attn.c_proj.bias", (d,), [(("attention", "output", "bias"), same)]),
+        *norm("ln_2", "ffn_residual"),
+        ("mlp.c_fc.weight", (d, f), [(("ffn", "up", "kernel"), same)]),
+        ("mlp.c_fc.bias", (f,), [(("ffn", "up", "bias"), same)]),
+        ("mlp.c_proj.weight", (f, d), [(("ffn", "down", "kernel"), same)]),
+        ("mlp.c_proj.bias", (d,), [(("ffn", "down", "bias"), same)]),
+    ]
+    return top, layer
+
+
+RULES = {"llama": _llama_rules, "gpt2": _gpt2_rules}
+LAYER_PREFIX = {"llama": "model.layers.", "gpt2": "transformer.h."}
+HEAD_NAME = "lm_head.weight"
+EMBEDDING_NAME = {"llama": "model.embed_tokens.weight", "gpt2": "transformer.wte.weight"}
+
+
+def _with_base_prefix(tensors: Mapping[str, np.ndarray], prefix: str) -> dict[str, np.ndarray]:
+    """Names as `save_pretrained` writes them for *ForCausalLM: the base prefix added where a
+    checkpoint of the bare base model omits it (lm_head.* is outside the base model)."""
+    named = {}
+    for name, array in tensors.items():
+        full = name if name.startswith((prefix, "lm_head.")) else prefix + name
+        if full in named:
+            raise ValueError(f"checkpoint tensor {full} appears twice (as {name} and {full})")
+        named[full] = array
+    return named
+
+
+def _listed(names: list[str], limit: int = 8) -> str:
+    if not names:
+        return "none"
+    more = f" (and {len(names) - limit} more)" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+def params_from_hf(model_cfg, tensors: Mapping[str, np.ndarray]) -> nnx.State:
+    """Our parameters (`nnx.Param` State of `TransformerLM(model_cfg)`, float32, layers stacked)
+    from Hugging Face tensors by name (see the tables in the module docstring).
+
+    Raises ValueError for a tensor whose shape disagrees with the config, for a config outside
+    the two weight layouts, and, listing the names, for missing and unexpected tensors."""
+    layout = _layout(model_cfg)
+    named = _with_base_prefix(tensors, BASE_PREFIX[layout])
+    top_rules, layer_rules = RULES[layout](model_cfg)
+    consumed: set[str] = set()
+    missing: list[str] = []
+
+    def read(name: str, shape: tuple[int, ...]) -> np.ndarray | None:
+        if name not in named:
+            missing.append(name)
+            return None
+        consumed.add(name)
+        if tuple(named[name].shape) != shape:
+            raise ValueError(f"checkpoint tensor {name} has shape {tuple(named[name].shape)}; "
+                             f"config.json implies {shape}")
+        return np.asarray(named[name], dtype=np.float32)
+
+    values: dict[tuple[str, ...], np.ndarray] = {}
+    for name, shape, targets in top_rules:
+        weight = read(name, shape)
+        if weight is not None:
+            values.update((path, transform(weight)) for path, transform in targets)
+    layer_prefix = LAYER_PREFIX[layout]
+    for name, shape, targets in layer_rules:
+        per_layer = [read(f"{layer_prefix}{i}.{name}", shape)
+                     for i in range(model_cfg.num_layers)]
+        if any(weight is None for weight in per_layer):
+            continue
+        for path, transform in targets:
+            values[("blocks", *path)] = np.stack([transform(weight) for weight in per_layer])
+    if model_cfg.head == "tied" and HEAD_NAME in named:
+        consumed.add(HEAD_NAME)
+        embedding = named.get(EMBEDDING_NAME[layout])
+        if embedding is not None and not np.array_equal(named[HEAD_NAME], embedding):
+            raise ValueError(f"config.json ties the head (tie_word_embeddings) but {HEAD_NAME} "
+                             f"differs from {EMBEDDING_NAME[layout]}")
+    unexpected = sorted(name for name in named if name not in consumed
+                        and not name.endswith(IGNORED_SUFFIXES[layout]))
+    if missing or unexpected:
+        raise ValueError(f"checkpoint tensors do not match config.json ({layout} layout, "
+                         f"{model_cfg.num_layers} layers): missing {_listed(missing)}; "
+                         f"unexpected {_listed(unexpected)}")
+
+    flat = nnx.to_flat_state(nnx.state(abstract_model(model_cfg), nnx.Param))
+    filled = []
+    for path, variable in flat:  # a failure here is a rule table out of step with the model
+        value = values.get(tuple(map(str, path)))
+        if value is None or value.shape != variable.shape:
+            raise ValueError(f"no checkpoint tensor fills {'/'.join(map(str, path))} "
+                             f"{variable.shape} (got {None if value is None else value.shape})")
+        filled.append((path, variable.replace(jnp.asarray(value, jnp.float32))))
+    return nnx.from_flat_state(filled)
+
+
+def model_from_params(model_cfg, params: nnx.State) -> TransformerLM:
+    """`TransformerLM(model_cfg)` holding `params` (no random initialization is run)."""
+    graphdef, _, rest = nnx.split(abstract_model(model_cfg), nnx.Param, ...)
+    return nnx.merge(graphdef, params, rest)
+
+
+# Files --------------------------------------------------------------------------------------------
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def _checkpoint_directory(directory: str | Path) -> Path:
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"checkpoint directory {directory} does not exist")
+    return directory
+
+
+def read_hf_config(directory: str | Path) -> dict:
+    """The checkpoint's config.json as a dict."""
+    path = _checkpoint_directory(directory) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist: a Hugging Face checkpoint directory "
+                                f"holds config.json and {SINGLE_FILE} (or {INDEX_FILE})")
+    return json.loads(path.read_text())
+
+
+def read_safetensors(directory: str | Path) -> dict[str, np.ndarray]:
+    """Every tensor of the checkpoint (in its stored dtype) by name, from `model.safetensors` or
+    the shards named by `model.safetensors.index.json`."""
+    directory = _checkpoint_directory(directory)
+    index_path = directory / INDEX_FILE
+    if index_path.is_file():
+        weight_map = json.loads(index_path.read_text())["weight_map"]
+        files = sorted(set(weight_map.values()))
+    elif (directory / SINGLE_FILE).is_file():
+        weight_map, files = None, [SINGLE_FILE]
+    else:
+        others = sorted(p.name for p in directory.glob("*.bin"))
+        hint = f" (found {', '.join(others)}: convert it to safetensors)" if others else ""
+        raise FileNotFoundError(f"{directory} holds neither {SINGLE_FILE} nor {INDEX_FILE}{hint}")
+    tensors: dict[str, np.ndarray] = {}
+    for file in files:
+        path = directory / file
+        if not path.is_file():
+            raise FileNotFoundError(f"{index_path} names the shard {file}, which is missing")
+        with safe_open(path, framework="numpy") as shard:
+            for name in shard.keys():
+                if name in tensors:
+                    raise ValueError(f"checkpoint tensor {name} appears in two shards")
+                tensors[name] = shard.get_tensor(name)
+    if weight_map is not None and set(weight_map) - set(tensors):
+        absent = sorted(set(weight_map) - set(tensors))
+        raise ValueError(f"{index_path} lists tensors its shards lack: {_listed(absent)}")
+    return tensors
+
+
+def load_hf_checkpoint(directory: str | Path) -> tuple[ml_collections.ConfigDict, TransformerLM]:
+    """(model config, TransformerLM with the checkpoint's weights) from a local Hugging Face
+    checkpoint directory: config.json plus model.safetensors or a sharded
+    model.safetensors.index.json. FileNotFoundError for a missing directory or file;
+    ValueError for anything that would not be imported exactly."""
+    model_cfg = model_config_from_hf(read_hf_config(directory))
+    params = params_from_hf(model_cfg, read_safetensors(directory))
+    return model_cfg, model_from_params(model_cfg, params)
