@@ -61,6 +61,75 @@ def matmul_parameter_count(model_cfg) -> int:
     return count + HEADS[model_cfg.head].reused_matmul_parameters(model_cfg)
 
 
+COMPONENTS = ("embedding", "attention", "ffn", "norms", "residual", "head")
+
+
+def component_of(path: tuple[str, ...]) -> str:
+    """The component a parameter belongs to, from its path in the model:
+
+      embedding  the token table and learned position table (`embed`, `position`)
+      attention  everything inside a block's `attention` module (MLA's latent norms included)
+      ffn        everything inside a block's `ffn` module (MoE router and experts included)
+      norms      the sublayer norms of the plain sums (`*_residual/norm`) and `final_norm`
+      residual   the rest of the residual mechanism (`*_residual/...`, the model-level
+                 `residual_stream`: AttnRes pseudo-queries, HC/mHC/GR gates and their norms)
+      head       the output head (an untied projection, MoS/MoC mixtures, an output bias)
+    """
+    keys = [str(key) for key in path]
+    for key in keys:
+        if key in ("embed", "position"):
+            return "embedding"
+        if key in ("attention", "ffn", "head"):
+            return key
+        if key == "final_norm":
+            return "norms"
+        if key.endswith("_residual") or key == "residual_stream":
+            following = keys[keys.index(key) + 1:]
+            return "norms" if following[:1] == ["norm"] else "residual"
+    raise ValueError(f"parameter {'/'.join(keys)} belongs to no known component")
+
+
+def parameter_breakdown(model_cfg) -> dict[str, int]:
+    """Parameter counts by component (`component_of`), from the abstract model:
+
+      total           unique parameters (storage), every routed expert included
+      active          parameters one token uses (`active_parameter_count`)
+      <component>     one entry per name in `COMPONENTS`; they sum to `total`
+      vocabulary      parameters indexed by the vocabulary or by position: tables with a logical
+                      `vocab` or `positions` axis (token embedding, learned positions, an untied
+                      output projection and an output bias)
+      non_embedding   total − vocabulary (Kaplan et al. 2020's N: what scales with depth and width)
+      tying_savings   the untied head's parameters minus the tied head's: V·d (V·d + 0 for bias)
+    """
+    model = abstract_model(model_cfg)
+    counts = dict.fromkeys(COMPONENTS, 0)
+    vocabulary = 0
+    for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        size = math.prod(variable.shape)
+        counts[component_of(path)] += size
+        if {"vocab", "positions"} & set(variable.get_metadata().get("out_sharding") or ()):
+            vocabulary += size
+    total = sum(counts.values())
+    untied = ml_collections.ConfigDict(model_cfg.to_dict())
+    untied.update(head="untied", fixnorm=False)
+    tied = ml_collections.ConfigDict(untied.to_dict())
+    tied.head = "tied"
+    return {"total": total, "active": active_parameter_count(model_cfg), **counts,
+            "vocabulary": vocabulary, "non_embedding": total - vocabulary,
+            "tying_savings": parameter_count(untied) - parameter_count(tied)}
+
+
+def kv_cache_bytes_per_token(model_cfg, dtype: str | None = None) -> int:
+    """Bytes the KV cache holds per token, over all layers: each attention class's
+    `cache_shapes` per position (MHA/GQA/MQA: keys and values, 2·h_kv·p; MLA: the latent and
+    the decoupled rotary key, d_c + d_r), × num_layers × the itemsize of `dtype` (default the
+    compute dtype `model.dtype`). Per sequence: × its length."""
+    shapes = ATTENTION[model_cfg.attention].cache_shapes(model_cfg, 1, 1)
+    per_layer = sum(math.prod(shape) for shape in shapes.values())
+    itemsize = jnp.dtype(dtype or model_cfg.dtype).itemsize
+    return model_cfg.num_layers * per_layer * itemsize
+
+
 def flops_per_token(model_cfg, seq_len: int, training: bool = True) -> float:
     """Matmul FLOPs per token: 2 per matmul weight, plus causal attention counted honestly (each
     attention class's `score_flops_per_token`: position t attends to t + 1 keys, not T).

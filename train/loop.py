@@ -18,12 +18,12 @@ import time
 from pathlib import Path
 
 import jax
-import ml_collections
 import numpy as np
 import tqdm
 
 from arch.accounting import flops_per_token
 from arch.config import ConfigError
+from experiments.common import base_config
 from sharding.mesh import make_mesh, maybe_initialize_distributed
 from train import data
 from train.checkpoint import Checkpointer
@@ -49,14 +49,15 @@ def build_program(config) -> TrainProgram:
 
 def restore_run(workdir: str | Path):
     """(program, step, train state) of the newest restorable checkpoint of the training run in
-    `workdir`, rebuilt from its config.json onto all local devices along the data axis (for
-    generation and analysis). Raises FileNotFoundError with a one-line message when there is no
-    config or checkpoint."""
+    `workdir`, rebuilt from its config.json (over `base_config()`'s defaults) onto all local
+    devices along the data axis (for generation and analysis). Raises FileNotFoundError with a
+    one-line message when there is no config or checkpoint."""
     config_path = Path(workdir) / "config.json"
     if not config_path.exists():
         raise FileNotFoundError(f"--workdir={workdir} holds no config.json; train a model there "
                                 "first with python -m train")
-    config = ml_collections.ConfigDict(json.loads(config_path.read_text()))
+    config = base_config()  # fields added since the run was saved keep their defaults
+    config.update(json.loads(config_path.read_text()))
     config.mesh = dict(data=-1, fsdp=1, tensor=1, sequence=1, stage=1, expert=1)
     program = build_program(config)
     with Checkpointer(workdir) as checkpointer:

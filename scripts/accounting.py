@@ -1,0 +1,166 @@
+"""The books of a model from its config alone (`jax.eval_shape`: nothing is allocated).
+
+    python scripts/accounting.py --config experiments/quickstart.py [--config.FIELD=VALUE ...]
+    python scripts/accounting.py --shape llama-3-8b --shape gpt2 [--seq_len 2048]
+    python scripts/accounting.py --shape all [--format markdown|json|csv] [--out FILE]
+
+For each model (an experiment file, and/or named reference shapes, `--shape all` for every one):
+
+  parameters        total (unique, storage) and active per token (MoE: k of E routed experts);
+                    by component (embedding, attention, ffn, norms, residual, head; they sum to
+                    the total); vocabulary-indexed tables and the non-embedding rest; the tied
+                    vs untied difference (V·d) — `arch.accounting.parameter_breakdown`
+  flops             matmul FLOPs per token, training (3× forward) and inference, causal
+                    attention counted as t + 1 keys at position t, at --seq_len
+                    (`arch.accounting.flops_per_token`; what MFU divides by)
+  kv_cache          bytes per token over all layers and per sequence of --seq_len, at the
+                    compute dtype (MLA stores its latent) — `kv_cache_bytes_per_token`
+  residual          I/O per token per sublayer (units of d), history per token (elements) and
+                    the residual mechanism's added parameters — `residual_accounting`
+  published         for open models: the released checkpoint's parameter count, and whether
+                    the total reproduces it exactly
+
+Reference shapes (`arch/reference_shapes.py`): the open models gpt2, gpt2-medium, llama-2-7b,
+llama-3-8b, mistral-7b-v0.3 from their public config.json; `tying` (V = 50,000, d = 2,048:
+tying saves 102.4M) and `wide_glu` (d = 4,096, 32 heads of p = 128, a 14,336-wide gated FFN:
+10.5·d² per block); `transformer_base`, the encoder–decoder of Vaswani et al. 2017 assembled from
+this framework's parts (63.1M; the paper's Table 3 rounds to 65M), parameters only.
+
+--seq_len defaults to the experiment's seq_len, else 2,048 (capped at the model's max_seq_len).
+--format markdown (default) prints one table per model; json one object {name: books}; csv one
+row per (model, quantity). --out writes to a file instead of stdout.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import sys
+from pathlib import Path
+
+from absl import app, flags
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment file, PATH[:ARG].",
+                                          lock_config=False)
+_SHAPES = flags.DEFINE_multi_string("shape", [], "A reference shape (repeatable), or 'all'.")
+_SEQ_LEN = flags.DEFINE_integer("seq_len", None, "Sequence length for FLOPs and KV cache.")
+_FORMAT = flags.DEFINE_enum("format", "markdown", ["markdown", "json", "csv"], "Output format.")
+_OUT = flags.DEFINE_string("out", None, "Write to this file instead of stdout.")
+
+
+def model_books(model_cfg, seq_len: int) -> dict:
+    """Every accounting figure of a resolved model config at `seq_len`, as a nested dict."""
+    from arch import accounting
+
+    seq_len = min(seq_len, model_cfg.max_seq_len or seq_len)
+    kv_per_token = accounting.kv_cache_bytes_per_token(model_cfg)
+    residual = accounting.residual_accounting(model_cfg)
+    return {
+        "parameters": accounting.parameter_breakdown(model_cfg),
+        "flops": {"seq_len": seq_len,
+                  "training_per_token": accounting.flops_per_token(model_cfg, seq_len, True),
+                  "inference_per_token": accounting.flops_per_token(model_cfg, seq_len, False)},
+        "kv_cache": {"dtype": model_cfg.dtype, "bytes_per_token": kv_per_token,
+                     "bytes_per_sequence": kv_per_token * seq_len},
+        "residual": {"mechanism": model_cfg.residual,
+                     "io_per_token_per_sublayer_d": residual["io_per_token_per_sublayer"],
+                     "history_elements_per_token": residual["history_elements_per_token"],
+                     "added_parameters": residual["added_parameters"]},
+    }
+
+
+def shape_books(name: str, seq_len: int) -> dict:
+    """The books of one named reference shape."""
+    from arch import reference_shapes as shapes
+
+    if name == "transformer_base":
+        return {"parameters": shapes.transformer_base_parameters()}
+    examples = shapes.worked_examples()
+    if name in examples:
+        return model_books(examples[name], seq_len)
+    books = model_books(shapes.open_model(name), seq_len)
+    published = shapes.PUBLISHED_PARAMETERS[name]
+    books["published"] = {"parameters": published,
+                          "reproduced": books["parameters"]["total"] == published}
+    return books
+
+
+def shape_names() -> list[str]:
+    from arch import reference_shapes as shapes
+
+    return ["transformer_base", *shapes.worked_examples(), *shapes.PUBLIC_CONFIGS]
+
+
+def _rows(books: dict, prefix: str = ""):
+    for key, value in books.items():
+        if isinstance(value, dict):
+            yield from _rows(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+def _format_value(value) -> str:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return str(value)
+    if isinstance(value, int) or float(value).is_integer():
+        return f"{int(value):,}"
+    return f"{value:.4g}"
+
+
+def render(all_books: dict[str, dict], fmt: str) -> str:
+    if fmt == "json":
+        return json.dumps(all_books, indent=2)
+    if fmt == "csv":
+        out = io.StringIO()
+        writer = csv.writer(out)
+        writer.writerow(["model", "quantity", "value"])
+        for name, books in all_books.items():
+            writer.writerows((name, key, value) for key, value in _rows(books))
+        return out.getvalue()
+    tables = []
+    for name, books in all_books.items():
+        lines = [f"## {name}", "", "| quantity | value |", "|---|---:|"]
+        lines += [f"| {key} | {_format_value(value)} |" for key, value in _rows(books)]
+        tables.append("\n".join(lines))
+    return "\n\n".join(tables) + "\n"
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    names = shape_names() if "all" in _SHAPES.value else list(_SHAPES.value)
+    unknown = sorted(set(names) - set(shape_names()))
+    if unknown:
+        raise app.UsageError(f"--shape: unknown {unknown}; known: all, {', '.join(shape_names())}")
+    if _CONFIG.value is None and not names:
+        raise app.UsageError("give --config PATH and/or --shape NAME (or --shape all)")
+    from arch.config import ConfigError
+    from train.config import validate
+
+    all_books = {}
+    if _CONFIG.value is not None:
+        config = _CONFIG.value
+        try:
+            # The books need no devices: validate against the mesh the config asks for.
+            validate(config, math.prod(size for size in config.mesh.values() if size > 0))
+        except ConfigError as error:
+            print(f"error: {error}", file=sys.stderr)
+            sys.exit(2)
+        path = config_flags.get_config_filename(flags.FLAGS["config"])
+        all_books[Path(path).stem] = model_books(
+            config.model, _SEQ_LEN.value or config.seq_len)
+    for name in names:
+        print(f"accounting: {name}", file=sys.stderr)
+        all_books[name] = shape_books(name, _SEQ_LEN.value or 2048)
+    text = render(all_books, _FORMAT.value)
+    if _OUT.value:
+        Path(_OUT.value).write_text(text)
+    else:
+        print(text, end="")
+
+
+if __name__ == "__main__":
+    app.run(main)
