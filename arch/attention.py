@@ -16,6 +16,7 @@ from arch.init import group_init
 from arch.layers import Dense
 from arch.norms import RMSNorm
 from arch.registry import Registry
+from arch.residual import record
 from sharding.rules import constrain
 
 ATTENTION = Registry("attention")
@@ -28,11 +29,12 @@ def causal_mask(query_positions_BxT: jax.Array, key_positions_BxS: jax.Array) ->
 
 
 def dot_product_attention(q_BxTxHxP, k_BxSxKxP, v_BxSxKxV, mask_BxTxS,
-                          scale: float | None = None):
+                          scale: float | None = None, recorder: nnx.Module | None = None):
     """softmax(QKᵀ·scale + M)V, with the H query heads grouped over the K key/value heads.
 
     `scale` defaults to 1/√P (P the query/key width); values may have another width V.
-    Scores and softmax in float32; the weighted sum in the inputs' dtype.
+    Scores and softmax in float32; the weighted sum in the inputs' dtype. The probabilities
+    (B×K×G×T×S, head h = k·G + g) are recorded on `recorder` as "attention_weights" (probes).
     """
     b, t, h, p = q_BxTxHxP.shape
     k = k_BxSxKxP.shape[2]
@@ -43,6 +45,8 @@ def dot_product_attention(q_BxTxHxP, k_BxSxKxP, v_BxSxKxV, mask_BxTxS,
                         else scores_BxKxGxTxS * jnp.float32(scale))
     scores_BxKxGxTxS = scores_BxKxGxTxS + mask_BxTxS[:, None, None]
     weights = jax.nn.softmax(scores_BxKxGxTxS, axis=-1).astype(v_BxSxKxV.dtype)
+    if recorder is not None:  # a no-op outside nnx.capture
+        record(recorder, "attention_weights", weights)
     out_BxTxKxGxV = jnp.einsum("bkgts,bskv->btkgv", weights, v_BxSxKxV)
     return out_BxTxKxGxV.reshape(b, t, h, v_BxSxKxV.shape[-1])
 
@@ -102,7 +106,7 @@ class MultiHeadAttention(nnx.Module):
             cache = {"key": k, "value": v}
             key_positions_BxS = jnp.broadcast_to(jnp.arange(k.shape[1]), k.shape[:2])
         out = dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype),
-                                    causal_mask(positions_BxT, key_positions_BxS))
+                                    causal_mask(positions_BxT, key_positions_BxS), recorder=self)
         return self.output(out), cache
 
 
@@ -222,7 +226,8 @@ class MultiHeadLatentAttention(nnx.Module):
             q = constrain(jnp.concatenate([q_nope_BxTxHxN, q_rope_BxTxHxR], -1), heads)
             k = constrain(jnp.concatenate([key_nope_BxSxHxN, rope_key_BxSxHxR], -1), heads)
             v = constrain(self.value_up(latent_BxSxC), heads)
-            out_BxTxHxV = dot_product_attention(q, k, v, mask_BxTxS, scale=self.scale)
+            out_BxTxHxV = dot_product_attention(q, k, v, mask_BxTxS, scale=self.scale,
+                                                recorder=self)
         return self.output(out_BxTxHxV), cache
 
     def _absorbed(self, q_nope_BxTxHxN, q_rope_BxTxHxR, latent_BxSxC, rope_key_BxSxR,

@@ -85,6 +85,8 @@ from absl import logging as absl_logging
 from flax import nnx
 from ml_collections import config_flags
 
+from train.step import compile_train_step
+
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment file, PATH[:ARG].",
                                           lock_config=False)
 _JSON = flags.DEFINE_bool("json", False, "Print one JSON object on stdout instead of a table.")
@@ -112,18 +114,6 @@ TARGETS = {"vs_reference": "<= 1.05", "compile_24_over_4": "<= 1.5",
 
 def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
-
-
-def compile_train_step(program) -> tuple[float, jax.stages.Compiled]:
-    """Seconds to lower and compile the program's jitted train step, and the executable."""
-    config = program.config
-    state = program.abstract_state()
-    batch = jax.ShapeDtypeStruct((config.batch_size, config.seq_len + 1), jnp.int32,
-                                 sharding=program.batch_sharding)
-    start = time.perf_counter()
-    with jax.set_mesh(program.mesh):
-        compiled = program._train_step.lower(state, batch).compile()
-    return time.perf_counter() - start, compiled
 
 
 def framework_runner(program, batch: jax.Array) -> Callable[[], None]:

@@ -9,6 +9,8 @@ variable's logical axis names.
 
 from __future__ import annotations
 
+import time
+
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -144,3 +146,17 @@ class TrainProgram:
         per_process = self.config.batch_size // jax.process_count()
         start = jax.process_index() * per_process
         return slice(start, start + per_process)
+
+
+def compile_train_step(program: TrainProgram) -> tuple[float, jax.stages.Compiled]:
+    """Seconds to lower and compile the program's jitted train step (from abstract state and
+    batch: nothing is allocated or run), and the executable; `memory_analysis()` of the
+    executable gives XLA's per-device argument, output, alias and temp bytes."""
+    config = program.config
+    state = program.abstract_state()
+    batch = jax.ShapeDtypeStruct((config.batch_size, config.seq_len + 1), jnp.int32,
+                                 sharding=program.batch_sharding)
+    start = time.perf_counter()
+    with jax.set_mesh(program.mesh):
+        compiled = program._train_step.lower(state, batch).compile()
+    return time.perf_counter() - start, compiled

@@ -1,0 +1,470 @@
+"""Per-depth probes of a `TransformerLM` on one batch (the "instrument panel"): statistics by block
+and by sublayer, as numpy arrays and floats that a report script turns into JSON and plots.
+
+Conventions shared by every function here:
+
+- Tokens: `tokens_BxT1` is an int array B×(T+1), a train-step batch. The model reads
+  tokens[:, :-1] (B×T); the loss is the next-token cross-entropy against tokens[:, 1:]
+  (`train.step.next_token_loss`: mean over the B·T targets, in nats). MoE auxiliary losses are
+  not part of it.
+- Depth: blocks are numbered 0..L−1 in network order; with MoE interleaving (`model.moe_every`
+  = k > 1) the stack is groups × k and block g·k + j is member j of group g. Boundary i = 0..L is
+  the input of block i, boundary L the output of the last block (what the final norm reads).
+  Sublayer index 0 is attention, 1 the FFN (`SUBLAYERS`).
+- Hidden state: probes are defined for the single-stream residual mechanisms `SINGLE_STREAM`
+  (prenorm, postnorm, deepnorm, noskip; `model.reversible=False`), whose state is one stream
+  x (B×T×D): the hidden state at a boundary is that stream. Multi-stream mechanisms (hc, mhc,
+  width, gated_residual, attnres, block_attnres) and the reversible stack raise a ValueError.
+- The model runs in the mode it is in (call `model.eval()` first for BatchNorm's running
+  statistics) and is never modified. Statistics are computed in float32; NaN marks a quantity
+  that does not exist (the FFN sublayer of a `model.use_ffn=False` block, the gain of a norm
+  without one, the hidden activations of an MoE FFN).
+
+How: `depth_profile` runs a probe-only forward that reuses the model's own parts (embedding,
+position, `residual_stream.begin/end`, each block's residual `read`/`write`, attention and FFN,
+`_output`), scanning over the stacked block parameters as `arch/model.py` does, and adds zero
+perturbations at the block boundaries so that one `jax.value_and_grad` gives ∂loss/∂x at every
+depth. Inputs of norms and of FFN down projections are read by wrapping those modules in the
+probe's own merged copy of each block; attention probabilities are recorded by
+`arch.attention.dot_product_attention` under `nnx.capture`. The training path is untouched.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from flax import nnx
+
+from arch.layers import Dense
+from arch.model import TransformerLM, interleaves_moe
+from sharding.rules import STREAM, constrain
+from train.step import compile_train_step, next_token_loss
+
+SUBLAYERS = ("attention", "ffn")
+SINGLE_STREAM = ("prenorm", "postnorm", "deepnorm", "noskip")
+DEFAULT_SPARSITY_THRESHOLD = 1e-2
+NORM_STATISTICS = ("input_mean", "input_variance", "input_rms", "gain_mean", "gain_std")
+
+
+def require_single_stream(cfg) -> None:
+    """ValueError unless the model's residual state is one stream x (see the module docstring)."""
+    if cfg.reversible:
+        raise ValueError("model.reversible=True: arch.probes needs a single residual stream; "
+                         "probe the model with model.reversible=False")
+    if cfg.residual not in SINGLE_STREAM:
+        raise ValueError(f"model.residual={cfg.residual!r}: arch.probes defines the hidden state "
+                         f"only for a single residual stream; valid: {', '.join(SINGLE_STREAM)}")
+
+
+def _split_tokens(tokens_BxT1: jax.Array) -> tuple[jax.Array, jax.Array]:
+    if tokens_BxT1.ndim != 2 or tokens_BxT1.shape[1] < 3:
+        raise ValueError(f"tokens_BxT1 has shape {tuple(tokens_BxT1.shape)}: expected B×(T+1) "
+                         "token ids with T ≥ 2 (inputs tokens[:, :-1], targets tokens[:, 1:])")
+    return tokens_BxT1[:, :-1], tokens_BxT1[:, 1:]
+
+
+# The probe-only forward ---------------------------------------------------------------------------
+
+class _InputTap:
+    """Stands in for `module` in the probe's merged copy of a block: calls it and keeps the
+    inputs it was called with (traced values, read within the same trace)."""
+
+    def __init__(self, module):
+        self.module, self.inputs = module, []
+
+    def __call__(self, x, *args, **kwargs):
+        self.inputs.append(x)
+        return self.module(x, *args, **kwargs)
+
+
+def _mean_square(x) -> jax.Array:
+    return jnp.mean(jnp.square(x.astype(jnp.float32)))
+
+
+def _norm_statistics(norm, x_BxTxD) -> dict[str, jax.Array]:
+    """Per-token mean μ_t, variance σ²_t = mean_d (x − μ_t)² and RMS √(mean_d x²) of a norm's
+    input, each averaged over the B·T tokens; the mean and (population) std of its gain `scale`
+    over its entries, NaN for a norm without a gain."""
+    x32 = x_BxTxD.astype(jnp.float32)
+    mean_BxT = jnp.mean(x32, axis=-1)
+    scale = getattr(norm, "scale", None)
+    gain = (scale[...].astype(jnp.float32) if scale is not None
+            else jnp.full((1,), jnp.nan, jnp.float32))
+    return {"input_mean": jnp.mean(mean_BxT),
+            "input_variance": jnp.mean(jnp.var(x32, axis=-1)),
+            "input_rms": jnp.mean(jnp.sqrt(jnp.mean(x32**2, axis=-1))),
+            "gain_mean": jnp.mean(gain), "gain_std": jnp.std(gain)}
+
+
+def _head_similarity(weights_BxKxGxTxS) -> jax.Array:
+    """H×H mean cosine between attention-probability rows of two heads, over the batch and the
+    queries t ≥ 1 (query 0 attends only to itself in every head)."""
+    b, k, g, t, s = weights_BxKxGxTxS.shape
+    rows_BxHxTxS = weights_BxKxGxTxS.reshape(b, k * g, t, s)[:, :, 1:].astype(jnp.float32)
+    rows_BxHxTxS = rows_BxHxTxS / jnp.linalg.norm(rows_BxHxTxS, axis=-1, keepdims=True)
+    return jnp.einsum("bhts,bgts->hg", rows_BxHxTxS, rows_BxHxTxS) / (b * (t - 1))
+
+
+def _rank_one_residual(x_BxTxD) -> jax.Array:
+    """Mean over sequences of ‖X − 1x̄ᵀ‖_F / ‖X‖_F, X = one sequence's T×D matrix, x̄ its mean
+    token (the Frobenius-optimal rank-1 matrix of the form 1xᵀ)."""
+    x32 = x_BxTxD.astype(jnp.float32)
+    centered = x32 - jnp.mean(x32, axis=1, keepdims=True)
+    return jnp.mean(jnp.linalg.norm(centered, axis=(1, 2)) / jnp.linalg.norm(x32, axis=(1, 2)))
+
+
+def _nan_sublayer(heads: int) -> dict:
+    nan = jnp.float32(jnp.nan)
+    return {"branch_rms": nan, "update_ratio": nan,
+            "norm": dict.fromkeys(NORM_STATISTICS, nan),
+            "head_similarity": jnp.full((heads, heads), jnp.nan, jnp.float32),
+            "ffn_sparsity": nan, "ffn_mean_abs": nan, "ffn_rms": nan}
+
+
+def _probe_block(block, x_BxTxD, positions_BxT, rotate, threshold, heads: int):
+    """Run one block as `Block.__call__` does, sublayer by sublayer, and measure it: returns
+    (block output, per-block statistics with a leading sublayer axis of 2)."""
+    per_sublayer = []
+    for name in SUBLAYERS:
+        if name == "ffn" and not block.use_ffn:
+            per_sublayer.append(_nan_sublayer(heads))
+            continue
+        stats = _nan_sublayer(heads)
+        residual = getattr(block, f"{name}_residual")
+        norm, residual.norm = residual.norm, _InputTap(residual.norm)
+        if name == "attention":
+            (update, _), captured = nnx.capture(
+                lambda attention, h: attention(h, positions_BxT, rotate, None),
+                nnx.Intermediate)(block.attention, residual.read(x_BxTxD))
+            stats["head_similarity"] = _head_similarity(captured["attention_weights"][0])
+            new_x = residual.write(x_BxTxD, update)
+        else:
+            ffn = block.ffn
+            dense = isinstance(getattr(ffn, "down", None), Dense)  # not an MoE
+            if dense:
+                ffn.down = _InputTap(ffn.down)
+            update = ffn(residual.read(x_BxTxD))
+            new_x = residual.write(x_BxTxD, update)
+            if dense:
+                (hidden,), ffn.down = ffn.down.inputs, ffn.down.module
+                hidden = hidden.astype(jnp.float32)
+                stats.update(ffn_sparsity=jnp.mean(jnp.abs(hidden) < threshold),
+                             ffn_mean_abs=jnp.mean(jnp.abs(hidden)),
+                             ffn_rms=jnp.sqrt(jnp.mean(hidden**2)))
+        (norm_input,), residual.norm = residual.norm.inputs, norm
+        stats["norm"] = _norm_statistics(norm, norm_input)
+        update32, x32 = update.astype(jnp.float32), x_BxTxD.astype(jnp.float32)
+        stats["branch_rms"] = jnp.sqrt(_mean_square(update32))
+        stats["update_ratio"] = jnp.sqrt(jnp.mean(
+            jnp.sum(update32**2, axis=-1) / jnp.sum(x32**2, axis=-1)))
+        per_sublayer.append(stats)
+        x_BxTxD = new_x
+    return x_BxTxD, jax.tree.map(lambda *s: jnp.stack(s), *per_sublayer)
+
+
+def _boundary_statistics(x_BxTxD) -> dict[str, jax.Array]:
+    return {"hidden_rms": jnp.sqrt(_mean_square(x_BxTxD)),
+            "rank_collapse": _rank_one_residual(x_BxTxD)}
+
+
+def _walk(model: TransformerLM, tokens_BxT1, perturbations, threshold):
+    """The probe-only forward: (loss, statistics). `perturbations` is (stack_shape × B×T×D
+    added to each block's input, B×T×D added to the last block's output), all zero: their
+    gradients are ∂loss/∂x at the boundaries."""
+    cfg = model.cfg
+    inputs_BxT, targets_BxT = _split_tokens(tokens_BxT1)
+    positions_BxT = jnp.broadcast_to(jnp.arange(inputs_BxT.shape[1]), inputs_BxT.shape)
+    x_BxTxD = model.position.embed(model.embed(inputs_BxT), positions_BxT)
+    x_BxTxD = model.residual_stream.begin(constrain(x_BxTxD, STREAM))
+    graphdef, layer_params, layer_states = nnx.split(model.blocks, nnx.Param, ...)
+    block_perturbations, output_perturbation = perturbations
+    grouped = interleaves_moe(cfg)
+
+    def run_unit(x_BxTxD, layer):
+        params, states, unit_perturbations = layer
+        unit = nnx.merge(graphdef, params, states)
+        members = ([getattr(unit, f"block_{j}") for j in range(unit.size)] if grouped
+                   else [unit])
+        if not grouped:
+            unit_perturbations = unit_perturbations[None]
+        per_block = []
+        for block, perturbation in zip(members, unit_perturbations, strict=True):
+            x_BxTxD = x_BxTxD + perturbation
+            boundary = _boundary_statistics(x_BxTxD)
+            x_out, stats = _probe_block(block, x_BxTxD, positions_BxT, model.position.rotate,
+                                        threshold, cfg.num_heads)
+            x_in32, x_out32 = x_BxTxD.astype(jnp.float32), x_out.astype(jnp.float32)
+            cosine = jnp.sum(x_in32 * x_out32, -1) / (
+                jnp.linalg.norm(x_in32, axis=-1) * jnp.linalg.norm(x_out32, axis=-1))
+            per_block.append({**stats, **boundary, "block_influence": 1 - jnp.mean(cosine)})
+            x_BxTxD = x_out
+        return x_BxTxD, jax.tree.map(lambda *s: jnp.stack(s), *per_block)
+
+    x_BxTxD, per_block = jax.lax.scan(run_unit, x_BxTxD,
+                                      (layer_params, layer_states, block_perturbations))
+    per_block = jax.tree.map(lambda s: s.reshape(cfg.num_layers, *s.shape[2:]), per_block)
+    x_BxTxD = model.residual_stream.end(x_BxTxD) + output_perturbation
+    final = {**_boundary_statistics(x_BxTxD), "norm": (
+        _norm_statistics(model.final_norm, x_BxTxD) if model.final_norm is not None
+        else dict.fromkeys(NORM_STATISTICS, jnp.float32(jnp.nan)))}
+    loss = next_token_loss(model._output(x_BxTxD), targets_BxT)
+    return loss, (per_block, final)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4))
+def _profile(graphdef, state, tokens_BxT1, threshold, gradients: bool):
+    model = nnx.merge(graphdef, state)  # for its static attributes
+    cfg, dtype = model.cfg, jnp.dtype(model.cfg.dtype)
+    b, t = tokens_BxT1.shape[0], tokens_BxT1.shape[1] - 1
+    zeros = (jnp.zeros((*model.stack_shape, b, t, cfg.d_model), dtype),
+             jnp.zeros((b, t, cfg.d_model), dtype))
+
+    def loss_fn(state, perturbations):
+        # New Variables at this trace level: BatchNorm in training mode writes its statistics.
+        model = nnx.merge(graphdef, jax.tree.map(lambda x: x, state))
+        return _walk(model, tokens_BxT1, perturbations, threshold)
+
+    if not gradients:
+        loss, (per_block, final) = loss_fn(state, zeros)
+        return loss, per_block, final, None
+    (loss, (per_block, final)), (block_grads, output_grad) = jax.value_and_grad(
+        loss_fn, argnums=1, has_aux=True)(state, zeros)
+    block_grads = block_grads.reshape(cfg.num_layers, b, t, cfg.d_model)
+    grads = jnp.concatenate([block_grads, output_grad[None]]).astype(jnp.float32)
+    gradient_rms = jnp.sqrt(jnp.mean(grads**2, axis=(1, 2, 3)))
+    return loss, per_block, final, gradient_rms
+
+
+def depth_profile(model: TransformerLM, tokens_BxT1: jax.Array, *,
+                  sparsity_threshold: float = DEFAULT_SPARSITY_THRESHOLD,
+                  gradients: bool = True) -> dict:
+    """Per-depth statistics of one batch from one probe forward and backward pass (jitted; the
+    compile is reused for models with the same graph; `gradients=False`: forward only, no
+    gradient_rms). L blocks, H heads; x_i the hidden state at boundary i (B×T×D), F the output
+    of a sublayer (B×T×D), RMS over all entries unless said.
+
+    Returns a dict of numpy arrays (float64) and floats:
+      loss              next-token cross-entropy of the batch (nats), equal to the model's own.
+      hidden_rms        (L+1,) RMS of x_i over B·T·D.
+      gradient_rms      (L+1,) RMS over B·T·D of ∂loss/∂x_i (loss per unit of hidden state; the
+                        loss is a mean over B·T tokens, so entries carry a factor 1/(B·T)).
+      rank_collapse     (L+1,) res(x_i): mean over the B sequences of ‖X − 1x̄ᵀ‖_F / ‖X‖_F with
+                        X the sequence's T×D matrix and x̄ its mean token, the Frobenius-optimal x
+                        (Dong et al. 2021's distance from rank 1, in the Frobenius norm); 0 when
+                        every token is the same vector.
+      block_influence   (L,) BI_i = 1 − mean over the B·T tokens of cos(x_i,t, x_{i+1},t)
+                        (ShortGPT, Men et al. 2024, eq. 1); 0 for a block that is the identity.
+      branch_rms        (L, 2) RMS of each sublayer's F (attention, FFN).
+      update_ratio      (L, 2) √(mean over tokens of ‖F_t‖² / ‖s_t‖²), ‖·‖ over D, s the stream
+                        the sublayer reads (before its write): the RMS over tokens of the
+                        update-to-stream ratio.
+      norms             {"attention", "ffn"}: dict of (L,) arrays, and {"final"}: dict of floats,
+                        each with input_mean, input_variance, input_rms (per-token mean μ_t,
+                        variance mean_d (x − μ_t)², RMS √(mean_d x²) of the norm's input,
+                        averaged over tokens) and gain_mean, gain_std (mean and population std of
+                        the norm's `scale` entries; NaN without a gain; ScaleNorm's is one
+                        scalar). "attention"/"ffn" are the sublayer residual's norm: its input is
+                        the stream s for prenorm/noskip (a pre-norm), s + F for postnorm and
+                        αs + F for deepnorm (a post-norm). "final" reads x_L (NaN without one).
+      ffn_sparsity      (L,) fraction of the FFN hidden activations a (what feeds the down
+                        projection: φ(xW₁), or φ(xW) ⊙ xV for gated FFNs; B·T·d_ff values) with
+                        |a| < `sparsity_threshold` (absolute, default 1e-2).
+      ffn_mean_abs      (L,) mean |a|;  ffn_rms (L,) √(mean a²). NaN for MoE FFNs.
+      head_similarity   (L, H, H) mean over the batch and over queries t ≥ 1 of the cosine
+                        between two heads' attention-probability rows (over keys s ≤ t); the
+                        diagonal is 1, 1 off it for heads that attend identically.
+    """
+    require_single_stream(model.cfg)
+    _split_tokens(tokens_BxT1)
+    graphdef, state = nnx.split(model)
+    loss, per_block, final, gradient_rms = jax.device_get(_profile(
+        graphdef, state, jnp.asarray(tokens_BxT1), jnp.float32(sparsity_threshold), gradients))
+    as_array = functools.partial(np.asarray, dtype=np.float64)
+    per_block = jax.tree.map(as_array, per_block)
+    profile = {
+        "loss": float(loss),
+        "hidden_rms": np.append(per_block["hidden_rms"], final["hidden_rms"]),
+        "rank_collapse": np.append(per_block["rank_collapse"], final["rank_collapse"]),
+        "block_influence": per_block["block_influence"],
+        "branch_rms": per_block["branch_rms"],
+        "update_ratio": per_block["update_ratio"],
+        "norms": {"attention": {k: v[:, 0] for k, v in per_block["norm"].items()},
+                  "ffn": {k: v[:, 1] for k, v in per_block["norm"].items()},
+                  "final": {k: float(v) for k, v in final["norm"].items()}},
+        "head_similarity": per_block["head_similarity"][:, 0],
+    }
+    for name in ("ffn_sparsity", "ffn_mean_abs", "ffn_rms"):
+        profile[name] = per_block[name][:, 1]
+    if gradients:
+        profile["gradient_rms"] = as_array(gradient_rms)
+    return profile
+
+
+# Losses of edited models --------------------------------------------------------------------------
+
+def _stacked_blocks(model: TransformerLM) -> list:
+    """The stacked Block modules of the model: [model.blocks] (leading axis: layers), or the k
+    members of the stacked BlockGroup (leading axis: groups; member j holds blocks g·k + j)."""
+    if interleaves_moe(model.cfg):
+        return [getattr(model.blocks, f"block_{j}") for j in range(model.cfg.moe_every)]
+    return [model.blocks]
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _loss_with_heads(graphdef, state, tokens_BxT1, keep_LxH):
+    """Loss with each head's slice of the attention output projection W_O multiplied by
+    keep[layer, head] (0: that head's contribution removed exactly)."""
+    model = nnx.merge(graphdef, state)
+    cfg = model.cfg
+    members = _stacked_blocks(model)
+    keep_GxKxH = keep_LxH.reshape(cfg.num_layers // len(members), len(members), cfg.num_heads)
+    for j, block in enumerate(members):  # kernel: stacked × H × P × D (P = V for mla)
+        kernel = block.attention.output.kernel
+        kernel[...] = kernel[...] * keep_GxKxH[:, j, :, None, None]
+    inputs_BxT, targets_BxT = _split_tokens(tokens_BxT1)
+    return next_token_loss(model(inputs_BxT), targets_BxT)
+
+
+def head_ablation(model: TransformerLM, tokens_BxT1: jax.Array) -> dict:
+    """Loss change when one attention head is removed, for every head of every block.
+
+    Head h of block l is removed by zeroing its H-slice of the attention output projection W_O
+    (kernel H×P×D for mha, H×V×D for mla), which removes exactly its term o_h W_O,h from the
+    attention output y = Σ_h o_h W_O,h. Any residual mechanism (the model's own forward runs).
+    Returns {"loss": float, the intact model's loss; "loss_change": (L, H) numpy array,
+    loss without that head − loss (nats)}. One jitted forward per head, compiled once.
+    """
+    cfg = model.cfg
+    graphdef, state = nnx.split(model)
+    tokens_BxT1 = jnp.asarray(tokens_BxT1)
+    keep_LxH = np.ones((cfg.num_layers, cfg.num_heads), np.float32)
+    loss = float(_loss_with_heads(graphdef, state, tokens_BxT1, keep_LxH))
+    change_LxH = np.zeros((cfg.num_layers, cfg.num_heads))
+    for layer, head in np.ndindex(*change_LxH.shape):
+        keep_LxH[layer, head] = 0.0
+        change_LxH[layer, head] = float(
+            _loss_with_heads(graphdef, state, tokens_BxT1, keep_LxH)) - loss
+        keep_LxH[layer, head] = 1.0
+    return {"loss": loss, "loss_change": change_LxH}
+
+
+# Block pruning (ShortGPT) -------------------------------------------------------------------------
+
+def prune_blocks(model: TransformerLM, drop: Sequence[int]
+                 ) -> tuple[ml_collections.ConfigDict, TransformerLM]:
+    """(model config, model) with the blocks `drop` (network-order indices) removed: num_layers
+    − len(drop) blocks holding the remaining blocks' parameters and state in order; embedding,
+    final norm and head shared in value. Single-stream mechanisms except deepnorm (its
+    α = (2M)^{1/4} depends on the depth M), no MoE interleaving (groups would break)."""
+    cfg = model.cfg
+    require_single_stream(cfg)
+    if cfg.residual == "deepnorm":
+        raise ValueError("model.residual='deepnorm': pruning changes DeepNorm's α = (2M)^(1/4) of "
+                         "every remaining block; prune a prenorm/postnorm/noskip model")
+    if interleaves_moe(cfg):
+        raise ValueError(f"model.moe_every={cfg.moe_every}: pruning single blocks breaks the "
+                         "dense/MoE groups; prune a model with model.moe_every=1")
+    drop = sorted({int(i) for i in drop})
+    if any(not 0 <= i < cfg.num_layers for i in drop) or len(drop) >= cfg.num_layers:
+        raise ValueError(f"drop={drop}: expected distinct block indices in 0..{cfg.num_layers - 1}"
+                         f" leaving at least one of the {cfg.num_layers} blocks")
+    kept = jnp.asarray([i for i in range(cfg.num_layers) if i not in drop])
+    pruned_cfg = ml_collections.ConfigDict(cfg.to_dict())
+    pruned_cfg.num_layers = cfg.num_layers - len(drop)
+    frozen = ml_collections.FrozenConfigDict(pruned_cfg)
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: TransformerLM(frozen, rngs=nnx.Rngs(0))))
+    state = nnx.state(model)
+    state = jax.tree.map(lambda x: x, state)  # new Variables: the models share no mutable state
+    state["blocks"] = jax.tree.map(lambda x: x[kept], state["blocks"])
+    return pruned_cfg, nnx.merge(graphdef, state)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _loss(graphdef, state, tokens_BxT1):
+    inputs_BxT, targets_BxT = _split_tokens(tokens_BxT1)
+    return next_token_loss(nnx.merge(graphdef, state)(inputs_BxT), targets_BxT)
+
+
+def batch_loss(model: TransformerLM, tokens_BxT1: jax.Array) -> float:
+    """Next-token cross-entropy of the model on the batch (nats; jitted forward)."""
+    graphdef, state = nnx.split(model)
+    return float(_loss(graphdef, state, jnp.asarray(tokens_BxT1)))
+
+
+def prune_by_influence(model: TransformerLM, tokens_BxT1: jax.Array, num_drop: int,
+                       eval_tokens_BxT1: jax.Array | None = None) -> dict:
+    """ShortGPT's layer removal (Men et al. 2024, §3): Block Influence of every block on
+    `tokens_BxT1` (the calibration batch), remove the `num_drop` blocks with the lowest BI (ties
+    to the shallower block), and evaluate the loss before and after on `eval_tokens_BxT1`
+    (default: the calibration batch).
+
+    Returns {"block_influence": (L,) array, "dropped": sorted list of block indices,
+    "num_layers": blocks left, "loss_before": float, "loss_after": float}; rebuild the pruned
+    model with `prune_blocks(model, result["dropped"])`.
+    """
+    influence = depth_profile(model, tokens_BxT1, gradients=False)["block_influence"]
+    dropped = sorted(int(i) for i in np.argsort(influence, kind="stable")[:num_drop])
+    pruned_cfg, pruned = prune_blocks(model, dropped)
+    eval_tokens_BxT1 = tokens_BxT1 if eval_tokens_BxT1 is None else eval_tokens_BxT1
+    return {"block_influence": influence, "dropped": dropped,
+            "num_layers": pruned_cfg.num_layers, "loss_before": batch_loss(model, eval_tokens_BxT1),
+            "loss_after": batch_loss(pruned, eval_tokens_BxT1)}
+
+
+# Compiled memory of a train step ------------------------------------------------------------------
+
+def _per_device_bytes(tree) -> int:
+    """Bytes of one device's shards of ShapeDtypeStructs that carry shardings."""
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
+               for x in jax.tree.leaves(tree))
+
+
+def train_step_memory(config) -> dict:
+    """XLA's memory analysis of the compiled train step of a full training config (validated in
+    place, compiled against abstract state: nothing is allocated or run), per device.
+
+    Returns a dict of ints:
+      parameter_bytes        one device's shards of the parameters (float32: 4 × parameter_count
+                             on one device);
+      optimizer_state_bytes  one device's shards of the whole optax state: AdamW's first and
+                             second moments (each the parameters' shape and dtype, so 2 ×
+                             parameter_bytes) plus its int32 step counters (4 bytes each);
+                             gradient clipping keeps no state;
+      model_state_bytes      non-parameter model state (BatchNorm statistics, MoE loss/metric
+                             variables);  step_bytes, the int32 step counter;
+      batch_bytes            the token batch, B×(T+1) int32;
+      argument_bytes, output_bytes, alias_bytes, temp_bytes, generated_code_bytes
+                             XLA's `memory_analysis()` (arguments = state + batch; the state is
+                             donated, so outputs alias it; temp: activations, gradients and
+                             other scratch);
+      parameter_count        `arch.accounting.parameter_count`;  devices, the mesh size.
+    """
+    from arch.accounting import parameter_count
+    from train.loop import build_program
+
+    program = build_program(config)
+    _, compiled = compile_train_step(program)
+    memory = compiled.memory_analysis()
+    state = program.abstract_state()
+    batch = jax.ShapeDtypeStruct((config.batch_size, config.seq_len + 1), jnp.int32,
+                                 sharding=program.batch_sharding)
+    return {
+        "parameter_bytes": _per_device_bytes(state["params"]),
+        "optimizer_state_bytes": _per_device_bytes(state["opt_state"]),
+        "model_state_bytes": _per_device_bytes(state["model_state"]),
+        "step_bytes": _per_device_bytes(state["step"]),
+        "batch_bytes": _per_device_bytes(batch),
+        "argument_bytes": int(memory.argument_size_in_bytes),
+        "output_bytes": int(memory.output_size_in_bytes),
+        "alias_bytes": int(memory.alias_size_in_bytes),
+        "temp_bytes": int(memory.temp_size_in_bytes),
+        "generated_code_bytes": int(memory.generated_code_size_in_bytes),
+        "parameter_count": parameter_count(config.model),
+        "devices": program.mesh.size,
+    }

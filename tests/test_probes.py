@@ -1,0 +1,196 @@
+"""Per-depth probes (arch/probes.py) on hand-built tiny models whose answers are known, checked
+against the model's own forward captured by a different route (`nnx.capture` of method outputs)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from arch import probes
+from arch.accounting import abstract_model
+from tests.helpers import random_tokens, tiny_config, tiny_model
+from train.config import validate
+from train.step import next_token_loss
+
+GAIN = np.linspace(0.5, 1.5, 32)
+
+
+@pytest.fixture(scope="module")
+def edited():
+    """Pre-Norm, ReLU MLP, MHA with K = H = 4, 2 blocks, hand-edited:
+    block 1 is the identity (attention and FFN output projections zero), head 1 of block 0 has a
+    zero output slice, head 3 of block 0 attends exactly like head 2 (query and key copied), and
+    block 0's attention norm has gain GAIN."""
+    _, model = tiny_model(ffn="mlp", activation="relu", num_kv_heads=4)
+    blocks = model.blocks
+    blocks.attention.output.kernel[...] = blocks.attention.output.kernel[...].at[1].set(0)
+    blocks.ffn.down.kernel[...] = blocks.ffn.down.kernel[...].at[1].set(0)
+    blocks.attention.output.kernel[...] = blocks.attention.output.kernel[...].at[0, 1].set(0)
+    for projection in (blocks.attention.query, blocks.attention.key):
+        kernel = projection.kernel[...]
+        projection.kernel[...] = kernel.at[0, :, 3].set(kernel[0, :, 2])
+    scale = blocks.attention_residual.norm.scale
+    scale[...] = scale[...].at[0].set(GAIN)
+    tokens_BxT1 = random_tokens((2, 17))
+    return model, tokens_BxT1, probes.depth_profile(model, tokens_BxT1, sparsity_threshold=0.05)
+
+
+def logits(model, inputs_BxT):
+    graphdef, state = nnx.split(model)
+    return jax.jit(lambda state: nnx.merge(graphdef, state)(inputs_BxT))(state)
+
+
+def rms(x) -> float:
+    return float(np.sqrt(np.mean(np.square(np.asarray(x, np.float64)))))
+
+
+def test_depth_profile_matches_the_model_captured_by_another_route(edited):
+    model, tokens_BxT1, profile = edited
+    inputs_BxT, targets_BxT = tokens_BxT1[:, :-1], tokens_BxT1[:, 1:]
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def capture(state, inputs_BxT):  # every method's output (RoPE's, sown in the scan, dropped)
+        logits, captured = nnx.capture(nnx.merge(graphdef, state), nnx.Intermediate,
+                                       method_outputs=nnx.Intermediate)(inputs_BxT)
+        return logits, {key: captured[key] for key in ("blocks", "residual_stream")}
+
+    logits, captured = capture(state, inputs_BxT)
+    assert profile["loss"] == pytest.approx(float(next_token_loss(logits, targets_BxT)), rel=1e-6)
+
+    # Depth 0: the embeddings, which block 0's attention norm reads.
+    positions_BxT = jnp.broadcast_to(jnp.arange(16), inputs_BxT.shape)
+    embedded = np.asarray(model.position.embed(model.embed(inputs_BxT), positions_BxT), np.float64)
+    assert profile["hidden_rms"][0] == pytest.approx(rms(embedded), rel=1e-6)
+    norm = {key: value[0] for key, value in profile["norms"]["attention"].items()}
+    assert norm["input_rms"] == pytest.approx(np.mean(np.sqrt(np.mean(embedded**2, -1))), 1e-6)
+    assert norm["input_variance"] == pytest.approx(np.mean(np.var(embedded, -1)), rel=1e-5)
+    assert norm["input_mean"] == pytest.approx(np.mean(embedded), rel=1e-4, abs=1e-8)
+    assert (norm["gain_mean"], norm["gain_std"]) == pytest.approx((GAIN.mean(), GAIN.std()))
+    assert profile["norms"]["ffn"]["gain_std"].tolist() == [0, 0]
+
+    # Block outputs, sublayer outputs and FFN hidden activations as the model's own scan made them.
+    blocks = captured["blocks"]
+    outputs_LxBxTxD = np.asarray(blocks["ffn_residual"]["write"][0], np.float64)
+    final_BxTxD = captured["residual_stream"]["end"][0]
+    np.testing.assert_allclose(profile["hidden_rms"][1:], [rms(outputs_LxBxTxD[0]),
+                                                           rms(final_BxTxD)], rtol=1e-6)
+    attention_BxTxD = np.asarray(blocks["attention"]["output"]["__call__"][0][0], np.float64)
+    assert profile["branch_rms"][0, 0] == pytest.approx(rms(attention_BxTxD), rel=1e-6)
+    ratio_BxT = np.linalg.norm(attention_BxTxD, axis=-1) / np.linalg.norm(embedded, axis=-1)
+    assert profile["update_ratio"][0, 0] == pytest.approx(rms(ratio_BxT), rel=1e-5)
+    np.testing.assert_array_equal(profile["branch_rms"][1], [0, 0])  # the identity block
+    cosine = np.sum(embedded * outputs_LxBxTxD[0], -1) / (
+        np.linalg.norm(embedded, axis=-1) * np.linalg.norm(outputs_LxBxTxD[0], axis=-1))
+    assert profile["block_influence"][0] == pytest.approx(1 - cosine.mean(), rel=1e-5)
+    assert profile["block_influence"][0] > 0.1 and abs(profile["block_influence"][1]) < 1e-6
+    centered = final_BxTxD - final_BxTxD.mean(axis=1, keepdims=True)
+    residual = np.linalg.norm(centered, axis=(1, 2)) / np.linalg.norm(final_BxTxD, axis=(1, 2))
+    assert profile["rank_collapse"][-1] == pytest.approx(residual.mean(), rel=1e-5)
+
+    hidden = np.maximum(np.asarray(blocks["ffn"]["up"]["__call__"][0], np.float64), 0)  # ReLU
+    per_layer = hidden.reshape(hidden.shape[0], -1)
+    np.testing.assert_allclose(profile["ffn_sparsity"], np.mean(per_layer < 0.05, axis=1))
+    np.testing.assert_allclose(profile["ffn_mean_abs"], np.mean(per_layer, axis=1), rtol=1e-5)
+    np.testing.assert_allclose(profile["ffn_rms"], np.sqrt(np.mean(per_layer**2, 1)), rtol=1e-5)
+    assert 0.3 < profile["ffn_sparsity"][0] < 0.7  # ReLU zeros about half
+
+    # ∂loss/∂x_L directly, through the model's own output path.
+    gradient = jax.jit(jax.grad(lambda x: next_token_loss(model._output(x), targets_BxT)))(
+        final_BxTxD)
+    assert profile["gradient_rms"][-1] == pytest.approx(rms(gradient), rel=1e-5)
+    # Block 1 is the identity, so ∂loss/∂x_1 = ∂loss/∂x_2.
+    assert profile["gradient_rms"][1] == pytest.approx(profile["gradient_rms"][2], rel=1e-6)
+
+    similarity = profile["head_similarity"][0]
+    assert similarity[2, 3] == pytest.approx(1, abs=1e-6)  # identical attention patterns
+    np.testing.assert_allclose(np.diag(similarity), 1, atol=1e-6)
+    assert similarity[0, 1] < 0.99 and np.allclose(similarity, similarity.T)
+
+
+def test_head_ablation_removes_exactly_one_head(edited):
+    model, tokens_BxT1, profile = edited
+    ablation = probes.head_ablation(model, tokens_BxT1)
+    assert ablation["loss"] == pytest.approx(profile["loss"], rel=1e-6)
+    change = ablation["loss_change"]
+    assert change.shape == (2, 4)
+    assert change[0, 1] == 0  # its output slice was already zero
+    np.testing.assert_array_equal(change[1], 0)  # block 1's output projection is zero
+    # Another route: head 0's value slice zeroed (K = H, so only head 0 reads it): o_0 = 0.
+    graphdef, state = nnx.split(model)
+    other = nnx.merge(graphdef, jax.tree.map(jnp.copy, state))
+    value = other.blocks.attention.value.kernel
+    value[...] = value[...].at[0, :, 0].set(0)
+    removed = probes.batch_loss(other, tokens_BxT1)
+    assert change[0, 0] != 0
+    assert change[0, 0] == pytest.approx(removed - ablation["loss"], rel=1e-5, abs=1e-7)
+
+
+def test_identity_block_has_no_influence_and_pruning_it_keeps_the_logits(edited):
+    model, tokens_BxT1, _ = edited
+    result = probes.prune_by_influence(model, tokens_BxT1, 1)
+    assert result["dropped"] == [1] and result["num_layers"] == 1
+    assert result["loss_after"] == pytest.approx(result["loss_before"], rel=1e-6)
+    assert result["block_influence"][1] < 1e-6 < result["block_influence"][0]
+    pruned_cfg, pruned = probes.prune_blocks(model, [1])
+    assert pruned_cfg.num_layers == 1 and model.cfg.num_layers == 2
+    inputs_BxT = tokens_BxT1[:, :-1]
+    np.testing.assert_allclose(logits(pruned, inputs_BxT), logits(model, inputs_BxT),
+                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(pruned.blocks.ffn.up.kernel[...][0],
+                                  model.blocks.ffn.up.kernel[...][0])
+    with pytest.raises(ValueError, match=r"drop=\[2\]: expected distinct block indices in 0..1"):
+        probes.prune_blocks(model, [2])
+
+
+def test_unsupported_models_give_one_clear_line():
+    config = tiny_config(residual="hc")
+    validate(config, 1)
+    with pytest.raises(ValueError, match="model.residual='hc': arch.probes defines the hidden"):
+        probes.depth_profile(abstract_model(config.model), random_tokens((2, 17)))
+    config = tiny_config(residual="deepnorm")
+    validate(config, 1)
+    with pytest.raises(ValueError, match="model.residual='deepnorm': pruning changes"):
+        probes.prune_blocks(abstract_model(config.model), [0])
+
+
+def test_pure_attention_without_skips_collapses_to_rank_one_and_prenorm_does_not():
+    tokens_BxT1 = random_tokens((4, 17))
+    collapse = {residual: probes.depth_profile(
+        tiny_model(residual=residual, use_ffn=False, num_layers=6)[1], tokens_BxT1,
+        gradients=False)
+        for residual in ("noskip", "prenorm")}
+    noskip, prenorm = collapse["noskip"]["rank_collapse"], collapse["prenorm"]["rank_collapse"]
+    assert noskip[0] == prenorm[0] > 0.9  # the same embeddings: far from rank 1
+    assert np.all(np.diff(noskip) < 0) and noskip[-1] < 0.1
+    assert prenorm[-1] > 0.3
+    assert np.isnan(collapse["noskip"]["branch_rms"][:, 1]).all()  # no FFN sublayer
+    assert "gradient_rms" not in collapse["noskip"]
+
+
+def test_train_step_memory_counts_parameters_and_adam_moments():
+    config = tiny_config()
+    config.mesh.data = 8  # data parallel: every device holds all parameters and moments
+    memory = probes.train_step_memory(config)
+    assert memory["devices"] == 8
+    assert memory["parameter_bytes"] == 4 * memory["parameter_count"]  # float32
+    counters = memory["optimizer_state_bytes"] - 2 * memory["parameter_bytes"]  # μ and ν
+    assert 0 < counters <= 16 and counters % 4 == 0  # AdamW's int32 step counts
+    assert memory["batch_bytes"] == 4 * 17  # one row of B×(T+1) int32 per device
+    state_and_batch = sum(memory[key] for key in ("parameter_bytes", "optimizer_state_bytes",
+                                                  "model_state_bytes", "step_bytes",
+                                                  "batch_bytes"))
+    assert memory["argument_bytes"] == state_and_batch  # XLA agrees with the count
+    assert memory["temp_bytes"] > 0
+
+
+def test_interleaved_moe_blocks_come_out_in_network_order():
+    # 4 blocks in 2 groups of k = 2: blocks 1 and 3 are MoE (no dense hidden activations: NaN).
+    _, model = tiny_model(num_layers=4, ffn="moe", moe_every=2, moe_experts=2, moe_top_k=1,
+                          moe_dense_ffn="mlp", moe_expert_ffn="mlp")
+    tokens_BxT1 = random_tokens((2, 17))
+    profile = probes.depth_profile(model, tokens_BxT1, gradients=False)
+    assert profile["loss"] == pytest.approx(probes.batch_loss(model, tokens_BxT1), rel=1e-6)
+    assert np.isnan(profile["ffn_sparsity"]).tolist() == [False, True, False, True]
+    assert np.isfinite(profile["branch_rms"]).all() and profile["hidden_rms"].shape == (5,)
