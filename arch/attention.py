@@ -28,13 +28,20 @@ def causal_mask(query_positions_BxT: jax.Array, key_positions_BxS: jax.Array) ->
     return jnp.where(allowed, 0.0, -jnp.inf).astype(jnp.float32)
 
 
+class AttentionWeights(nnx.Intermediate):
+    """Attention probabilities, recorded only under `nnx.capture(model, AttentionWeights)` (the
+    probes); an ordinary `nnx.capture(model, nnx.Intermediate)` leaves them out (B×H×T×S per
+    layer is large)."""
+
+
 def dot_product_attention(q_BxTxHxP, k_BxSxKxP, v_BxSxKxV, mask_BxTxS,
                           scale: float | None = None, recorder: nnx.Module | None = None):
     """softmax(QKᵀ·scale + M)V, with the H query heads grouped over the K key/value heads.
 
     `scale` defaults to 1/√P (P the query/key width); values may have another width V.
     Scores and softmax in float32; the weighted sum in the inputs' dtype. The probabilities
-    (B×K×G×T×S, head h = k·G + g) are recorded on `recorder` as "attention_weights" (probes).
+    (B×K×G×T×S, head h = k·G + g) are recorded on `recorder` as "attention_weights", kind
+    `AttentionWeights` (probes).
     """
     b, t, h, p = q_BxTxHxP.shape
     k = k_BxSxKxP.shape[2]
@@ -46,7 +53,7 @@ def dot_product_attention(q_BxTxHxP, k_BxSxKxP, v_BxSxKxV, mask_BxTxS,
     scores_BxKxGxTxS = scores_BxKxGxTxS + mask_BxTxS[:, None, None]
     weights = jax.nn.softmax(scores_BxKxGxTxS, axis=-1).astype(v_BxSxKxV.dtype)
     if recorder is not None:  # a no-op outside nnx.capture
-        record(recorder, "attention_weights", weights)
+        record(recorder, "attention_weights", weights, AttentionWeights)
     out_BxTxKxGxV = jnp.einsum("bkgts,bskv->btkgv", weights, v_BxSxKxV)
     return out_BxTxKxGxV.reshape(b, t, h, v_BxSxKxV.shape[-1])
 

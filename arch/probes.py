@@ -41,6 +41,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
+from arch.attention import AttentionWeights
 from arch.layers import Dense
 from arch.model import TransformerLM, interleaves_moe
 from sharding.rules import STREAM, constrain
@@ -141,7 +142,7 @@ def _probe_block(block, x_BxTxD, positions_BxT, rotate, threshold, heads: int):
         if name == "attention":
             (update, _), captured = nnx.capture(
                 lambda attention, h: attention(h, positions_BxT, rotate, None),
-                nnx.Intermediate)(block.attention, residual.read(x_BxTxD))
+                AttentionWeights)(block.attention, residual.read(x_BxTxD))
             stats["head_similarity"] = _head_similarity(captured["attention_weights"][0])
             new_x = residual.write(x_BxTxD, update)
         else:

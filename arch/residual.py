@@ -37,13 +37,15 @@ def constrain_state(state):
     return jax.tree.map(leaf, state)
 
 
-def record(module: nnx.Module, name: str, value) -> None:
-    """Expose a mixing quantity (depth weights, read gates, write strengths) to a caller that runs
-    the model under `nnx.capture(model, nnx.Intermediate)`; nothing is stored otherwise, so
-    training state never changes. Values sown inside the layer scan come out stacked over layers.
-    """
+def record(module: nnx.Module, name: str, value, kind: type[nnx.Variable] = nnx.Intermediate,
+           ) -> None:
+    """Expose a quantity (depth weights, read gates, write strengths) to a caller that runs the
+    model under `nnx.capture(model, kind)`; nothing is stored otherwise, so training state never
+    changes. Capture matches the exact type: a subclass `kind` (e.g. the attention probabilities'
+    `arch.attention.AttentionWeights`) is collected only by callers that ask for it. Values sown
+    inside the layer scan come out stacked over layers."""
     if hasattr(module, "__captures__"):
-        module.sow(nnx.Intermediate, name, value)
+        module.sow(kind, name, value)
 
 
 class SumStream(nnx.Module):

@@ -16,10 +16,9 @@ mixing_matrix, read_gates, ...), one heatmap per quantity:
            channels (a trailing axis of length d_model, e.g. channel-wise read gates).
 
 The numbers are written as JSON beside the PNG (same name, .json): for each quantity its row
-labels, the per-row shape after averaging and the per-row values. Plain sums record no mixing
-quantity (the attention probabilities they record are not plotted here): the script then exits
-with status 1 and one line saying so. --seq_len defaults to the run's seq_len; --batch must be
-divisible by the mesh's data axis (all local devices, as in generation).
+labels, the per-row shape after averaging and the per-row values. Plain sums record nothing: the
+script then exits with status 1 and one line saying so. --seq_len defaults to the run's seq_len;
+--batch must be divisible by the mesh's data axis (all local devices, as in generation).
 """
 
 from __future__ import annotations
@@ -68,14 +67,14 @@ def mixing_quantities(intermediates: nnx.State, *, batch: int, seq_len: int,
     group_size = 1
     for path, variable in nnx.to_flat_state(intermediates):
         path = tuple(str(p) for p in path)
-        if path[0] != STREAM_MODULE and (path[0] != "blocks" or path[-2] not in RESIDUAL_MODULES):
-            continue  # e.g. the attention probabilities (arch/probes.py reads those)
         sown = variable.get_value() if hasattr(variable, "get_value") else variable.value
         for index, value in enumerate(sown):
             name = path[-1] if len(sown) == 1 else f"{path[-1]}[{index}]"
             value = np.asarray(jax.device_get(value), dtype=np.float32)
             if path[0] == STREAM_MODULE:
                 output[name] = _per_row(value, batch, seq_len, d_model)
+                continue
+            if path[0] != "blocks" or path[-2] not in RESIDUAL_MODULES:
                 continue
             grouped = path[1].startswith("block_")  # arch.model.BlockGroup member j
             member = int(path[1].removeprefix("block_")) if grouped else 0

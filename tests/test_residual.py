@@ -1,4 +1,5 @@
-"""Residual placements (Pre-Norm, Post-Norm, DeepNorm) and the rank-collapse ablation switches."""
+"""Residual placements (Pre-Norm, Post-Norm, DeepNorm, no skip) and the ablation switches (the
+rank collapse of a pure-attention stack without skips is measured in tests/test_probes.py)."""
 
 import jax
 import jax.numpy as jnp
@@ -42,35 +43,6 @@ def test_placements_compose_with_the_model_and_stay_causal(residual, use_ffn):
     assert np.isfinite(before).all()
     np.testing.assert_array_equal(before[:, :11], after[:, :11])
     assert ("ffn" in nnx.state(model.blocks)) == use_ffn
-
-
-def distance_from_rank_one(x_TxD):
-    """‖X − 1x̄ᵀ‖ / ‖X‖ with x̄ the mean token (Dong et al. 2021's residual, normalized)."""
-    return float(jnp.linalg.norm(x_TxD - x_TxD.mean(0)) / jnp.linalg.norm(x_TxD))
-
-
-def per_depth_distances(model, tokens):
-    graphdef, layers = nnx.split(model.blocks)
-    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-    x = model.embed(tokens)
-    distances = [distance_from_rank_one(x[0])]
-    for i in range(model.cfg.num_layers):
-        block = nnx.merge(graphdef, jax.tree.map(lambda s, i=i: s[i], layers))
-        x, _ = block(x, positions, model.position.rotate)
-        distances.append(distance_from_rank_one(x[0]))
-    return distances
-
-
-def test_pure_attention_without_skips_collapses_toward_rank_one():
-    tokens = random_tokens((1, 16))
-    _, pure = tiny_model(residual="noskip", use_ffn=False, num_layers=8, position="none")
-    _, skip = tiny_model(residual="prenorm", use_ffn=False, num_layers=8, position="none")
-    collapsing, kept = per_depth_distances(pure, tokens), per_depth_distances(skip, tokens)
-    # Causal attention with a token-local norm: monotone, roughly geometric decay (the first token
-    # only ever sees itself, so the collapse is slower than the paper's doubly exponential bound).
-    assert all(b < a for a, b in zip(collapsing, collapsing[1:], strict=False))
-    assert collapsing[-1] < 0.1 * collapsing[0]
-    assert kept[-1] > 0.3 * kept[0] and collapsing[-1] < 0.25 * kept[-1]  # skips keep diversity
 
 
 @pytest.mark.parametrize("blocks", [1, 6, 24, 100])

@@ -244,7 +244,7 @@ def test_depth_mixing_script_plots_and_writes_the_captured_numbers(tmp_path, cap
 
 
 def test_depth_mixing_refuses_plain_sums_and_missing_runs(tmp_path, capsys):
-    cfg = resolved()  # traced only: a plain sum sows no mixing quantity
+    cfg = resolved()  # traced only: a plain sum sows nothing
     captured = jax.eval_shape(lambda tokens: nnx.capture(TransformerLM(
         ml_collections.FrozenConfigDict(cfg), rngs=nnx.Rngs(0)), nnx.Intermediate)(tokens)[1],
         random_tokens((2, 8)))
