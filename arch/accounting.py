@@ -17,9 +17,12 @@ from arch.residual import RESIDUALS
 
 
 def abstract_model(model_cfg) -> TransformerLM:
-    """The model with ShapeDtypeStruct leaves: shapes and logical axes, no memory."""
+    """The model with ShapeDtypeStruct leaves: shapes and logical axes, no memory. Built outside
+    any mesh context the caller is in (nnx.eval_shape would read the logical names as mesh
+    axes)."""
     frozen = ml_collections.FrozenConfigDict(model_cfg)
-    return nnx.eval_shape(lambda: TransformerLM(frozen, rngs=nnx.Rngs(0)))
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
+        return nnx.eval_shape(lambda: TransformerLM(frozen, rngs=nnx.Rngs(0)))
 
 
 def _size(state) -> int:
@@ -346,4 +349,26 @@ def residual_accounting(model_cfg) -> dict:
         "state_elements_per_token": residual_state_elements_per_token(model_cfg),
         "added_parameters": added_parameters(model_cfg),
         "sublayers": L, "block_size": S, "streams": n,
+    }
+
+
+def books(model_cfg, seq_len: int) -> dict:
+    """Every accounting figure of a resolved model config at `seq_len` (capped at the model's
+    max_seq_len), as a nested dict: parameters (`parameter_breakdown`), flops per token for
+    training and inference, KV-cache bytes per token and per sequence, and the residual
+    mechanism's I/O, history and added parameters."""
+    seq_len = min(seq_len, model_cfg.max_seq_len or seq_len)
+    kv_per_token = kv_cache_bytes_per_token(model_cfg)
+    residual = residual_accounting(model_cfg)
+    return {
+        "parameters": parameter_breakdown(model_cfg),
+        "flops": {"seq_len": seq_len,
+                  "training_per_token": flops_per_token(model_cfg, seq_len, True),
+                  "inference_per_token": flops_per_token(model_cfg, seq_len, False)},
+        "kv_cache": {"dtype": model_cfg.dtype, "bytes_per_token": kv_per_token,
+                     "bytes_per_sequence": kv_per_token * seq_len},
+        "residual": {"mechanism": model_cfg.residual,
+                     "io_per_token_per_sublayer_d": residual["io_per_token_per_sublayer"],
+                     "history_elements_per_token": residual["history_elements_per_token"],
+                     "added_parameters": residual["added_parameters"]},
     }

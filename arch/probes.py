@@ -41,6 +41,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
+from arch.accounting import abstract_model, parameter_count
 from arch.attention import AttentionWeights
 from arch.layers import Dense
 from arch.model import TransformerLM, interleaves_moe
@@ -378,8 +379,7 @@ def prune_blocks(model: TransformerLM, drop: Sequence[int]
     kept = jnp.asarray([i for i in range(cfg.num_layers) if i not in drop])
     pruned_cfg = ml_collections.ConfigDict(cfg.to_dict())
     pruned_cfg.num_layers = cfg.num_layers - len(drop)
-    frozen = ml_collections.FrozenConfigDict(pruned_cfg)
-    graphdef = nnx.graphdef(nnx.eval_shape(lambda: TransformerLM(frozen, rngs=nnx.Rngs(0))))
+    graphdef = nnx.graphdef(abstract_model(pruned_cfg))
     state = nnx.state(model)
     state = jax.tree.map(lambda x: x, state)  # new Variables: the models share no mutable state
     state["blocks"] = jax.tree.map(lambda x: x[kept], state["blocks"])
@@ -446,7 +446,6 @@ def train_step_memory(config) -> dict:
                              other scratch);
       parameter_count        `arch.accounting.parameter_count`;  devices, the mesh size.
     """
-    from arch.accounting import parameter_count
     from train.loop import build_program
 
     program = build_program(config)

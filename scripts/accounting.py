@@ -51,41 +51,21 @@ _FORMAT = flags.DEFINE_enum("format", "markdown", ["markdown", "json", "csv"], "
 _OUT = flags.DEFINE_string("out", None, "Write to this file instead of stdout.")
 
 
-def model_books(model_cfg, seq_len: int) -> dict:
-    """Every accounting figure of a resolved model config at `seq_len`, as a nested dict."""
-    from arch import accounting
-
-    seq_len = min(seq_len, model_cfg.max_seq_len or seq_len)
-    kv_per_token = accounting.kv_cache_bytes_per_token(model_cfg)
-    residual = accounting.residual_accounting(model_cfg)
-    return {
-        "parameters": accounting.parameter_breakdown(model_cfg),
-        "flops": {"seq_len": seq_len,
-                  "training_per_token": accounting.flops_per_token(model_cfg, seq_len, True),
-                  "inference_per_token": accounting.flops_per_token(model_cfg, seq_len, False)},
-        "kv_cache": {"dtype": model_cfg.dtype, "bytes_per_token": kv_per_token,
-                     "bytes_per_sequence": kv_per_token * seq_len},
-        "residual": {"mechanism": model_cfg.residual,
-                     "io_per_token_per_sublayer_d": residual["io_per_token_per_sublayer"],
-                     "history_elements_per_token": residual["history_elements_per_token"],
-                     "added_parameters": residual["added_parameters"]},
-    }
-
-
 def shape_books(name: str, seq_len: int) -> dict:
     """The books of one named reference shape."""
     from arch import reference_shapes as shapes
+    from arch.accounting import books
 
     if name == "transformer_base":
         return {"parameters": shapes.transformer_base_parameters()}
     examples = shapes.worked_examples()
     if name in examples:
-        return model_books(examples[name], seq_len)
-    books = model_books(shapes.open_model(name), seq_len)
+        return books(examples[name], seq_len)
+    result = books(shapes.open_model(name), seq_len)
     published = shapes.PUBLISHED_PARAMETERS[name]
-    books["published"] = {"parameters": published,
-                          "reproduced": books["parameters"]["total"] == published}
-    return books
+    result["published"] = {"parameters": published,
+                           "reproduced": result["parameters"]["total"] == published}
+    return result
 
 
 def shape_names() -> list[str]:
@@ -137,6 +117,7 @@ def main(argv: list[str]) -> None:
         raise app.UsageError(f"--shape: unknown {unknown}; known: all, {', '.join(shape_names())}")
     if _CONFIG.value is None and not names:
         raise app.UsageError("give --config PATH and/or --shape NAME (or --shape all)")
+    from arch.accounting import books
     from arch.config import ConfigError
     from train.config import validate
 
@@ -150,7 +131,7 @@ def main(argv: list[str]) -> None:
             print(f"error: {error}", file=sys.stderr)
             sys.exit(2)
         path = config_flags.get_config_filename(flags.FLAGS["config"])
-        all_books[Path(path).stem] = model_books(
+        all_books[Path(path).stem] = books(
             config.model, _SEQ_LEN.value or config.seq_len)
     for name in names:
         print(f"accounting: {name}", file=sys.stderr)

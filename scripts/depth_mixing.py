@@ -29,7 +29,6 @@ import sys
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -161,32 +160,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq_len", type=int, default=None, help="default: the run's seq_len")
     args = parser.parse_args(argv)
     from arch.config import ConfigError
-    from train import data
-    from train.loop import VALIDATION_SEED, restore_run
+    from train.loop import restore_for_analysis
 
     try:
-        program, step, state = restore_run(args.workdir)
+        program, step, model, tokens_BxT1 = restore_for_analysis(args.workdir, args.batch,
+                                                                 args.seq_len)
     except (FileNotFoundError, ConfigError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    config = program.config
-    seq_len = args.seq_len or config.seq_len
-    data_shards = program.mesh.shape["data"]
-    if args.batch <= 0 or args.batch % data_shards:
-        print(f"error: --batch={args.batch} is invalid: must be a positive multiple of the "
-              f"{data_shards} devices of the mesh's data axis", file=sys.stderr)
-        return 2
-    if seq_len > config.model.max_seq_len:
-        print(f"error: --seq_len={seq_len} is invalid: the model has "
-              f"max_seq_len={config.model.max_seq_len}", file=sys.stderr)
-        return 2
-    tokens = data.load(config.data, "validation").batch(0, args.batch, seq_len,
-                                                        VALIDATION_SEED)[:, :-1]
-    model = nnx.merge(program.graphdef, state["params"], state["model_state"])
-    model.eval()
+    config, seq_len = program.config, tokens_BxT1.shape[1] - 1
     with jax.set_mesh(program.mesh):
-        quantities = capture_mixing(model, jax.device_put(jnp.asarray(tokens),
-                                                          program.batch_sharding))
+        quantities = capture_mixing(model, tokens_BxT1[:, :-1])
     mechanism = config.model.residual
     if not quantities:
         print(f"model.residual={mechanism!r} records no mixing weights (a plain sum has "

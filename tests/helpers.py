@@ -57,3 +57,16 @@ def prefill_then_decode(model, tokens_BxT, prefill: int, cache_length: int):
         logits, cache = model.decode(tokens_BxT[:, t:t + 1], positions[:, t:t + 1], cache)
         steps.append(logits)
     return jnp.concatenate(steps, axis=1)
+
+
+def write_run(config, workdir, step: int) -> None:
+    """A run directory as `train.loop.train` leaves it (config.json, a checkpoint at `step`),
+    holding the initial state: restoring is what the script tests, not training."""
+    from train.checkpoint import Checkpointer
+    from train.loop import build_program
+
+    program = build_program(config)
+    with Checkpointer(workdir) as checkpointer:
+        checkpointer.save(step, program.init(config.seed), {"next_step": step, "seed": 0},
+                          force=True)
+    (workdir / "config.json").write_text(config.to_json_best_effort(indent=2) + "\n")

@@ -22,10 +22,9 @@ from arch.accounting import (
 from arch.layers import Dense
 from arch.model import TransformerLM
 from arch.residual import RESIDUALS, PreNormSum, SumStream, record
-from tests.helpers import random_tokens, tiny_config, tiny_model
-from train.checkpoint import Checkpointer
+from tests.helpers import random_tokens, tiny_config, tiny_model, write_run
 from train.config import validate
-from train.loop import build_program, restore_run
+from train.loop import restore_run
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import depth_mixing  # noqa: E402
@@ -201,16 +200,6 @@ def test_mixing_rows_follow_network_order_with_interleaved_moe():
     assert weights["rows"] == [f"layer {b} {m}" for b in range(4) for m in ("attention", "ffn")]
     assert [float(v[0]) for v in weights["values"]] == [0, 0.5, 1, 1.5, 10, 10.5, 11, 11.5]
     assert all(np.shape(v) == (n,) for v in weights["values"])
-
-
-def write_run(config, workdir, step: int) -> None:
-    """A run directory as `train.loop.train` leaves it (config.json, a checkpoint at `step`),
-    holding the initial state: restoring is what the script tests, not training."""
-    program = build_program(config)
-    with Checkpointer(workdir) as checkpointer:
-        checkpointer.save(step, program.init(config.seed), {"next_step": step, "seed": 0},
-                          force=True)
-    (workdir / "config.json").write_text(config.to_json_best_effort(indent=2) + "\n")
 
 
 def test_depth_mixing_script_plots_and_writes_the_captured_numbers(tmp_path, capsys):

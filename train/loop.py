@@ -20,6 +20,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import tqdm
+from flax import nnx
 
 from arch.accounting import flops_per_token
 from arch.config import ConfigError
@@ -66,6 +67,27 @@ def restore_run(workdir: str | Path):
         raise FileNotFoundError(f"--workdir={workdir} holds no restorable checkpoint")
     step, state, _ = restored
     return program, step, state
+
+
+def restore_for_analysis(workdir: str | Path, batch: int, seq_len: int | None = None):
+    """(program, step, model in evaluation mode, validation tokens B×(T+1)) for the scripts that
+    analyse a run: `restore_run`, then the first validation batch of `batch` rows of
+    `seq_len` + 1 tokens (default the run's seq_len), the same batch for every run of a config.
+    Raises FileNotFoundError (no run) or ConfigError (a bad batch or length) in one line."""
+    program, step, state = restore_run(workdir)
+    config = program.config
+    seq_len = seq_len or config.seq_len
+    data_shards = program.mesh.shape["data"]
+    if batch <= 0 or batch % data_shards:
+        raise ConfigError(f"--batch={batch} is invalid: must be a positive multiple of the "
+                          f"{data_shards} devices of the mesh's data axis")
+    if not 2 <= seq_len <= config.model.max_seq_len:
+        raise ConfigError(f"--seq_len={seq_len} is invalid: must be in [2, "
+                          f"{config.model.max_seq_len}] (the model's max_seq_len)")
+    tokens_BxT1 = data.load(config.data, "validation").batch(0, batch, seq_len, VALIDATION_SEED)
+    model = nnx.merge(program.graphdef, state["params"], state["model_state"])
+    model.eval()
+    return program, step, model, jax.device_put(tokens_BxT1, program.batch_sharding)
 
 
 def evaluate(program: TrainProgram, state, dataset: data.Dataset) -> float:
