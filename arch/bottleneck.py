@@ -53,17 +53,19 @@ def softmax_bottleneck(log_probs_NxV, *, tokens, reference_token: int,
             "precision": f"float64 SVD of {np.asarray(log_probs_NxV).dtype} log-probabilities"}
 
 
-def model_bottleneck(model, tokens_BxT: jax.Array, *, num_tokens: int = 64,
+def model_bottleneck(model, tokens_BxT: jax.Array, *, num_tokens: int | None = None,
                      reference_token: int = 0, rtol: float | None = None) -> dict:
     """`softmax_bottleneck` of a language model: every position of `tokens_BxT` is one context
-    (N = B·T; use diverse text), the token subset is the `num_tokens` vocabulary ids after
-    `reference_token` (ids 1..M by default: for the byte vocabulary, control and early-ASCII bytes
-    — pass another subset to `softmax_bottleneck` for other vocabularies). Adds "bound": the
-    rank a single softmax of the final d-dimensional hidden state can reach (d + 1 with an output
-    bias, d without; MoS has no such bound, None)."""
+    (N = B·T; use diverse text), the token subset is the M = `num_tokens` vocabulary ids after
+    `reference_token` (default M = min(V − 1, 2(d + 1)): enough columns to exceed the bound; pass
+    another subset to `softmax_bottleneck` to choose the tokens). Adds "bound": the rank a single
+    softmax of the final d-dimensional hidden state can reach (d + 1 with an output bias, d
+    without; MoS has no such bound, None). The bound is tested only when N and M exceed it."""
     cfg = model.cfg
     log_probs = jax.nn.log_softmax(model(tokens_BxT).astype(jnp.float32), axis=-1)
     vocab = log_probs.shape[-1]
+    if num_tokens is None:
+        num_tokens = min(vocab - 1, 2 * (cfg.d_model + 1))
     subset = (reference_token + 1 + np.arange(num_tokens)) % vocab
     result = softmax_bottleneck(np.asarray(log_probs).reshape(-1, vocab), tokens=subset,
                                 reference_token=reference_token, rtol=rtol)

@@ -2,7 +2,7 @@
 bottleneck and compiled memory, as a Markdown report with PNG plots and a JSON file of every number.
 
     python scripts/probe_report.py --workdir runs/X [--out DIR] [--batch 8] [--seq_len T]
-        [--prune 1] [--bottleneck_tokens 64] [--sparsity_threshold 0.01]
+        [--prune 1] [--bottleneck_tokens M] [--sparsity_threshold 0.01]
 
 Restores the newest checkpoint of the run in --workdir (a trained run, or a Hugging Face import
 from scripts/import_hf.py) and measures it on the first validation batch of --batch sequences
@@ -41,7 +41,8 @@ def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def measure(workdir: str, batch: int, seq_len: int | None, prune: int, bottleneck_tokens: int,
+def measure(workdir: str, batch: int, seq_len: int | None, prune: int,
+            bottleneck_tokens: int | None,
             sparsity_threshold: float) -> dict:
     """Every measurement of the report, as a nested dict of numpy arrays and numbers."""
     import jax
@@ -56,7 +57,7 @@ def measure(workdir: str, batch: int, seq_len: int | None, prune: int, bottlenec
     if not 0 <= prune < layers:
         raise ConfigError(f"--prune={prune} is invalid: must be in [0, {layers - 1}] "
                           f"(the model has {layers} blocks)")
-    if not 1 <= bottleneck_tokens < cfg.vocab_size:
+    if bottleneck_tokens is not None and not 1 <= bottleneck_tokens < cfg.vocab_size:
         raise ConfigError(f"--bottleneck_tokens={bottleneck_tokens} is invalid: must be in "
                           f"[1, {cfg.vocab_size - 1}] (vocab_size − 1)")
     length = tokens_BxT1.shape[1] - 1
@@ -165,6 +166,8 @@ def plot_heads(loss_change_LxH: np.ndarray, similarity_LxH: np.ndarray | None, p
         limit = np.nanmax(np.abs(matrix)) if cmap == "coolwarm" else None
         image = axis.imshow(matrix, aspect="auto", interpolation="nearest", cmap=cmap,
                             vmin=-limit if limit else None, vmax=limit)
+        axis.set_xticks(range(matrix.shape[1]))
+        axis.set_yticks(range(matrix.shape[0]))
         axis.set_xlabel("head")
         axis.set_ylabel("block")
         axis.set_title(name, fontsize=10)
@@ -274,7 +277,10 @@ def markdown(report: dict) -> str:
               f"position of the batch) over {result['tokens']} tokens against reference token "
               f"{result['reference_token']}: numerical rank **{result['numerical_rank']}** "
               f"(singular values > {result['threshold']:.3g} = {result['rtol']:.3g}·σ_max; "
-              f"{result['precision']}). Bound: {bound}.", "", "![spectrum](spectrum.png)", ""]
+              f"{result['precision']}). Bound: {bound}."
+              + ("" if result["bound"] is None or min(result["contexts"], result["tokens"])
+                 > result["bound"] else " The matrix is too small to test the bound (raise "
+                 "--batch or --bottleneck_tokens)."), "", "![spectrum](spectrum.png)", ""]
     return "\n".join(parts)
 
 
@@ -303,7 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq_len", type=int, default=None, help="default: the run's seq_len")
     parser.add_argument("--prune", type=int, default=1, help="blocks to prune (0: skip)")
-    parser.add_argument("--bottleneck_tokens", type=int, default=64)
+    parser.add_argument("--bottleneck_tokens", type=int, default=None,
+                        help="default: min(vocab − 1, 2(d + 1)), enough to test the bound")
     parser.add_argument("--sparsity_threshold", type=float, default=1e-2)
     args = parser.parse_args(argv)
     from arch.config import ConfigError
