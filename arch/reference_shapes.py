@@ -48,14 +48,11 @@ PUBLISHED_PARAMETERS = {
 
 def open_model(name: str) -> ml_collections.ConfigDict:
     """The resolved model config of a public open model in `PUBLIC_CONFIGS`."""
-    from arch.config import resolve_model
     from arch.hf import model_config_from_hf
 
     if name not in PUBLIC_CONFIGS:
         raise ValueError(f"unknown open model {name!r}; known: {', '.join(PUBLIC_CONFIGS)}")
-    cfg = model_config_from_hf(PUBLIC_CONFIGS[name])
-    resolve_model(cfg)
-    return cfg
+    return model_config_from_hf(PUBLIC_CONFIGS[name])
 
 
 def _resolved(**fields) -> ml_collections.ConfigDict:
