@@ -141,5 +141,10 @@ def base_config() -> ml_collections.ConfigDict:
             validation_fraction=0.05,  # name="text": the tail kept for validation
             text_key=ml_collections.FieldReference(None, field_type=str),  # tfds text feature
         ),
-        mesh=dict(data=-1, fsdp=1, tensor=1, sequence=1, stage=1, expert=1),  # -1: the rest
+        # Total size of each mesh axis; one may be -1: the remaining devices.
+        mesh=dict(data=-1, fsdp=1, tensor=1, sequence=1, stage=1, expert=1,
+                  # Multi-slice TPU: the across-slice (DCN) factor of each axis, which must divide
+                  # the axis's size (mesh.<axis> = ICI × DCN); the factors multiply to the number
+                  # of slices. Usually only data, e.g. 2 slices: mesh.dcn.data=2.
+                  dcn=dict(data=1, fsdp=1, tensor=1, sequence=1, stage=1, expert=1)),
     ))

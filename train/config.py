@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from arch.config import check, resolve_model
-from sharding.mesh import mesh_shape
+from sharding.mesh import ici_dcn_shapes, mesh_shape
 
 SCHEDULES = ("cosine", "wsd")
 
 
-def validate(config, device_count: int, process_count: int = 1) -> dict[str, int]:
-    """Check `config` in place (filling derived model fields); return the resolved mesh shape.
+def validate(config, device_count: int, slice_count: int = 1) -> dict[str, int]:
+    """Check `config` in place (filling derived model fields) for `device_count` devices in
+    `slice_count` TPU slices; return the resolved mesh shape (total size of each axis).
 
     Raises `arch.config.ConfigError`: one line naming the field, the value and what is valid.
     """
@@ -32,12 +33,11 @@ def validate(config, device_count: int, process_count: int = 1) -> dict[str, int
           "must be in (0, 1]")
 
     mesh = mesh_shape(config.mesh, device_count)
+    ici_dcn_shapes(config.mesh, mesh, slice_count)
     # Outside the MoE layers the expert axis is extra data parallelism (sharding rule act_batch).
     batch_shards = mesh["data"] * mesh["fsdp"] * mesh["expert"]
     check(config.batch_size % batch_shards == 0, "batch_size", config.batch_size,
           f"must be divisible by mesh.data×mesh.fsdp×mesh.expert = {batch_shards}")
-    check(config.batch_size % process_count == 0, "batch_size", config.batch_size,
-          f"must be divisible by the {process_count} processes (each loads its own rows)")
     tensor = mesh["tensor"]
     check(model.num_heads % tensor == 0, "model.num_heads", model.num_heads,
           f"must be divisible by mesh.tensor={tensor}")

@@ -82,12 +82,14 @@ class Dataset:
         return grain.MapDataset.range(n).shuffle(seed=mixed).repeat()
 
     def batch(
-        self, step: int, batch_size: int, seq_len: int, seed: int, rows: slice | None = None
+        self, step: int, batch_size: int, seq_len: int, seed: int,
+        rows: slice | np.ndarray | None = None,
     ) -> np.ndarray:
         """Global batch ``step`` as int32 ``[batch_size, seq_len + 1]`` (inputs ``[:, :-1]``,
-        targets ``[:, 1:]``), or only its ``rows`` (a slice of the global batch rows)."""
+        targets ``[:, 1:]``), or only its ``rows`` (a slice or an index array of the global
+        batch rows), in that order."""
         order = self.window_order(seq_len, seed)
-        row_ids = range(batch_size)[rows if rows is not None else slice(None)]
+        row_ids = np.arange(batch_size)[rows if rows is not None else slice(None)]
         windows = np.array([order[step * batch_size + r] for r in row_ids], dtype=np.int64)
         index = windows[:, None] * seq_len + np.arange(seq_len + 1)
         return np.asarray(self.tokens[index.reshape(len(row_ids), seq_len + 1)], dtype=np.int32)

@@ -21,11 +21,12 @@ import jax
 import numpy as np
 import tqdm
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from arch.accounting import flops_per_token
 from arch.config import ConfigError
 from experiments.common import base_config
-from sharding.mesh import make_mesh, maybe_initialize_distributed
+from sharding.mesh import make_mesh, maybe_initialize_distributed, slice_count
 from train import data
 from train.checkpoint import Checkpointer
 from train.config import validate
@@ -44,7 +45,7 @@ class NonFiniteLoss(RuntimeError):
 def build_program(config) -> TrainProgram:
     """Validate the config against this machine's devices, then build mesh and program."""
     maybe_initialize_distributed()
-    validate(config, jax.device_count(), jax.process_count())
+    validate(config, jax.device_count(), slice_count(jax.devices()))
     return TrainProgram(config, make_mesh(config.mesh))
 
 
@@ -88,6 +89,30 @@ def restore_for_analysis(workdir: str | Path, batch: int, seq_len: int | None = 
     model = nnx.merge(program.graphdef, state["params"], state["model_state"])
     model.eval()
     return program, step, model, jax.device_put(tokens_BxT1, program.batch_sharding)
+
+
+def load_splits(data_config) -> tuple[data.Dataset, data.Dataset]:
+    """(train, validation) datasets. Every process reads the whole token stream (memory-mapped
+    for tfds datasets) and later takes only its rows of each batch. Of several processes,
+    process 0 loads first, preparing the corpus if needed, and the others after a barrier: on a
+    shared data_dir they find it prepared; on per-host disks each host prepares its own copy
+    (one process per host, as the launchers in scripts/ start, so no two prepare one
+    directory at once)."""
+    def load():
+        return data.load(data_config, "train"), data.load(data_config, "validation")
+
+    if jax.process_count() == 1:
+        return load()
+    splits, error = None, None
+    if jax.process_index() == 0:
+        try:
+            splits = load()
+        except ValueError as raised:  # still meet the others at the barrier, then report it
+            error = raised
+    multihost_utils.sync_global_devices("blockbench: process 0 prepared the data")
+    if error is not None:
+        raise error
+    return splits if splits is not None else load()
 
 
 def evaluate(program: TrainProgram, state, dataset: data.Dataset) -> float:
@@ -135,8 +160,7 @@ def train(config, workdir: str | Path) -> dict:
     program = build_program(config)  # every config error surfaces here, before compiling
     workdir.mkdir(parents=True, exist_ok=True)
     try:
-        train_data = data.load(config.data, "train")
-        validation_data = data.load(config.data, "validation")
+        train_data, validation_data = load_splits(config.data)
     except ValueError as error:  # data errors name their field: report them like config errors
         raise ConfigError(str(error)) from None
     with contextlib.ExitStack() as stack:  # closes (and finishes saving) on any exit

@@ -14,6 +14,7 @@ import time
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
@@ -141,11 +142,28 @@ class TrainProgram:
         return jax.make_array_from_process_local_data(self.batch_sharding, local_tokens,
                                                       global_shape)
 
-    def process_rows(self) -> slice:
-        """The rows of the global batch this process loads."""
-        per_process = self.config.batch_size // jax.process_count()
-        start = jax.process_index() * per_process
-        return slice(start, start + per_process)
+    def process_rows(self) -> np.ndarray:
+        """The rows of the global batch this process loads: those its devices hold."""
+        global_shape = (self.config.batch_size, self.config.seq_len + 1)
+        return rows_held(self.batch_sharding, global_shape, self.batch_sharding.addressable_devices)
+
+
+def rows_held(sharding: jax.sharding.Sharding, global_shape: tuple[int, ...],
+              devices) -> np.ndarray:
+    """The rows (first-axis indices, ascending) of a global array of `global_shape` placed by
+    `sharding` that `devices` hold: for one process's devices, the rows it must load.
+
+    Rows shard over the batch axes (data × fsdp × expert) and repeat over the others, so a
+    process loads the rows of each distinct batch shard its devices hold: half the batch for
+    each of 2 processes under data parallelism, all of it for each when tensor parallelism spans
+    the processes. `jax.make_array_from_process_local_data` takes exactly these rows in this
+    order (the process's distinct shards, sorted by their first row, concatenated), also when
+    the mesh interleaves processes along the batch axes.
+    """
+    index_map = sharding.devices_indices_map(tuple(global_shape))
+    held = {row for device in devices
+            for row in range(*index_map[device][0].indices(global_shape[0]))}
+    return np.array(sorted(held), dtype=np.int64)
 
 
 def compile_train_step(program: TrainProgram) -> tuple[float, jax.stages.Compiled]:
