@@ -11,10 +11,38 @@ Conventions shared by every function here:
   = k > 1) the stack is groups × k and block g·k + j is member j of group g. Boundary i = 0..L is
   the input of block i, boundary L the output of the last block (what the final norm reads).
   Sublayer index 0 is attention, 1 the FFN (`SUBLAYERS`).
-- Hidden state: probes are defined for the single-stream residual mechanisms `SINGLE_STREAM`
-  (prenorm, postnorm, deepnorm, noskip; `model.reversible=False`), whose state is one stream
-  x (B×T×D): the hidden state at a boundary is that stream. Multi-stream mechanisms (hc, mhc,
-  width, gated_residual, attnres, block_attnres) and the reversible stack raise a ValueError.
+- Residual mechanisms: every one but the reversible stack (`model.reversible=True`, which raises a
+  ValueError). The single-stream mechanisms `SINGLE_STREAM` (prenorm, postnorm, deepnorm,
+  noskip) carry one stream x (B×T×D); the others carry a pytree (arch/residual.py), and the
+  probes read it through explicit definitions, by mechanism (L blocks, n sublayers: 2L, or L with
+  `model.use_ffn=False`; state_i the residual state at boundary i):
+
+  hidden state h_i (B×T×D): the readout of state_i, what the final norm would read if the network
+      stopped at boundary i; h_L is what it does read. Single stream: x_i (`end` is the
+      identity). hc, mhc: Σ_m h_m, the sum of the n streams (`CopiedStreams.end`; n times the
+      Pre-Norm stream at HC's initialization). width: Σ_m x_m, the sum of the branches
+      (`SeparateBranches.end`; the Pre-Norm stream at initialization). gated_residual:
+      (1/n) Σ_m x_m, the mean of the branches (`GatedResidualStream.end`). attnres,
+      block_attnres: the final depth-attention read (pseudo-query w_n, plus W_n k̂_cur with
+      `attnres_query="input"`; the last row of the static weights with `attnres_weights=
+      "static"`) over the sources available at boundary i (`AttnResStream.end`, which reads
+      with the table row of the state's next sublayer; the probe puts the final row there).
+  gradient at boundary i: single stream: ∂loss/∂x_i. Others: ∂loss/∂u_i, with u_0 the embedding
+      x⁰ (before `begin`) and u_i (i ≥ 1) the update F that block i−1's last sublayer writes:
+      the total derivative, through every later read, write and the readout, of the loss w.r.t.
+      what that write adds (for prenorm and noskip, where x_i = s + u_i or u_i, it is ∂loss/∂x_i).
+      hc, mhc: Σ_m b_m ∂loss/∂h_m (b the write strengths), at HC's Pre-Norm initialization equal
+      to the Pre-Norm model's ∂loss/∂x_i; width: ∂loss/∂x_m of the branch m = k mod n written;
+      gated_residual: Σ_m s_m ∂loss/∂x_m; attnres: ∂loss/∂v, v the newest source (the key
+      normalization of v included), block_attnres: of the newest partial sum or summary.
+  sublayer input s (the update ratio's denominator) and the sublayer norm: single stream: the
+      stream before the write, and the residual's `norm` (a pre-norm of s, or postnorm's and
+      deepnorm's norm of the write). hc, mhc, width, attnres, block_attnres: the read's mixture
+      before its norm, Σ_m a_m h_m or Σ_j α_{j→l} v_j, which is the input of the read's norm
+      `norm` (`model.norm`; hc's and mhc's `dynamic_norm` is not reported). gated_residual
+      (whose read normalizes each branch on its own): s = h, the readout before the write; the
+      norm is the per-branch RMS normalization, input the n branches (statistics averaged over
+      the n·B·T branch rows), gain `scale` (n×D).
 - The model runs in the mode it is in (call `model.eval()` first for BatchNorm's running
   statistics) and is never modified. Statistics are computed in float32; NaN marks a quantity
   that does not exist (the FFN sublayer of a `model.use_ffn=False` block, the gain of a norm
@@ -23,10 +51,12 @@ Conventions shared by every function here:
 How: `depth_profile` runs a probe-only forward that reuses the model's own parts (embedding,
 position, `residual_stream.begin/end`, each block's residual `read`/`write`, attention and FFN,
 `_output`), scanning over the stacked block parameters as `arch/model.py` does, and adds zero
-perturbations at the block boundaries so that one `jax.value_and_grad` gives ∂loss/∂x at every
-depth. Inputs of norms and of FFN down projections are read by wrapping those modules in the
-probe's own merged copy of each block; attention probabilities are recorded by
-`arch.attention.dot_product_attention` under `nnx.capture`. The training path is untouched.
+perturbations at the block boundaries (single stream) or to u_i (the others) so that one
+`jax.value_and_grad` gives the gradient at every depth; readouts h_i off the loss path (i < L)
+are taken from a stop-gradient copy of the state. Inputs of norms and of FFN down projections
+are read by wrapping those modules in the probe's own merged copy of each block; attention
+probabilities are recorded by `arch.attention.dot_product_attention` under `nnx.capture`. The
+training path is untouched.
 """
 
 from __future__ import annotations
@@ -43,6 +73,8 @@ from flax import nnx
 
 from arch.accounting import abstract_model, parameter_count
 from arch.attention import AttentionWeights
+from arch.gated_residual import load_branches
+from arch.hyper import MHC_INIT_LOGIT
 from arch.layers import Dense
 from arch.model import TransformerLM, interleaves_moe
 from sharding.rules import STREAM, constrain
@@ -50,18 +82,17 @@ from train.step import compile_train_step, next_token_loss
 
 SUBLAYERS = ("attention", "ffn")
 SINGLE_STREAM = ("prenorm", "postnorm", "deepnorm", "noskip")
+ATTNRES = ("attnres", "block_attnres")
 DEFAULT_SPARSITY_THRESHOLD = 1e-2
 NORM_STATISTICS = ("input_mean", "input_variance", "input_rms", "gain_mean", "gain_std")
 
 
-def require_single_stream(cfg) -> None:
-    """ValueError unless the model's residual state is one stream x (see the module docstring)."""
+def require_probeable(cfg) -> None:
+    """ValueError for the reversible stack, whose two coupled streams the probes do not walk."""
     if cfg.reversible:
-        raise ValueError("model.reversible=True: arch.probes needs a single residual stream; "
-                         "probe the model with model.reversible=False")
-    if cfg.residual not in SINGLE_STREAM:
-        raise ValueError(f"model.residual={cfg.residual!r}: arch.probes defines the hidden state "
-                         f"only for a single residual stream; valid: {', '.join(SINGLE_STREAM)}")
+        raise ValueError("model.reversible=True: arch.probes walks the residual mechanisms of "
+                         "arch/residual.py, not the reversible stack; probe the model with "
+                         "model.reversible=False")
 
 
 def _split_tokens(tokens_BxT1: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -129,45 +160,71 @@ def _nan_sublayer(heads: int) -> dict:
             "ffn_sparsity": nan, "ffn_mean_abs": nan, "ffn_rms": nan}
 
 
-def _probe_block(block, x_BxTxD, positions_BxT, rotate, threshold, heads: int):
+def _readout(model: TransformerLM, state) -> jax.Array:
+    """h of a multi-stream state off the loss path (module docstring), B×T×D: the model's
+    `residual_stream.end` of a stop-gradient copy of the state, with AttnRes's final query row
+    (or static weight row) in the row of the state's next sublayer, which `end` reads."""
+    state = jax.lax.stop_gradient(state)
+    if model.cfg.residual in ATTNRES:
+        key = "static_weights" if "static_weights" in state else "pseudo_queries"
+        table = state[key]
+        state = dict(state, **{key: table.at[state["sublayer"]].set(table[-1])})
+    return model.residual_stream.end(state)
+
+
+def _probe_block(block, state, positions_BxT, rotate, threshold, heads: int, readout=None,
+                 output_perturbation_BxTxD=None):
     """Run one block as `Block.__call__` does, sublayer by sublayer, and measure it: returns
-    (block output, per-block statistics with a leading sublayer axis of 2)."""
+    (block output state, per-block statistics with a leading sublayer axis of 2). Single stream:
+    `readout` and `output_perturbation_BxTxD` are None. Otherwise `readout` maps a state to its h
+    and the perturbation is added to the update of the block's last sublayer (u_{i+1})."""
     per_sublayer = []
+    last = "ffn" if block.use_ffn else "attention"
     for name in SUBLAYERS:
         if name == "ffn" and not block.use_ffn:
             per_sublayer.append(_nan_sublayer(heads))
             continue
         stats = _nan_sublayer(heads)
         residual = getattr(block, f"{name}_residual")
-        norm, residual.norm = residual.norm, _InputTap(residual.norm)
+        norm = getattr(residual, "norm", None)  # None: gated_residual's per-branch normalization
+        if norm is not None:
+            residual.norm = _InputTap(norm)
         if name == "attention":
             (update, _), captured = nnx.capture(
                 lambda attention, h: attention(h, positions_BxT, rotate, None),
-                AttentionWeights)(block.attention, residual.read(x_BxTxD))
+                AttentionWeights)(block.attention, residual.read(state))
             stats["head_similarity"] = _head_similarity(captured["attention_weights"][0])
-            new_x = residual.write(x_BxTxD, update)
         else:
             ffn = block.ffn
             dense = isinstance(getattr(ffn, "down", None), Dense)  # not an MoE
             if dense:
                 ffn.down = _InputTap(ffn.down)
-            update = ffn(residual.read(x_BxTxD))
-            new_x = residual.write(x_BxTxD, update)
+            update = ffn(residual.read(state))
             if dense:
                 (hidden,), ffn.down = ffn.down.inputs, ffn.down.module
                 hidden = hidden.astype(jnp.float32)
                 stats.update(ffn_sparsity=jnp.mean(jnp.abs(hidden) < threshold),
                              ffn_mean_abs=jnp.mean(jnp.abs(hidden)),
                              ffn_rms=jnp.sqrt(jnp.mean(hidden**2)))
-        (norm_input,), residual.norm = residual.norm.inputs, norm
-        stats["norm"] = _norm_statistics(norm, norm_input)
-        update32, x32 = update.astype(jnp.float32), x_BxTxD.astype(jnp.float32)
+        written = (update + output_perturbation_BxTxD
+                   if output_perturbation_BxTxD is not None and name == last else update)
+        new_state = residual.write(state, written)
+        if norm is not None:
+            (norm_input,), residual.norm = residual.norm.inputs, norm
+            stats["norm"] = _norm_statistics(norm, norm_input)
+            sublayer_input = state if readout is None else norm_input
+        else:
+            branches_NxBxTxD = load_branches(jax.lax.stop_gradient(state))
+            stats["norm"] = _norm_statistics(
+                residual, branches_NxBxTxD.reshape(-1, *branches_NxBxTxD.shape[2:]))
+            sublayer_input = readout(state)
+        update32, s32 = update.astype(jnp.float32), sublayer_input.astype(jnp.float32)
         stats["branch_rms"] = jnp.sqrt(_mean_square(update32))
         stats["update_ratio"] = jnp.sqrt(jnp.mean(
-            jnp.sum(update32**2, axis=-1) / jnp.sum(x32**2, axis=-1)))
+            jnp.sum(update32**2, axis=-1) / jnp.sum(s32**2, axis=-1)))
         per_sublayer.append(stats)
-        x_BxTxD = new_x
-    return x_BxTxD, jax.tree.map(lambda *s: jnp.stack(s), *per_sublayer)
+        state = new_state
+    return state, jax.tree.map(lambda *s: jnp.stack(s), *per_sublayer)
 
 
 def _boundary_statistics(x_BxTxD) -> dict[str, jax.Array]:
@@ -176,19 +233,24 @@ def _boundary_statistics(x_BxTxD) -> dict[str, jax.Array]:
 
 
 def _walk(model: TransformerLM, tokens_BxT1, perturbations, threshold):
-    """The probe-only forward: (loss, statistics). `perturbations` is (stack_shape × B×T×D
-    added to each block's input, B×T×D added to the last block's output), all zero: their
-    gradients are ∂loss/∂x at the boundaries."""
+    """The probe-only forward: (loss, statistics). `perturbations` is (stack_shape × B×T×D,
+    B×T×D), all zero, whose gradients are the gradients at the boundaries: single stream, added
+    to each block's input and to the last block's output (∂loss/∂x_i); otherwise added to the
+    update of each block's last sublayer and to the embedding (∂loss/∂u_i)."""
     cfg = model.cfg
+    single = cfg.residual in SINGLE_STREAM
     inputs_BxT, targets_BxT = _split_tokens(tokens_BxT1)
     positions_BxT = jnp.broadcast_to(jnp.arange(inputs_BxT.shape[1]), inputs_BxT.shape)
+    block_perturbations, other_perturbation = perturbations
     x_BxTxD = model.position.embed(model.embed(inputs_BxT), positions_BxT)
-    x_BxTxD = model.residual_stream.begin(constrain(x_BxTxD, STREAM))
+    if not single:
+        x_BxTxD = x_BxTxD + other_perturbation  # u_0
+    state = model.residual_stream.begin(constrain(x_BxTxD, STREAM))
     graphdef, layer_params, layer_states = nnx.split(model.blocks, nnx.Param, ...)
-    block_perturbations, output_perturbation = perturbations
     grouped = interleaves_moe(cfg)
+    readout = None if single else functools.partial(_readout, model)
 
-    def run_unit(x_BxTxD, layer):
+    def run_unit(state, layer):
         params, states, unit_perturbations = layer
         unit = nnx.merge(graphdef, params, states)
         members = ([getattr(unit, f"block_{j}") for j in range(unit.size)] if grouped
@@ -197,21 +259,27 @@ def _walk(model: TransformerLM, tokens_BxT1, perturbations, threshold):
             unit_perturbations = unit_perturbations[None]
         per_block = []
         for block, perturbation in zip(members, unit_perturbations, strict=True):
-            x_BxTxD = x_BxTxD + perturbation
-            boundary = _boundary_statistics(x_BxTxD)
-            x_out, stats = _probe_block(block, x_BxTxD, positions_BxT, model.position.rotate,
-                                        threshold, cfg.num_heads)
-            x_in32, x_out32 = x_BxTxD.astype(jnp.float32), x_out.astype(jnp.float32)
-            cosine = jnp.sum(x_in32 * x_out32, -1) / (
-                jnp.linalg.norm(x_in32, axis=-1) * jnp.linalg.norm(x_out32, axis=-1))
+            if single:
+                state = h_in = state + perturbation
+            else:
+                h_in = readout(state)
+            boundary = _boundary_statistics(h_in)
+            state, stats = _probe_block(block, state, positions_BxT, model.position.rotate,
+                                        threshold, cfg.num_heads, readout,
+                                        None if single else perturbation)
+            h_out = state if single else readout(state)
+            h_in32, h_out32 = h_in.astype(jnp.float32), h_out.astype(jnp.float32)
+            cosine = jnp.sum(h_in32 * h_out32, -1) / (
+                jnp.linalg.norm(h_in32, axis=-1) * jnp.linalg.norm(h_out32, axis=-1))
             per_block.append({**stats, **boundary, "block_influence": 1 - jnp.mean(cosine)})
-            x_BxTxD = x_out
-        return x_BxTxD, jax.tree.map(lambda *s: jnp.stack(s), *per_block)
+        return state, jax.tree.map(lambda *s: jnp.stack(s), *per_block)
 
-    x_BxTxD, per_block = jax.lax.scan(run_unit, x_BxTxD,
-                                      (layer_params, layer_states, block_perturbations))
+    state, per_block = jax.lax.scan(run_unit, state,
+                                    (layer_params, layer_states, block_perturbations))
     per_block = jax.tree.map(lambda s: s.reshape(cfg.num_layers, *s.shape[2:]), per_block)
-    x_BxTxD = model.residual_stream.end(x_BxTxD) + output_perturbation
+    x_BxTxD = model.residual_stream.end(state)
+    if single:
+        x_BxTxD = x_BxTxD + other_perturbation
     final = {**_boundary_statistics(x_BxTxD), "norm": (
         _norm_statistics(model.final_norm, x_BxTxD) if model.final_norm is not None
         else dict.fromkeys(NORM_STATISTICS, jnp.float32(jnp.nan)))}
@@ -235,10 +303,12 @@ def _profile(graphdef, state, tokens_BxT1, threshold, gradients: bool):
     if not gradients:
         loss, (per_block, final) = loss_fn(state, zeros)
         return loss, per_block, final, None
-    (loss, (per_block, final)), (block_grads, output_grad) = jax.value_and_grad(
+    (loss, (per_block, final)), (block_grads, other_grad) = jax.value_and_grad(
         loss_fn, argnums=1, has_aux=True)(state, zeros)
     block_grads = block_grads.reshape(cfg.num_layers, b, t, cfg.d_model)
-    grads = jnp.concatenate([block_grads, output_grad[None]]).astype(jnp.float32)
+    ordered = ([block_grads, other_grad[None]] if cfg.residual in SINGLE_STREAM
+               else [other_grad[None], block_grads])  # boundaries 0..L
+    grads = jnp.concatenate(ordered).astype(jnp.float32)
     gradient_rms = jnp.sqrt(jnp.mean(grads**2, axis=(1, 2, 3)))
     return loss, per_block, final, gradient_rms
 
@@ -248,24 +318,30 @@ def depth_profile(model: TransformerLM, tokens_BxT1: jax.Array, *,
                   gradients: bool = True) -> dict:
     """Per-depth statistics of one batch from one probe forward and backward pass (jitted; the
     compile is reused for models with the same graph; `gradients=False`: forward only, no
-    gradient_rms). L blocks, H heads; x_i the hidden state at boundary i (B×T×D), F the output
-    of a sublayer (B×T×D), RMS over all entries unless said.
+    gradient_rms). Every residual mechanism but the reversible stack. L blocks, H heads; h_i the
+    hidden state at boundary i (B×T×D: the stream x_i for a single stream, the readout of the
+    residual state otherwise; definitions by mechanism in the module docstring), F the output of
+    a sublayer (B×T×D), RMS over all entries unless said.
 
     Returns a dict of numpy arrays (float64) and floats:
       loss              next-token cross-entropy of the batch (nats), equal to the model's own.
-      hidden_rms        (L+1,) RMS of x_i over B·T·D.
-      gradient_rms      (L+1,) RMS over B·T·D of ∂loss/∂x_i (loss per unit of hidden state; the
-                        loss is a mean over B·T tokens, so entries carry a factor 1/(B·T)).
-      rank_collapse     (L+1,) res(x_i): mean over the B sequences of ‖X − 1x̄ᵀ‖_F / ‖X‖_F with
+      hidden_rms        (L+1,) RMS of h_i over B·T·D.
+      gradient_rms      (L+1,) RMS over B·T·D of ∂loss/∂x_i (single stream) or ∂loss/∂u_i (the
+                        other mechanisms: u_i the embedding or the last update written before
+                        boundary i, see the module docstring); loss per unit of hidden state;
+                        the loss is a mean over B·T tokens, so entries carry a factor 1/(B·T).
+      rank_collapse     (L+1,) res(h_i): mean over the B sequences of ‖X − 1x̄ᵀ‖_F / ‖X‖_F with
                         X the sequence's T×D matrix and x̄ its mean token, the Frobenius-optimal x
                         (Dong et al. 2021's distance from rank 1, in the Frobenius norm); 0 when
                         every token is the same vector.
-      block_influence   (L,) BI_i = 1 − mean over the B·T tokens of cos(x_i,t, x_{i+1},t)
-                        (ShortGPT, Men et al. 2024, eq. 1); 0 for a block that is the identity.
+      block_influence   (L,) BI_i = 1 − mean over the B·T tokens of cos(h_i,t, h_{i+1},t)
+                        (ShortGPT, Men et al. 2024, eq. 1); 0 for a block that leaves h unchanged
+                        (up to scale).
       branch_rms        (L, 2) RMS of each sublayer's F (attention, FFN).
-      update_ratio      (L, 2) √(mean over tokens of ‖F_t‖² / ‖s_t‖²), ‖·‖ over D, s the stream
-                        the sublayer reads (before its write): the RMS over tokens of the
-                        update-to-stream ratio.
+      update_ratio      (L, 2) √(mean over tokens of ‖F_t‖² / ‖s_t‖²), ‖·‖ over D, s the
+                        sublayer's input before its own normalization (single stream: the stream
+                        the sublayer reads, before its write; others: module docstring): the RMS
+                        over tokens of the update-to-input ratio.
       norms             {"attention", "ffn"}: dict of (L,) arrays, and {"final"}: dict of floats,
                         each with input_mean, input_variance, input_rms (per-token mean μ_t,
                         variance mean_d (x − μ_t)², RMS √(mean_d x²) of the norm's input,
@@ -273,7 +349,9 @@ def depth_profile(model: TransformerLM, tokens_BxT1: jax.Array, *,
                         the norm's `scale` entries; NaN without a gain; ScaleNorm's is one
                         scalar). "attention"/"ffn" are the sublayer residual's norm: its input is
                         the stream s for prenorm/noskip (a pre-norm), s + F for postnorm and
-                        αs + F for deepnorm (a post-norm). "final" reads x_L (NaN without one).
+                        αs + F for deepnorm (a post-norm), the read's mixture for hc, mhc, width
+                        and AttnRes, the branches for gated_residual (module docstring). "final"
+                        reads h_L (NaN without one).
       ffn_sparsity      (L,) fraction of the FFN hidden activations a (what feeds the down
                         projection: φ(xW₁), or φ(xW) ⊙ xV for gated FFNs; B·T·d_ff values) with
                         |a| < `sparsity_threshold` (absolute, default 1e-2).
@@ -282,7 +360,7 @@ def depth_profile(model: TransformerLM, tokens_BxT1: jax.Array, *,
                         between two heads' attention-probability rows (over keys s ≤ t); the
                         diagonal is 1, 1 off it for heads that attend identically.
     """
-    require_single_stream(model.cfg)
+    require_probeable(model.cfg)
     _split_tokens(tokens_BxT1)
     graphdef, state = nnx.split(model)
     loss, per_block, final, gradient_rms = jax.device_get(_profile(
@@ -358,17 +436,89 @@ def head_ablation(model: TransformerLM, tokens_BxT1: jax.Array) -> dict:
 
 # Block pruning (ShortGPT) -------------------------------------------------------------------------
 
+def _sublayers_per_block(cfg) -> int:
+    return 2 if cfg.use_ffn else 1
+
+
+def _check_width_targets(cfg, kept: list[int], drop: list[int]) -> None:
+    """width writes sublayer k into branch k mod n: a kept sublayer that moves from k to k' must
+    keep its branch, k − k' ≡ 0 (mod n)."""
+    n, per_block = cfg.residual_streams, _sublayers_per_block(cfg)
+    if any((old - new) * per_block % n for new, old in enumerate(kept)):
+        raise ValueError(f"model.residual='width': dropping blocks {drop} moves the round-robin "
+                         f"write target (branch k mod n, n = model.residual_streams={n}) of later "
+                         f"sublayers; drop blocks whose removal shifts k ({per_block} per block) "
+                         "by a multiple of n, e.g. the last blocks")
+
+
+def _shift_read_offsets(cfg, blocks_state, kept: list[int]) -> None:
+    """hc and mhc: sublayer k's read carries an offset that follows k, e_{k mod n} (mhc:
+    c·(2e_{k mod n} − 1), c = `MHC_INIT_LOGIT`), added to `static_read` (mhc: `read_bias`). A
+    kept sublayer moves from k to k'; adding e_{k mod n} − e_{k' mod n} (mhc: times 2c) to its
+    parameter keeps its read weights (to float rounding)."""
+    n, per_block = cfg.residual_streams, _sublayers_per_block(cfg)
+    name, scale = (("static_read", 1.0) if cfg.residual == "hc"
+                   else ("read_bias", 2.0 * MHC_INIT_LOGIT))
+    old, new = np.asarray(kept), np.arange(len(kept))
+    for j, residual in enumerate(("attention_residual", "ffn_residual")[:per_block]):
+        shift_LxN = scale * (np.eye(n)[(old * per_block + j) % n]
+                             - np.eye(n)[(new * per_block + j) % n])
+        variable = blocks_state[residual][name]
+        variable[...] = variable[...] + jnp.asarray(shift_LxN, variable.dtype)
+
+
+def _prune_depth_tables(cfg, stream_state, kept: list[int], drop: list[int]) -> None:
+    """attnres, block_attnres: keep the rows of the model-level pseudo-query (or static weight)
+    table of the kept sublayers and the final read, and the static weights' columns of the
+    source slots that still hold an output. Clean only when the kept sublayers group into
+    AttnRes blocks of S as before (each old block's kept sublayers form one new block)."""
+    per_block = _sublayers_per_block(cfg)
+    size = cfg.attnres_block_size if cfg.residual == "block_attnres" else 1
+    sublayers = [b * per_block + j for b in kept for j in range(per_block)]
+    old_blocks = [sublayer // size for sublayer in sublayers]
+    new_blocks = [sublayer // size for sublayer in range(len(sublayers))]
+    if any((old_blocks[k] == old_blocks[k + 1]) != (new_blocks[k] == new_blocks[k + 1])
+           for k in range(len(sublayers) - 1)):
+        raise ValueError(f"model.residual='block_attnres': dropping blocks {drop} regroups the "
+                         "remaining sublayers into other AttnRes blocks of model."
+                         f"attnres_block_size={size}; drop blocks whose {per_block} sublayer(s) "
+                         "fill whole AttnRes blocks, or the last blocks")
+    rows = np.asarray([*sublayers, cfg.num_layers * per_block])
+    slots = np.asarray([0, *(1 + block for block in dict.fromkeys(old_blocks))])
+    if "static_weights" in stream_state:  # rows × slots × heads
+        stream_state["static_weights"] = jax.tree.map(lambda x: x[rows][:, slots],
+                                                      stream_state["static_weights"])
+    else:  # rows × D
+        stream_state["pseudo_queries"] = jax.tree.map(lambda x: x[rows],
+                                                      stream_state["pseudo_queries"])
+
+
 def prune_blocks(model: TransformerLM, drop: Sequence[int]
                  ) -> tuple[ml_collections.ConfigDict, TransformerLM]:
     """(model config, model) with the blocks `drop` (network-order indices) removed: num_layers
     − len(drop) blocks holding the remaining blocks' parameters and state in order; embedding,
-    final norm and head shared in value. Single-stream mechanisms except deepnorm (its
-    α = (2M)^{1/4} depends on the depth M), no MoE interleaving (groups would break)."""
+    final norm, head and the residual stream's model-level parameters (AttnRes: their kept
+    rows) shared in value. By mechanism:
+
+      prenorm, postnorm, noskip, gated_residual
+                   nothing else changes: the kept blocks compute what they did, given their
+                   inputs.
+      deepnorm     ValueError: its α = (2M)^{1/4} depends on the depth M.
+      hc, mhc      the read offsets that follow the sublayer index k are moved with the kept
+                   sublayers (`_shift_read_offsets`), so every kept sublayer reads as before.
+      width        ValueError unless every kept sublayer still writes into its branch k mod n.
+      attnres,     the pseudo-query (or static weight) rows of the dropped sublayers, and the
+      block_attnres  static weights' columns of source slots left empty, are removed: the kept
+                   sublayers read over the remaining outputs (with `attnres_window` W, over the
+                   W most recent remaining ones). block_attnres: ValueError unless the kept
+                   sublayers group into the same AttnRes blocks as before.
+
+    Also ValueError for the reversible stack and MoE interleaving (groups would break)."""
     cfg = model.cfg
-    require_single_stream(cfg)
+    require_probeable(cfg)
     if cfg.residual == "deepnorm":
         raise ValueError("model.residual='deepnorm': pruning changes DeepNorm's α = (2M)^(1/4) of "
-                         "every remaining block; prune a prenorm/postnorm/noskip model")
+                         "every remaining block; prune a model with another model.residual")
     if interleaves_moe(cfg):
         raise ValueError(f"model.moe_every={cfg.moe_every}: pruning single blocks breaks the "
                          "dense/MoE groups; prune a model with model.moe_every=1")
@@ -376,13 +526,19 @@ def prune_blocks(model: TransformerLM, drop: Sequence[int]
     if any(not 0 <= i < cfg.num_layers for i in drop) or len(drop) >= cfg.num_layers:
         raise ValueError(f"drop={drop}: expected distinct block indices in 0..{cfg.num_layers - 1}"
                          f" leaving at least one of the {cfg.num_layers} blocks")
-    kept = jnp.asarray([i for i in range(cfg.num_layers) if i not in drop])
+    kept = [i for i in range(cfg.num_layers) if i not in drop]
+    if cfg.residual == "width":
+        _check_width_targets(cfg, kept, drop)
     pruned_cfg = ml_collections.ConfigDict(cfg.to_dict())
     pruned_cfg.num_layers = cfg.num_layers - len(drop)
-    graphdef = nnx.graphdef(abstract_model(pruned_cfg))
     state = nnx.state(model)
     state = jax.tree.map(lambda x: x, state)  # new Variables: the models share no mutable state
-    state["blocks"] = jax.tree.map(lambda x: x[kept], state["blocks"])
+    if cfg.residual in ATTNRES:
+        _prune_depth_tables(cfg, state["residual_stream"], kept, drop)
+    graphdef = nnx.graphdef(abstract_model(pruned_cfg))
+    state["blocks"] = jax.tree.map(lambda x: x[jnp.asarray(kept)], state["blocks"])
+    if cfg.residual in ("hc", "mhc"):
+        _shift_read_offsets(cfg, state["blocks"], kept)
     return pruned_cfg, nnx.merge(graphdef, state)
 
 

@@ -21,9 +21,12 @@ WORKDIR/report):
 Sections: accounting (`arch.accounting.books` at the batch's length); compiled train-step
 memory per device (`arch.probes.train_step_memory`, the run's batch size); per-depth table and
 normalization statistics; ShortGPT pruning of the --prune lowest-influence blocks, loss before
-and after (0 skips it); head ablation; the bottleneck diagnostic. Per-depth probes and pruning
-need a single residual stream (prenorm, postnorm, deepnorm, noskip): for other mechanisms the
-report says so and keeps the rest. Progress goes to stderr; exit status 2 on bad input.
+and after (0 skips it); head ablation; the bottleneck diagnostic. Per-depth probes cover every
+residual mechanism but the reversible stack (multi-stream ones through the readout h_i of their
+state, `arch/probes.py`); where the probes or the pruning are not defined (the reversible stack;
+pruning deepnorm, MoE groups, or width/block_attnres blocks whose removal would move write
+targets or AttnRes blocks) the report says why and keeps the rest. Progress goes to stderr; exit
+status 2 on bad input.
 """
 
 from __future__ import annotations
@@ -68,18 +71,19 @@ def measure(workdir: str, batch: int, seq_len: int | None, prune: int,
     log("compiled train-step memory")
     report["memory"] = probes.train_step_memory(program.config)
     with jax.set_mesh(program.mesh):
-        single_stream = cfg.residual in probes.SINGLE_STREAM and not cfg.reversible
-        if single_stream:
+        if cfg.reversible:
+            report["depth_skipped"] = ("model.reversible=True: the per-depth probes walk the "
+                                       "residual mechanisms, not the reversible stack")
+        else:
             log("depth profile")
             report["depth"] = probes.depth_profile(model, tokens_BxT1,
                                                    sparsity_threshold=sparsity_threshold)
             if prune:
                 log(f"pruning {prune} block(s) by influence")
-                report["pruning"] = probes.prune_by_influence(model, tokens_BxT1, prune)
-        else:
-            report["depth_skipped"] = (f"model.residual={cfg.residual!r}"
-                                       f"{' (reversible)' if cfg.reversible else ''}: per-depth "
-                                       "probes and pruning need a single residual stream")
+                try:
+                    report["pruning"] = probes.prune_by_influence(model, tokens_BxT1, prune)
+                except ValueError as error:  # a mechanism or a choice of blocks it cannot prune
+                    report["pruning_skipped"] = str(error)
         log(f"head ablation ({layers} × {cfg.num_heads} heads)")
         report["heads"] = probes.head_ablation(model, tokens_BxT1)
         log("softmax bottleneck")
@@ -118,13 +122,13 @@ def plot_depth(depth: dict, path: Path, title: str) -> None:
     boundaries = np.arange(len(depth["hidden_rms"]))
     blocks = np.arange(len(depth["block_influence"]))
     panels = [
-        ("hidden-state RMS", boundaries, {"x_i": depth["hidden_rms"]}, "linear"),
-        ("gradient RMS ∂loss/∂x_i", boundaries, {"∂loss/∂x_i": depth["gradient_rms"]}, "log"),
+        ("hidden-state RMS", boundaries, {"h_i": depth["hidden_rms"]}, "linear"),
+        ("gradient RMS by boundary", boundaries, {"gradient": depth["gradient_rms"]}, "log"),
         ("branch-output RMS", blocks, {"attention": depth["branch_rms"][:, 0],
                                        "ffn": depth["branch_rms"][:, 1]}, "linear"),
-        ("update-to-stream ratio ‖F‖/‖x‖", blocks, {"attention": depth["update_ratio"][:, 0],
+        ("update-to-input ratio ‖F‖/‖s‖", blocks, {"attention": depth["update_ratio"][:, 0],
                                                     "ffn": depth["update_ratio"][:, 1]}, "log"),
-        ("Block Influence 1 − cos(x_i, x_i+1)", blocks,
+        ("Block Influence 1 − cos(h_i, h_i+1)", blocks,
          {"BI": depth["block_influence"]}, "linear"),
         ("distance from rank 1 ‖X − 1x̄ᵀ‖/‖X‖", boundaries,
          {"res(X)": depth["rank_collapse"]}, "linear"),
@@ -229,13 +233,22 @@ def markdown(report: dict) -> str:
              "", "## Compiled train-step memory (per device)", "",
              _table(["quantity", "bytes"], [[k, v] for k, v in memory.items()]), ""]
     if "depth" in report:
+        from arch.probes import SINGLE_STREAM
+
         depth = report["depth"]
         layers = len(depth["block_influence"])
-        parts += ["## Per-depth probes", "", f"Batch loss {depth['loss']:.4f} nats. Hidden "
-                  "state x_i is block i's input; the gradient is ∂loss/∂x_i.", "",
+        definition = ("Hidden state h_i = x_i, block i's input; the gradient is ∂loss/∂x_i."
+                      if report["residual"] in SINGLE_STREAM else
+                      "Hidden state h_i is the readout of the residual state at block i's input "
+                      "(what the final norm would read there); the gradient is ∂loss/∂u_i, u_i "
+                      "the embedding or the last update written before block i; the update ratio "
+                      "divides by the sublayer's input before its norm (definitions by mechanism "
+                      "in `arch/probes.py`).")
+        parts += ["## Per-depth probes", "", f"Batch loss {depth['loss']:.4f} nats. {definition}",
+                  "",
                   "![depth](depth.png)", "",
-                  _table(["block", "RMS x_i", "grad RMS", "attn RMS", "ffn RMS",
-                          "attn ‖F‖/‖x‖", "ffn ‖F‖/‖x‖", "BI", "res(X)", "ffn sparsity",
+                  _table(["block", "RMS h_i", "grad RMS", "attn RMS", "ffn RMS",
+                          "attn ‖F‖/‖s‖", "ffn ‖F‖/‖s‖", "BI", "res(X)", "ffn sparsity",
                           "ffn mean |a|"],
                          [[i, depth["hidden_rms"][i], depth["gradient_rms"][i],
                            *depth["branch_rms"][i], *depth["update_ratio"][i],
@@ -260,6 +273,9 @@ def markdown(report: dict) -> str:
                       f"Dropped blocks {pruning['dropped']} (lowest influence), "
                       f"{pruning['num_layers']} left: loss {pruning['loss_before']:.4f} → "
                       f"{pruning['loss_after']:.4f} nats on the same batch.", ""]
+        elif "pruning_skipped" in report:
+            parts += ["## Pruning by Block Influence (ShortGPT)", "",
+                      f"Skipped: {report['pruning_skipped']}", ""]
     else:
         parts += ["## Per-depth probes", "", f"Skipped: {report['depth_skipped']}.", ""]
     change = np.asarray(report["heads"]["loss_change"])

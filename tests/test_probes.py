@@ -10,6 +10,7 @@ from flax import nnx
 from arch import probes
 from arch.accounting import abstract_model
 from tests.helpers import random_tokens, tiny_config, tiny_model
+from tests.test_hyper import perturb_mixing
 from train.config import validate
 from train.step import next_token_loss
 
@@ -145,13 +146,23 @@ def test_identity_block_has_no_influence_and_pruning_it_keeps_the_logits(edited)
 
 
 def test_unsupported_models_give_one_clear_line():
-    config = tiny_config(residual="hc")
+    config = tiny_config(reversible=True)
     validate(config, 1)
-    with pytest.raises(ValueError, match="model.residual='hc': arch.probes defines the hidden"):
+    with pytest.raises(ValueError, match="model.reversible=True: arch.probes walks the residual"):
         probes.depth_profile(abstract_model(config.model), random_tokens((2, 17)))
     config = tiny_config(residual="deepnorm")
     validate(config, 1)
     with pytest.raises(ValueError, match="model.residual='deepnorm': pruning changes"):
+        probes.prune_blocks(abstract_model(config.model), [0])
+    # width, n = 4: without block 0 (2 sublayers) block 1 would write into other branches.
+    config = tiny_config(residual="width")
+    validate(config, 1)
+    with pytest.raises(ValueError, match=r"model.residual='width': dropping blocks \[0\] moves"):
+        probes.prune_blocks(abstract_model(config.model), [0])
+    # AttnRes blocks of S = 4 sublayers: {0..3}, {4, 5}; without block 0, 2..5 would be one.
+    config = tiny_config(residual="block_attnres", num_layers=3)
+    validate(config, 1)
+    with pytest.raises(ValueError, match=r"'block_attnres': dropping blocks \[0\] regroups"):
         probes.prune_blocks(abstract_model(config.model), [0])
 
 
@@ -194,3 +205,105 @@ def test_interleaved_moe_blocks_come_out_in_network_order():
     assert profile["loss"] == pytest.approx(probes.batch_loss(model, tokens_BxT1), rel=1e-6)
     assert np.isnan(profile["ffn_sparsity"]).tolist() == [False, True, False, True]
     assert np.isfinite(profile["branch_rms"]).all() and profile["hidden_rms"].shape == (5,)
+
+
+# Multi-stream mechanisms --------------------------------------------------------------------------
+
+def copy_params(source, target):
+    """Every parameter of `source` into the parameter of `target` at the same path."""
+    target_params = dict(nnx.to_flat_state(nnx.state(target, nnx.Param)))
+    for path, variable in nnx.to_flat_state(nnx.state(source, nnx.Param)):
+        target_params[path][...] = variable[...]
+
+
+def zero_outputs(model, block: int):
+    """Block `block`'s attention and FFN outputs zero."""
+    for kernel in (model.blocks.attention.output.kernel, model.blocks.ffn.down.kernel):
+        kernel[...] = kernel[...].at[block].set(0)
+
+
+def test_hc_at_its_pre_norm_initialization_has_the_pre_norm_profile(edited):
+    """Static HC (`residual_dynamic=False`; the dynamic part's zero-initialized projections
+    would add 0) with n = 4 streams at its Pre-Norm initialization, holding the Pre-Norm model's
+    parameters: every stream is the Pre-Norm stream x_i, the readout
+    h_i = Σ_m h_m = 4·x_i, each read's mixture is x_i, and ∂loss/∂u_i = Σ_m ∂loss/∂h_m =
+    ∂loss/∂x_i. So the profile is Pre-Norm's, with the hidden RMS and the final norm's input ×4
+    (the final norm removes the scale, up to its ε)."""
+    reference, tokens_BxT1, expected = edited
+    _, model = tiny_model(residual="hc", residual_dynamic=False, ffn="mlp", activation="relu",
+                          num_kv_heads=4)
+    copy_params(reference, model)
+    profile = probes.depth_profile(model, tokens_BxT1, sparsity_threshold=0.05)
+    assert profile["loss"] == pytest.approx(expected["loss"], rel=1e-5)
+    np.testing.assert_allclose(profile["hidden_rms"], 4 * expected["hidden_rms"], rtol=1e-5)
+    for name in ("gradient_rms", "rank_collapse", "branch_rms", "update_ratio", "ffn_sparsity",
+                 "ffn_mean_abs", "ffn_rms", "head_similarity"):
+        np.testing.assert_allclose(profile[name], expected[name], rtol=1e-4, atol=1e-7,
+                                   err_msg=name)
+    np.testing.assert_allclose(profile["block_influence"], expected["block_influence"],
+                               rtol=1e-4, atol=1e-6)
+    for sublayer in ("attention", "ffn"):
+        for key, value in expected["norms"][sublayer].items():
+            np.testing.assert_allclose(profile["norms"][sublayer][key], value, rtol=1e-4,
+                                       atol=1e-7, err_msg=f"{sublayer} {key}")
+    final, scale = profile["norms"]["final"], {"input_mean": 4, "input_variance": 16,
+                                               "input_rms": 4}
+    for key, value in expected["norms"]["final"].items():
+        assert final[key] == pytest.approx(scale.get(key, 1) * value, rel=1e-4, abs=1e-7), key
+
+    # Pruning: block 0 made an identity on the streams (zero outputs, mixing I) in a model whose
+    # streams differ (perturbed mixing; block 1 gets block 0's outputs back). Block 1 moves from
+    # sublayers 2, 3 to 0, 1: its reads follow k mod 4 only through the shifted read offsets.
+    graphdef, state = nnx.split(model)
+    other = nnx.merge(graphdef, jax.tree.map(jnp.copy, state))
+    for kernel in (other.blocks.attention.output.kernel, other.blocks.ffn.down.kernel):
+        kernel[...] = kernel[...].at[1].set(kernel[...][0])
+    zero_outputs(other, 0)
+    for seed, name in enumerate(("attention_residual", "ffn_residual")):
+        residual = getattr(other.blocks, name)
+        perturb_mixing(residual, seed, fan_in=32)
+        residual.static_mixing[...] = residual.static_mixing[...].at[0].set(jnp.eye(4))
+    profile = probes.depth_profile(other, tokens_BxT1)  # the same graph: no new compile
+    assert abs(profile["block_influence"][0]) < 1e-6 < 0.1 < profile["block_influence"][1]
+    _, pruned = probes.prune_blocks(other, [0])
+    assert probes.batch_loss(pruned, tokens_BxT1) == pytest.approx(profile["loss"], rel=1e-5)
+
+
+def test_block_attnres_profile_and_pruning():
+    """Blocks of S = 2 sublayers (one per Transformer block), random pseudo-queries, block 1's
+    outputs zero: its AttnRes block adds a zero source, which scales the final read over the
+    available sources (h_1 → c·h_1, softmax), so its influence is 0. Pruning keeps the
+    pseudo-query rows of sublayers 0, 1 and of the final read, and with static depth weights the
+    weight columns of the source slots that remain."""
+    tokens_BxT1 = random_tokens((2, 17))
+    _, model = tiny_model(residual="block_attnres", attnres_block_size=2)
+    queries = model.residual_stream.pseudo_queries  # 5 × D: sublayers 0..3 and the final read
+    queries[...] = jax.random.normal(jax.random.key(1), queries.shape)
+    zero_outputs(model, 1)
+    profile = probes.depth_profile(model, tokens_BxT1, gradients=False)
+    assert profile["loss"] == pytest.approx(probes.batch_loss(model, tokens_BxT1), rel=1e-6)
+    assert profile["hidden_rms"].shape == profile["rank_collapse"].shape == (3,)
+    assert profile["branch_rms"].shape == profile["update_ratio"].shape == (2, 2)
+    assert profile["head_similarity"].shape == (2, 4, 4)
+    assert all(np.isfinite(value).all() for value in jax.tree.leaves(profile))
+    assert abs(profile["block_influence"][1]) < 1e-6 < 0.1 < profile["block_influence"][0]
+    _, pruned = probes.prune_blocks(model, [1])
+    np.testing.assert_array_equal(pruned.residual_stream.pseudo_queries[...],
+                                  np.asarray(queries[...])[[0, 1, 4]])
+
+    _, model = tiny_model(residual="block_attnres", attnres_block_size=2, attnres_weights="static")
+    weights = model.residual_stream.static_weights  # rows × slots × heads: 5 × 3 × 1
+    weights[...] = jax.random.normal(jax.random.key(2), weights.shape)
+    _, pruned = probes.prune_blocks(model, [0])  # rows of sublayers 2, 3 and 4; slots 0 and 2
+    np.testing.assert_array_equal(pruned.residual_stream.static_weights[...],
+                                  np.asarray(weights[...])[[2, 3, 4]][:, [0, 2]])
+
+
+def test_gated_residual_profile_is_the_model_and_finite():
+    tokens_BxT1 = random_tokens((2, 17))
+    _, model = tiny_model(residual="gated_residual", residual_dynamic=False)
+    profile = probes.depth_profile(model, tokens_BxT1, gradients=False)
+    assert profile["loss"] == pytest.approx(probes.batch_loss(model, tokens_BxT1), rel=1e-6)
+    assert all(np.isfinite(value).all() for value in jax.tree.leaves(profile))
+    # The branch normalization's gains are the n × D `scale`, 1 at initialization.
+    assert profile["norms"]["attention"]["gain_mean"].tolist() == [1, 1]
