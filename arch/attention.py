@@ -18,6 +18,7 @@ from arch.norms import RMSNorm
 from arch.registry import Registry
 from arch.residual import record
 from sharding.rules import constrain
+from sharding.sequence import ring_attention, sequence_shards
 
 ATTENTION = Registry("attention")
 
@@ -50,11 +51,15 @@ def dot_product_attention(q_BxTxHxP, k_BxSxKxP, v_BxSxKxV, mask_BxTxS,
         "btkgp,bskp->bkgts", q_BxTxKxGxP, k_BxSxKxP, preferred_element_type=jnp.float32)
     scores_BxKxGxTxS = (scores_BxKxGxTxS / jnp.sqrt(jnp.float32(p)) if scale is None
                         else scores_BxKxGxTxS * jnp.float32(scale))
-    scores_BxKxGxTxS = scores_BxKxGxTxS + mask_BxTxS[:, None, None]
+    # Pinned so that sequence × tensor parallelism keeps queries and heads sharded in the backward
+    # pass too (the G query heads of a KV head take `tensor` when K does not divide: MQA).
+    scores_BxKxGxTxS = constrain(scores_BxKxGxTxS + mask_BxTxS[:, None, None],
+                                 ("act_batch", "act_kv_heads", "act_heads", "act_seq", None))
     weights = jax.nn.softmax(scores_BxKxGxTxS, axis=-1).astype(v_BxSxKxV.dtype)
     if recorder is not None:  # a no-op outside nnx.capture
         record(recorder, "attention_weights", weights, AttentionWeights)
-    out_BxTxKxGxV = jnp.einsum("bkgts,bskv->btkgv", weights, v_BxSxKxV)
+    out_BxTxKxGxV = constrain(jnp.einsum("bkgts,bskv->btkgv", weights, v_BxSxKxV),
+                              ("act_batch", "act_seq", "act_kv_heads", "act_heads", None))
     return out_BxTxKxGxV.reshape(b, t, h, v_BxSxKxV.shape[-1])
 
 
@@ -72,6 +77,11 @@ class MultiHeadAttention(nnx.Module):
 
     KV cache: {"key", "value"} of shape B×S_max×K×P; an input block at positions t₀..t₀+T−1
     writes its keys/values at those slots and attends to every slot at or before its position.
+
+    Sequence parallelism (`sharding/sequence.py`): queries stay sharded over `sequence`; keys and
+    values are all-gathered (`model.sequence_attention="all_gather"`) or, without a KV cache,
+    rotated around the ring (`"ring"`, which records no attention weights). With a KV cache
+    (decoding) the cache is gathered like the keys, whatever the setting.
     """
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
@@ -85,6 +95,7 @@ class MultiHeadAttention(nnx.Module):
                            dtype=dtype, use_bias=bias, init=group_init(cfg, "value"))
         self.output = Dense((h, p), (d,), ("heads", "head_dim"), ("embed",), rngs=rngs, dtype=dtype,
                             use_bias=bias, init=group_init(cfg, "attention_output"))
+        self.ring = cfg.sequence_attention == "ring"
 
     @staticmethod
     def score_flops_per_token(cfg, seq_len: int) -> float:
@@ -112,6 +123,10 @@ class MultiHeadAttention(nnx.Module):
                                              (0, start, 0, 0))
             cache = {"key": k, "value": v}
             key_positions_BxS = jnp.broadcast_to(jnp.arange(k.shape[1]), k.shape[:2])
+        elif self.ring and sequence_shards() > 1:
+            return self.output(ring_attention(q, k, v, positions_BxT)), cache
+        gathered = ("act_batch", None, "act_kv_heads", None)  # all of the sequence on every shard
+        k, v = constrain(k, gathered), constrain(v, gathered)
         out = dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype),
                                     causal_mask(positions_BxT, key_positions_BxS), recorder=self)
         return self.output(out), cache
@@ -146,6 +161,9 @@ class MultiHeadLatentAttention(nnx.Module):
 
     Initialization: `model.init` groups query (W_DQ, W_UQ, W_QR), key (W_DKV, W_UK, W_KR), value
     (W_UV) and attention_output (W_O), default variance 1/fan_in; norm gains 1.
+
+    Sequence parallelism: keys and values (after up-projection) are all-gathered over `sequence`;
+    `model.sequence_attention="ring"` is not available for MLA (train/config.py rejects it).
 
     KV cache: {"latent": B×S_max×C, "rope_key": B×S_max×R}, the normalized c_KV and the rotated
     k^R. An input block at positions t₀..t₀+T−1 writes its slots and attends to every slot at or
@@ -230,9 +248,11 @@ class MultiHeadLatentAttention(nnx.Module):
             b, s, h, _ = key_nope_BxSxHxN.shape
             rope_key_BxSxHxR = jnp.broadcast_to(rope_key_BxSxR[:, :, None],
                                                 (b, s, h, rope_key_BxSxR.shape[-1]))
+            gathered = ("act_batch", None, "act_heads", None)  # sequence parallelism: all keys
             q = constrain(jnp.concatenate([q_nope_BxTxHxN, q_rope_BxTxHxR], -1), heads)
-            k = constrain(jnp.concatenate([key_nope_BxSxHxN, rope_key_BxSxHxR], -1), heads)
-            v = constrain(self.value_up(latent_BxSxC), heads)
+            k = constrain(constrain(jnp.concatenate([key_nope_BxSxHxN, rope_key_BxSxHxR], -1),
+                                    heads), gathered)
+            v = constrain(constrain(self.value_up(latent_BxSxC), heads), gathered)
             out_BxTxHxV = dot_product_attention(q, k, v, mask_BxTxS, scale=self.scale,
                                                 recorder=self)
         return self.output(out_BxTxHxV), cache

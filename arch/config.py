@@ -11,6 +11,7 @@ from arch.norms import NORMS
 from arch.positions import POSITIONS
 from arch.registry import Registry
 from arch.residual import RESIDUALS
+from sharding.sequence import SEQUENCE_ATTENTIONS
 
 
 class ConfigError(ValueError):
@@ -43,6 +44,8 @@ def resolve_model(cfg) -> None:
             continue
         check_choice(f"model.init.{group}", cfg.init[group], INITS)
     check(cfg.dtype in ("float32", "bfloat16"), "model.dtype", cfg.dtype, "use float32 or bfloat16")
+    check(cfg.sequence_attention in SEQUENCE_ATTENTIONS, "model.sequence_attention",
+          cfg.sequence_attention, f"valid: {', '.join(SEQUENCE_ATTENTIONS)}")
     check(isinstance(cfg.gated_norm_rank, int) and cfg.gated_norm_rank > 0,
           "model.gated_norm_rank", cfg.gated_norm_rank, "must be a positive integer")
     check(0 <= cfg.batchnorm_momentum < 1, "model.batchnorm_momentum", cfg.batchnorm_momentum,

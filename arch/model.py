@@ -46,6 +46,7 @@ class Block(nnx.Module):
                                        rotate, cache)
         stream = self.attention_residual.write(stream, update)
         if self.use_ffn:
+            stream = constrain_state(stream)  # between the two tensor-parallel regions
             stream = self.ffn_residual.write(stream, self.ffn(self.ffn_residual.read(stream)))
         return constrain_state(stream), cache
 
@@ -79,6 +80,10 @@ def interleaves_moe(cfg) -> bool:
 class TransformerLM(nnx.Module):
     """Decoder-only causal LM. `model(tokens_BxT) -> logits_BxTxV` (float32).
 
+    `model(tokens_BxT, positions_BxT)` runs tokens given in any order with their positions (the
+    causal mask and every position scheme read the positions, never the array index); the
+    train step passes the striped order of sequence parallelism (`sharding/sequence.py`).
+
     `decode(tokens_BxT, positions_BxT, cache)` runs the same network on a block of positions
     against a KV cache from `init_cache`, for generation.
     """
@@ -104,8 +109,10 @@ class TransformerLM(nnx.Module):
         self.final_norm = make_norm(cfg, rngs=rngs) if cfg.final_norm else None
         self.head = HEADS[cfg.head](cfg, rngs=rngs)
 
-    def __call__(self, tokens_BxT: jax.Array) -> jax.Array:
-        positions_BxT = jnp.broadcast_to(jnp.arange(tokens_BxT.shape[1]), tokens_BxT.shape)
+    def __call__(self, tokens_BxT: jax.Array, positions_BxT: jax.Array | None = None
+                 ) -> jax.Array:
+        if positions_BxT is None:
+            positions_BxT = jnp.broadcast_to(jnp.arange(tokens_BxT.shape[1]), tokens_BxT.shape)
         logits, _ = self._forward(tokens_BxT, positions_BxT, None)
         return logits
 

@@ -31,6 +31,8 @@ def model_config() -> ml_collections.ConfigDict:
         mla_nope_dim=ml_collections.FieldReference(None, field_type=int),  # mla: default head_dim
         mla_v_dim=ml_collections.FieldReference(None, field_type=int),     # mla: default head_dim
         mla_absorb=False,         # mla: cached attention in the latent space (W_UK absorbed)
+        sequence_attention="all_gather",  # mesh.sequence > 1: "all_gather" keys/values, or
+                                  # "ring" (ppermute around the sequence axis; attention="mha")
         norm="rmsnorm",           # arch.norms.NORMS
         norm_eps=1e-6,
         batchnorm_momentum=0.9,   # norm="batchnorm"/"causal_batchnorm": running-average momentum

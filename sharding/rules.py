@@ -40,6 +40,11 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     "act_expert_batch": ("data", "fsdp"),  # batch of the dispatched (B, E, C, d) MoE tokens
     "act_experts": "expert",  # their experts axis: the change from act_batch is the all-to-all
     "act_seq": "sequence",
+    # The residual stream's tokens (and so its norms and the AttnRes/hyper-connection state) are
+    # sharded over tensor too: Megatron-style sequence parallelism (Korthikanti et al. 2022,
+    # "Reducing Activation Recomputation in Large Transformer Models", §4.2.2). Entering a
+    # tensor-parallel region all-gathers the tokens; leaving it reduce-scatters them.
+    "act_stream_seq": ("sequence", "tensor"),
     "act_embed": None,
     "act_heads": "tensor",
     "act_kv_heads": "tensor",
@@ -48,8 +53,8 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
 }
 
 
-# The residual stream's logical axes, constrained at every block boundary.
-STREAM = ("act_batch", "act_seq", "act_embed")
+# The residual stream's logical axes, constrained at every sublayer boundary.
+STREAM = ("act_batch", "act_stream_seq", "act_embed")
 
 
 def _mesh_axes(name: str | None, rules: dict) -> tuple[str, ...]:

@@ -48,8 +48,29 @@ def validate(config, device_count: int, slice_count: int = 1) -> dict[str, int]:
               f"must be divisible by mesh.expert={mesh['expert']}")
         check(model.moe_d_ff % tensor == 0, "model.moe_d_ff", model.moe_d_ff,
               f"must be divisible by mesh.tensor={tensor}")
-    for axis in ("sequence", "stage"):
-        check(mesh[axis] == 1, f"mesh.{axis}", mesh[axis],
-              f"{axis} parallelism is not available yet; use mesh.{axis}=1")
+    if mesh["sequence"] > 1:
+        _check_sequence_parallel(config, mesh["sequence"])
+    check(mesh["stage"] == 1, "mesh.stage", mesh["stage"],
+          "stage parallelism is not available yet; use mesh.stage=1")
     return mesh
 
+
+def _check_sequence_parallel(config, shards: int) -> None:
+    """What sequence parallelism (`sharding/sequence.py`) needs: a sequence that stripes into
+    2 × shards chunks, and components that do not depend on the tokens' array order."""
+    model = config.model
+    check(config.seq_len % (2 * shards) == 0, "seq_len", config.seq_len,
+          f"must be divisible by 2×mesh.sequence = {2 * shards} (causal load balancing gives "
+          "each sequence shard two chunks)")
+    if model.sequence_attention == "ring":
+        check(model.attention == "mha", "model.sequence_attention", "ring",
+              f"ring attention supports model.attention='mha' (got {model.attention!r}); use "
+              "model.sequence_attention='all_gather'")
+    check(model.norm != "causal_batchnorm", "model.norm", model.norm,
+          f"its statistics accumulate in token order, which mesh.sequence={shards} permutes "
+          "(striping); use another norm or mesh.sequence=1")
+    if model.use_ffn and model.ffn == "moe":
+        check(model.moe_dropless, "model.moe_dropless", model.moe_dropless,
+              f"MoE capacity goes first-come-first-served in token order, which "
+              f"mesh.sequence={shards} permutes (striping); set model.moe_dropless=True or "
+              "mesh.sequence=1")

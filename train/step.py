@@ -5,6 +5,10 @@ statistics); what gets jitted is a pure function of (state pytree, batch), with 
 back inside. The train state is a plain dict {"step": int32, "params": nnx.State, "model_state":
 nnx.State, "opt_state": optax state}, every leaf placed by a NamedSharding derived from its
 variable's logical axis names.
+
+Sequence parallelism (mesh.sequence = S > 1): the steps permute each batch's inputs, targets and
+positions into the striped order of `sharding.sequence.stripe_batch` (here and only here), so
+every sequence shard has equal causal work; the loss, a mean over positions, is unchanged.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from arch.model import TransformerLM
 from arch.moe import AuxLoss, DroppedFraction
 from sharding.rules import named_sharding
+from sharding.sequence import stripe_batch
 from train.optim import make_optimizer, schedule
 
 
@@ -39,6 +44,7 @@ class TrainProgram:
 
     def __init__(self, config, mesh: jax.sharding.Mesh):
         self.config, self.mesh = config, mesh
+        self.sequence_shards = mesh.shape["sequence"]
         self.model_cfg = ml_collections.FrozenConfigDict(config.model)
         abstract = nnx.eval_shape(lambda: TransformerLM(self.model_cfg, rngs=nnx.Rngs(0)))
         self.graphdef, abstract_params, abstract_model_state = nnx.split(abstract, nnx.Param, ...)
@@ -66,6 +72,12 @@ class TrainProgram:
             out_shardings=replicated)
 
     # pure functions (traced) ------------------------------------------------------------------
+    def model_inputs(self, tokens_BxT1):
+        """(inputs_BxT, targets_BxT, positions_BxT) of a batch: shifted by one and, under sequence
+        parallelism, striped (`sharding.sequence.stripe_batch`); `model(inputs, positions)` gives
+        logits in the same order as the targets."""
+        return stripe_batch(tokens_BxT1, self.sequence_shards)
+
     def _init_state(self, seed):
         model = TransformerLM(self.model_cfg, rngs=nnx.Rngs(jax.random.key(seed)))
         _, params, model_state = nnx.split(model, nnx.Param, ...)
@@ -80,9 +92,10 @@ class TrainProgram:
         pass wrote (MoE balancing and z-losses). The metrics are {"aux_loss",
         "moe_dropped_fraction" (mean over layers)} for a model with such variables, else {}."""
         model = nnx.merge(self.graphdef, params, model_state)
+        inputs_BxT, targets_BxT, positions_BxT = self.model_inputs(tokens_BxT1)
 
         def loss(model):
-            value = next_token_loss(model(tokens_BxT1[:, :-1]), tokens_BxT1[:, 1:])
+            value = next_token_loss(model(inputs_BxT, positions_BxT), targets_BxT)
             metrics = {}
             aux_losses = jax.tree.leaves(nnx.state(model, AuxLoss))
             if aux_losses:
@@ -101,7 +114,8 @@ class TrainProgram:
         """Pure cross-entropy: auxiliary losses are training objectives, not evaluation."""
         model = nnx.merge(self.graphdef, params, model_state)
         model.eval()  # e.g. BatchNorm uses its running statistics
-        return next_token_loss(model(tokens_BxT1[:, :-1]), tokens_BxT1[:, 1:])
+        inputs_BxT, targets_BxT, positions_BxT = self.model_inputs(tokens_BxT1)
+        return next_token_loss(model(inputs_BxT, positions_BxT), targets_BxT)
 
     def _step(self, state, tokens_BxT1):
         loss, grads, model_state, aux_metrics = self._loss_and_grads(
