@@ -119,6 +119,7 @@ def main(argv: list[str]) -> None:
         raise app.UsageError("give --config PATH and/or --shape NAME (or --shape all)")
     from arch.accounting import books
     from arch.config import ConfigError
+    from sharding.rules import MESH_AXES
     from train.config import validate
 
     all_books = {}
@@ -126,7 +127,9 @@ def main(argv: list[str]) -> None:
         config = _CONFIG.value
         try:
             # The books need no devices: validate against the mesh the config asks for.
-            validate(config, math.prod(size for size in config.mesh.values() if size > 0))
+            sizes = [config.mesh[axis] for axis in MESH_AXES]
+            slices = math.prod(config.mesh.dcn[axis] for axis in MESH_AXES)
+            validate(config, math.prod(size for size in sizes if size > 0), slices)
         except ConfigError as error:
             print(f"error: {error}", file=sys.stderr)
             sys.exit(2)
