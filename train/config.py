@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from arch.config import check, resolve_model
 from sharding.mesh import ici_dcn_shapes, mesh_shape
+from sharding.pipeline import validate_pipeline
 
 SCHEDULES = ("cosine", "wsd")
 
@@ -48,8 +49,9 @@ def validate(config, device_count: int, slice_count: int = 1) -> dict[str, int]:
               f"must be divisible by mesh.expert={mesh['expert']}")
         check(model.moe_d_ff % tensor == 0, "model.moe_d_ff", model.moe_d_ff,
               f"must be divisible by mesh.tensor={tensor}")
-    for axis in ("sequence", "stage"):
+    for axis in ("sequence",):
         check(mesh[axis] == 1, f"mesh.{axis}", mesh[axis],
               f"{axis} parallelism is not available yet; use mesh.{axis}=1")
+    validate_pipeline(config, mesh)  # mesh.stage
     return mesh
 
