@@ -9,6 +9,9 @@ Layer parameters are stacked along a leading `layers` axis at construction (one 
 or per `BlockGroup` of k blocks when MoE is interleaved), and the forward pass scans over them, so
 compile time does not grow with depth. Non-parameter layer state (BatchNorm
 running statistics) comes out of the scan and is written back into the module.
+Under a mesh whose `stage` axis is larger than 1, training and evaluation run the stack as a
+pipeline instead (`sharding/pipeline.py`, GPipe or circular over microbatches); KV-cache decoding
+keeps the ordinary scan (GSPMD moves the stage-sharded layer parameters).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from arch.norms import make_norm
 from arch.positions import POSITIONS
 from arch.residual import RESIDUALS, constrain_state
 from arch.reversible import run_reversible
+from sharding import pipeline
 from sharding.rules import STREAM, constrain
 
 
@@ -133,8 +137,12 @@ class TransformerLM(nnx.Module):
             x_BxTxD, cache = run_reversible(graphdef, layer_params, layer_states, x_BxTxD,
                                             positions_BxT, self.position.rotate, cache)
             return self._output(x_BxTxD), cache
-        stream = constrain_state(self.residual_stream.begin(constrain(x_BxTxD, STREAM),
-                                                            decoding=cache is not None))
+        x_BxTxD = constrain(x_BxTxD, STREAM)
+        stages = pipeline.stage_count()
+        if stages > 1 and cache is None:  # training and evaluation: pipelined over `stage`
+            return self._output(self._pipelined(x_BxTxD, positions_BxT, graphdef, layer_params,
+                                                layer_states, stages)), None
+        stream = constrain_state(self.residual_stream.begin(x_BxTxD, decoding=cache is not None))
 
         def run_block(stream, layer):
             params, states, layer_cache = layer
@@ -148,6 +156,38 @@ class TransformerLM(nnx.Module):
                                                      (layer_params, layer_states, cache))
         nnx.update(self.blocks, layer_states)  # e.g. BatchNorm running statistics
         return self._output(self.residual_stream.end(stream)), cache
+
+    def _pipelined(self, x_BxTxD, positions_BxT, graphdef, layer_params, layer_states,
+                   stages: int):
+        """The layer stack as a pipeline over the mesh's `stage` axis (`sharding/pipeline.py`):
+        the batch split into `model.pipeline_microbatches` microbatches, each with its own
+        residual state (`begin`/`end` per microbatch), carried with its positions from stage to
+        stage. Returns the stack's output, B×T×D."""
+        cfg = self.cfg
+        if hasattr(self, "__captures__"):
+            raise ValueError("nnx.capture is not supported under pipeline parallelism "
+                             f"(mesh.stage={stages}); capture on a mesh with stage=1")
+        microbatches = cfg.pipeline_microbatches
+        if x_BxTxD.shape[0] % microbatches:
+            raise ValueError(f"batch {x_BxTxD.shape[0]} is invalid: model.pipeline_microbatches"
+                             f"={microbatches} must divide it")
+        begin = lambda x: constrain_state(self.residual_stream.begin(x))  # noqa: E731
+        states_M = jax.vmap(begin)(pipeline.to_microbatches(x_BxTxD, microbatches))
+        positions_M = pipeline.to_microbatches(positions_BxT, microbatches)
+
+        def run_block(carry, layer):
+            stream, positions = carry
+            block = nnx.merge(graphdef, *layer)
+            stream, _ = block(stream, positions, self.position.rotate)
+            return (stream, positions), nnx.state(block, nnx.Not(nnx.Param))
+
+        if cfg.remat:
+            run_block = jax.checkpoint(run_block)
+        (states_M, _), layer_states = pipeline.pipeline(
+            run_block, (states_M, positions_M), layer_params, layer_states, stages=stages,
+            virtual_stages=cfg.pipeline_virtual_stages)
+        nnx.update(self.blocks, layer_states)  # MoE auxiliary losses: mean over microbatches
+        return pipeline.from_microbatches(jax.vmap(self.residual_stream.end)(states_M))
 
     def _output(self, x_BxTxD):
         """Float32 logits from the stack's output: final norm (if any), then the head."""

@@ -89,6 +89,11 @@ def model_config() -> ml_collections.ConfigDict:
         final_norm=True,
         dtype="float32",          # compute dtype; parameters are always float32
         remat=False,              # recompute each block in the backward pass
+        # Pipeline parallelism, with mesh.stage > 1 (sharding/pipeline.py); bubble fraction
+        # (P − 1)/(V·M + P − 1) for P = mesh.stage, V virtual stages, M microbatches.
+        pipeline_schedule="gpipe",  # "gpipe" (one chunk of layers per device) or "circular"
+        pipeline_microbatches=4,  # M ≥ mesh.stage, dividing each data shard's rows
+        pipeline_virtual_stages=1,  # circular: layer chunks per device V (chunk v·P + p on p)
         reversible=False,         # RevNet/Reformer coupling, activations O(1) in depth (prenorm)
     ))
 

@@ -45,6 +45,15 @@ batch_size × (seq_len + 1), and reports, in one run:
                          cache of seq_len positions (train/generate.py's decode path), timed in
                          ABBA blocks over the config, the baseline and the --compare variants;
                          with --baseline also baseline_decode_time_s and decode_time_vs_baseline.
+  bubble_fraction        only when the config's mesh.stage = P > 1 (pipeline parallelism,
+                         sharding/pipeline.py): the schedule's theoretical idle share
+                         (P − 1)/(V·M + P − 1), V = model.pipeline_virtual_stages, M =
+                         model.pipeline_microbatches. Against the single-stage run on the same
+                         devices, pass e.g. `--baseline mesh.stage=1,mesh.data=-1`:
+                         step_time_vs_baseline is then the pipelined step over the unpipelined
+                         one. Simulated CPU devices share the host's cores, so there it measures
+                         overhead only (the example below: 1.59 with bubble_fraction 0.27 on 2
+                         cores); stages overlap only on real accelerators.
   temp_bytes_depth_ratio only with --depth_memory A,B (e.g. `2,16`): compiled temp bytes of the
                          train step at num_layers=B over num_layers=A (compile only, never run;
                          each also reported as temp_bytes_layers_A / _B). Target for the
@@ -54,6 +63,12 @@ Targets are reported, never asserted. `--json` prints exactly one JSON object on
 goes to stderr. Example: python scripts/bench.py --config experiments/quickstart.py --depth_check
 Reversible vs ordinary: python scripts/bench.py --config experiments/quickstart.py
   --config.model.reversible=True --baseline model.reversible=False --depth_memory 2,16
+
+Pipeline parallelism on 8 simulated CPU devices (GPipe, 4 stages, 8 microbatches) against one
+stage: XLA_FLAGS=--xla_force_host_platform_device_count=8 python scripts/bench.py
+  --config experiments/quickstart.py --config.model.num_layers=8 --config.mesh.data=2
+  --config.mesh.stage=4 --config.model.pipeline_microbatches=8 --config.batch_size=16
+  --baseline mesh.stage=1,mesh.data=-1
 
 Residual-stream mechanisms (issue 4) against the plain Pre-Norm sum, 16 blocks = 32 sublayers, so
 8 AttnRes blocks of attnres_block_size=4 sublayers. Targets: compare.<block_attnres>.
@@ -85,6 +100,7 @@ from absl import logging as absl_logging
 from flax import nnx
 from ml_collections import config_flags
 
+from sharding.pipeline import bubble_fraction
 from train.step import compile_train_step
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment file, PATH[:ARG].",
@@ -348,6 +364,9 @@ def bench(config, steps: int, block: int, depth_check: bool, baseline: str | Non
     }
     if decode:
         result["decode_time_s"] = decode_times["framework"]
+    if (stages := program.mesh.shape["stage"]) > 1:
+        result["bubble_fraction"] = bubble_fraction(stages, config.model.pipeline_virtual_stages,
+                                                    config.model.pipeline_microbatches)
     temp = {label: variant["memory"].temp_size_in_bytes for label, variant in variants.items()}
     if baseline:
         result.update(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from arch.config import check, resolve_model
 from sharding.mesh import ici_dcn_shapes, mesh_shape
+from sharding.pipeline import validate_pipeline
 
 SCHEDULES = ("cosine", "wsd")
 
@@ -50,8 +51,7 @@ def validate(config, device_count: int, slice_count: int = 1) -> dict[str, int]:
               f"must be divisible by mesh.tensor={tensor}")
     if mesh["sequence"] > 1:
         _check_sequence_parallel(config, mesh["sequence"])
-    check(mesh["stage"] == 1, "mesh.stage", mesh["stage"],
-          "stage parallelism is not available yet; use mesh.stage=1")
+    validate_pipeline(config, mesh)  # mesh.stage
     return mesh
 
 

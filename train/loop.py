@@ -27,6 +27,7 @@ from arch.accounting import flops_per_token
 from arch.config import ConfigError
 from experiments.common import base_config
 from sharding.mesh import make_mesh, maybe_initialize_distributed, slice_count
+from sharding.pipeline import bubble_fraction
 from train import data
 from train.checkpoint import Checkpointer
 from train.config import validate
@@ -186,6 +187,11 @@ def train(config, workdir: str | Path) -> dict:
         tokens_per_step = config.batch_size * config.seq_len
         model_flops = flops_per_token(config.model, config.seq_len) * tokens_per_step
         peak_flops = measure_matmul_peak() * jax.device_count()
+        static = {}  # facts of the run's layout, logged with every record
+        if program.mesh.shape["stage"] > 1:  # idle share of each device's pipeline iterations
+            static["pipeline_bubble_fraction"] = bubble_fraction(
+                program.mesh.shape["stage"], config.model.pipeline_virtual_stages,
+                config.model.pipeline_microbatches)
         rows = program.process_rows()
         previous = None  # (step, metrics) of the last step, checked a step late: no sync per step
         first_step = timer_step = step
@@ -213,6 +219,7 @@ def train(config, workdir: str | Path) -> dict:
                           "learning_rate": float(metrics["learning_rate"]),
                           "tokens_per_sec": throughput,
                           "mfu": throughput / tokens_per_step * model_flops / peak_flops,
+                          **static,
                           **{k: float(metrics[k]) for k in ("aux_loss", "moe_dropped_fraction")
                              if k in metrics}}
                 progress.set_postfix(loss=f"{record['train_loss']:.3f}",
