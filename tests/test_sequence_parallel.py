@@ -175,6 +175,9 @@ def test_sequence_parallel_config_errors():
     assert error(sequence_attention="ring", attention="mla").startswith(
         "model.sequence_attention='ring' is invalid: ring attention supports "
         "model.attention='mha' (got 'mla')")
+    assert error(mesh=dict(stage=2), sequence_attention="ring") == (
+        "model.sequence_attention='ring' is invalid: ring attention does not run inside the "
+        "pipeline (mesh.stage=2); use model.sequence_attention='all_gather'")
     assert error(sequence_attention="ulysses").startswith(
         "model.sequence_attention='ulysses' is invalid: valid: all_gather, ring")
     assert error(norm="causal_batchnorm").startswith("model.norm='causal_batchnorm' is invalid")

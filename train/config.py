@@ -50,12 +50,12 @@ def validate(config, device_count: int, slice_count: int = 1) -> dict[str, int]:
         check(model.moe_d_ff % tensor == 0, "model.moe_d_ff", model.moe_d_ff,
               f"must be divisible by mesh.tensor={tensor}")
     if mesh["sequence"] > 1:
-        _check_sequence_parallel(config, mesh["sequence"])
+        _check_sequence_parallel(config, mesh["sequence"], mesh["stage"])
     validate_pipeline(config, mesh)  # mesh.stage
     return mesh
 
 
-def _check_sequence_parallel(config, shards: int) -> None:
+def _check_sequence_parallel(config, shards: int, stages: int) -> None:
     """What sequence parallelism (`sharding/sequence.py`) needs: a sequence that stripes into
     2 × shards chunks, and components that do not depend on the tokens' array order."""
     model = config.model
@@ -65,6 +65,9 @@ def _check_sequence_parallel(config, shards: int) -> None:
     if model.sequence_attention == "ring":
         check(model.attention == "mha", "model.sequence_attention", "ring",
               f"ring attention supports model.attention='mha' (got {model.attention!r}); use "
+              "model.sequence_attention='all_gather'")
+        check(stages == 1, "model.sequence_attention", "ring",
+              f"ring attention does not run inside the pipeline (mesh.stage={stages}); use "
               "model.sequence_attention='all_gather'")
     check(model.norm != "causal_batchnorm", "model.norm", model.norm,
           f"its statistics accumulate in token order, which mesh.sequence={shards} permutes "
