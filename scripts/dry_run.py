@@ -57,7 +57,7 @@ from arch.config import ConfigError
 from sharding.mesh import AUTO_AXES, ici_dcn_shapes, make_mesh
 from sharding.rules import MESH_AXES
 from train.config import validate
-from train.step import TrainProgram
+from train.step import TrainProgram, compile_train_step
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment file, PATH[:ARG].",
                                           lock_config=False)
@@ -131,10 +131,7 @@ def compiled_memory(config, sizes: dict[str, int]) -> dict:
     ∏ sizes local devices (simulated CPU devices when run as a script)."""
     devices = jax.devices()[:math.prod(sizes.values())]
     program = TrainProgram(config, make_mesh(sizes, devices))  # resolved sizes: no DCN
-    batch = jax.ShapeDtypeStruct((config.batch_size, config.seq_len + 1), jnp.int32,
-                                 sharding=program.batch_sharding)
-    with jax.set_mesh(program.mesh):
-        compiled = program._train_step.lower(program.abstract_state(), batch).compile()
+    _, compiled = compile_train_step(program)
     memory = compiled.memory_analysis()
     result = {"temp_bytes": memory.temp_size_in_bytes,
               "argument_bytes": memory.argument_size_in_bytes,
