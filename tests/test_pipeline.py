@@ -69,6 +69,9 @@ CASES = {  # residual, mesh, pipeline fields; GPipe with prenorm: the training t
         dict(pipeline_schedule="circular", pipeline_virtual_stages=2)),
     "gated_residual-gpipe-stage2-data2-tensor2": ("gated_residual",
                                                   dict(data=2, tensor=2, stage=2), {}),
+    "mhc-circular-stage2-fsdp2-tensor2-V2": (
+        "mhc", dict(fsdp=2, tensor=2, stage=2),
+        dict(pipeline_schedule="circular", pipeline_virtual_stages=2)),
 }
 
 

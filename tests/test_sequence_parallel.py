@@ -18,7 +18,7 @@ from tests.helpers import random_tokens, tiny_config
 from train.config import validate
 from train.step import TrainProgram, next_token_loss
 
-RESIDUALS = {"prenorm": {}, "block_attnres": dict(attnres_block_size=2)}
+RESIDUALS = {"prenorm": {}, "block_attnres": dict(attnres_block_size=2), "mhc": {}}
 TOKENS = np.asarray(random_tokens((8, 17)))
 
 
@@ -110,10 +110,10 @@ def test_ring_attention_skips_the_same_number_of_blocks_on_every_shard():
 
 
 # (residual, model.sequence_attention, mesh): 8 devices each; sequence 2 and 4, both attentions,
-# with data, fsdp and tensor (Megatron-style stream), for Pre-Norm and Block AttnRes.
+# with data, fsdp and tensor (Megatron-style stream), for Pre-Norm, mHC and Block AttnRes.
 CASES = [
     ("prenorm", "ring", dict(data=2, sequence=2, tensor=2)),
-    ("prenorm", "all_gather", dict(fsdp=2, sequence=4)),
+    ("mhc", "all_gather", dict(fsdp=2, sequence=4)),
     ("block_attnres", "all_gather", dict(data=2, sequence=2, tensor=2)),
 ]
 
