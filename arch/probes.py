@@ -555,17 +555,21 @@ def batch_loss(model: TransformerLM, tokens_BxT1: jax.Array) -> float:
 
 
 def prune_by_influence(model: TransformerLM, tokens_BxT1: jax.Array, num_drop: int,
-                       eval_tokens_BxT1: jax.Array | None = None) -> dict:
+                       eval_tokens_BxT1: jax.Array | None = None,
+                       block_influence: np.ndarray | None = None) -> dict:
     """ShortGPT's layer removal (Men et al. 2024, §3): Block Influence of every block on
     `tokens_BxT1` (the calibration batch), remove the `num_drop` blocks with the lowest BI (ties
     to the shallower block), and evaluate the loss before and after on `eval_tokens_BxT1`
-    (default: the calibration batch).
+    (default: the calibration batch). `block_influence`: the calibration batch's BI when the
+    caller already has it (`depth_profile(model, tokens_BxT1)["block_influence"]`), not
+    recomputed.
 
     Returns {"block_influence": (L,) array, "dropped": sorted list of block indices,
     "num_layers": blocks left, "loss_before": float, "loss_after": float}; rebuild the pruned
     model with `prune_blocks(model, result["dropped"])`.
     """
-    influence = depth_profile(model, tokens_BxT1, gradients=False)["block_influence"]
+    influence = (depth_profile(model, tokens_BxT1, gradients=False)["block_influence"]
+                 if block_influence is None else np.asarray(block_influence))
     dropped = sorted(int(i) for i in np.argsort(influence, kind="stable")[:num_drop])
     pruned_cfg, pruned = prune_blocks(model, dropped)
     eval_tokens_BxT1 = tokens_BxT1 if eval_tokens_BxT1 is None else eval_tokens_BxT1

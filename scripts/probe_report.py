@@ -81,7 +81,9 @@ def measure(workdir: str, batch: int, seq_len: int | None, prune: int,
             if prune:
                 log(f"pruning {prune} block(s) by influence")
                 try:
-                    report["pruning"] = probes.prune_by_influence(model, tokens_BxT1, prune)
+                    report["pruning"] = probes.prune_by_influence(
+                        model, tokens_BxT1, prune,
+                        block_influence=report["depth"]["block_influence"])
                 except ValueError as error:  # a mechanism or a choice of blocks it cannot prune
                     report["pruning_skipped"] = str(error)
         log(f"head ablation ({layers} × {cfg.num_heads} heads)")
