@@ -66,6 +66,12 @@ no window; the other variants keep the naive read in decoding. Training keeps th
 under autodiff the phase-1 `lax.cond` copies the state and pads its saved residuals with zeros
 at every write, which measured slower than reading the N + 1 slots directly.
 
+Pipeline parallelism (the report's cached stage transfer; `sharding/pipeline.py`): a stage that
+receives the buffer last held it P − 1 chunks (lag sublayers) earlier and keeps that copy, so it
+is sent only the slots written since, ⌈(lag − 1)/S⌉ + 1 of them with their 1/rms and the counter
+(`stage_message`), and writes them over its copy (`stage_merge`); `model.pipeline_transfer=
+"full"` sends the whole buffer.
+
 Recorded (`arch.residual.record`): "depth_weights", the weights over the N + 1 slots (zero on
 unavailable slots) averaged over batch, tokens and heads, one row per read (stacked over layers
 for the sublayer reads; the final read from the stream module). Under `nnx.capture` the reads
@@ -417,6 +423,48 @@ class AttnResStream(nnx.Module):
     def end(self, state: dict) -> jax.Array:
         mixed = _read(self.layout, state, self.final_query_projection, self, naive=True)
         return mixed.astype(state["sources"].dtype)
+
+    def stage_window(self, lag: int) -> int:
+        """Source slots a pipeline stage is sent: those written in `lag` consecutive sublayers,
+        at most ⌈(lag − 1)/S⌉ + 1 of the 1 + N (all of them when that is no fewer)."""
+        layout = self.layout
+        return min(layout.slots, -(-(lag - 1) // layout.block_size) + 1)
+
+    def _recent_slots(self, sublayer, lag: int):
+        """(first slot, count) of the window: the slots written by sublayers sublayer − lag …
+        sublayer − 1, moved back to stay inside the buffer."""
+        count = self.stage_window(lag)
+        first = jnp.maximum(sublayer - lag, 0) // self.layout.block_size + 1
+        return jnp.minimum(first, self.layout.slots - count), count
+
+    def stage_message(self, state: dict, lag: int) -> dict:
+        """What a pipeline stage that last held this state `lag` sublayers ago lacks (the cached
+        transfer of the AttnRes report, `sharding/pipeline.py`): the counter and the window of
+        slots written since, with their 1/rms. The embedding, the blocks completed before and the
+        query table are in its copy already, so a transfer is O(lag/S) slots instead of 1 + N."""
+        first, count = self._recent_slots(state["sublayer"], lag)
+        message = {"sublayer": state["sublayer"]}
+        for name, width in self._slot_widths(state).items():
+            message[name] = jax.lax.dynamic_slice_in_dim(state[name], first * width,
+                                                         count * width, axis=2)
+        return message
+
+    def stage_merge(self, cached: dict, message: dict, lag: int) -> dict:
+        """The state from a stage's own older copy and a `stage_message`: the window written
+        over the copy's slots (slots before the window are final in both, those after empty)."""
+        first, _ = self._recent_slots(message["sublayer"], lag)
+        state = dict(cached, sublayer=message["sublayer"])
+        for name, width in self._slot_widths(cached).items():
+            state[name] = jax.lax.dynamic_update_slice_in_dim(cached[name], message[name],
+                                                              first * width, axis=2)
+        return state
+
+    def _slot_widths(self, state: dict) -> dict[str, int]:
+        """Features per slot of the per-slot leaves: the sources (D) and their 1/rms (H)."""
+        widths = {"sources": state["sources"].shape[-1] // self.layout.slots}
+        if "inverse_rms" in state:
+            widths["inverse_rms"] = self.layout.heads
+        return widths
 
 
 @RESIDUALS.register("attnres")

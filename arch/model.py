@@ -183,9 +183,21 @@ class TransformerLM(nnx.Module):
 
         if cfg.remat:
             run_block = jax.checkpoint(run_block)
+        # What crosses a stage boundary: the residual state (positions are in every stage's copy
+        # of the microbatch), or only what the next stage lacks, for mechanisms with a history.
+        residual_stream = self.residual_stream
+        if cfg.pipeline_transfer == "cached" and hasattr(residual_stream, "stage_message"):
+            sublayers = cfg.num_layers * (2 if cfg.use_ffn else 1)
+            lag = (stages - 1) * sublayers // (stages * cfg.pipeline_virtual_stages)
+            send = lambda state: residual_stream.stage_message(state, lag)  # noqa: E731
+            rebuild = lambda cached, message: residual_stream.stage_merge(  # noqa: E731
+                cached, message, lag)
+        else:
+            send, rebuild = (lambda state: state), (lambda cached, message: message)
         (states_M, _), layer_states = pipeline.pipeline(
             run_block, (states_M, positions_M), layer_params, layer_states, stages=stages,
-            virtual_stages=cfg.pipeline_virtual_stages)
+            virtual_stages=cfg.pipeline_virtual_stages, message=lambda carry: send(carry[0]),
+            merge=lambda cached, message: (rebuild(cached[0], message), cached[1]))
         nnx.update(self.blocks, layer_states)  # MoE auxiliary losses: mean over microbatches
         return pipeline.from_microbatches(jax.vmap(self.residual_stream.end)(states_M))
 

@@ -94,6 +94,8 @@ def model_config() -> ml_collections.ConfigDict:
         pipeline_schedule="gpipe",  # "gpipe" (one chunk of layers per device) or "circular"
         pipeline_microbatches=4,  # M ≥ mesh.stage, dividing each data shard's rows
         pipeline_virtual_stages=1,  # circular: layer chunks per device V (chunk v·P + p on p)
+        pipeline_transfer="cached",  # what crosses stages: "cached" (AttnRes: only the source
+                                     # slots the next stage lacks) or "full" (the whole state)
         reversible=False,         # RevNet/Reformer coupling, activations O(1) in depth (prenorm)
     ))
 

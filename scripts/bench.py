@@ -54,6 +54,13 @@ batch_size × (seq_len + 1), and reports, in one run:
                          one. Simulated CPU devices share the host's cores, so there it measures
                          overhead only (the example below: 1.59 with bubble_fraction 0.27 on 2
                          cores); stages overlap only on real accelerators.
+  stage_transfer_bytes   also when mesh.stage > 1: bytes each device sends to the next stage in
+                         one train step, forward and backward, counted in the compiled program
+                         (`sharding.pipeline.stage_transfer_bytes`: the stage-to-stage
+                         collective-permutes' sizes × V·M + P − 1 iterations); per --compare
+                         variant too, with stage_transfer_bytes_vs_config. AttnRes naive vs
+                         cached (the AttnRes report's schedule, the default): `--compare
+                         model.pipeline_transfer=full` (example below).
   temp_bytes_depth_ratio only with --depth_memory A,B (e.g. `2,16`): compiled temp bytes of the
                          train step at num_layers=B over num_layers=A (compile only, never run;
                          each also reported as temp_bytes_layers_A / _B). Target for the
@@ -69,6 +76,15 @@ stage: XLA_FLAGS=--xla_force_host_platform_device_count=8 python scripts/bench.p
   --config experiments/quickstart.py --config.model.num_layers=8 --config.mesh.data=2
   --config.mesh.stage=4 --config.model.pipeline_microbatches=8 --config.batch_size=16
   --baseline mesh.stage=1,mesh.data=-1
+
+Block AttnRes across pipeline stages, the cached transfer against the naive one (the whole
+source buffer at every transition), 4 stages × 2 virtual stages, 8 blocks of S = 4 sublayers:
+XLA_FLAGS=--xla_force_host_platform_device_count=8 python scripts/bench.py
+  --config experiments/quickstart.py --config.model.num_layers=16 --config.mesh.data=2
+  --config.mesh.stage=4 --config.model.pipeline_schedule=circular
+  --config.model.pipeline_virtual_stages=2 --config.model.pipeline_microbatches=4
+  --config.batch_size=16 --config.model.residual=block_attnres
+  --config.model.attnres_block_size=4 --compare model.pipeline_transfer=full
 
 Residual-stream mechanisms (issue 4) against the plain Pre-Norm sum, 16 blocks = 32 sublayers, so
 8 AttnRes blocks of attnres_block_size=4 sublayers. Targets: compare.<block_attnres>.
@@ -100,7 +116,7 @@ from absl import logging as absl_logging
 from flax import nnx
 from ml_collections import config_flags
 
-from sharding.pipeline import bubble_fraction
+from sharding.pipeline import bubble_fraction, stage_transfer_bytes
 from train.step import compile_train_step
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment file, PATH[:ARG].",
@@ -271,8 +287,14 @@ def prepare(config, tokens: np.ndarray) -> dict:
 
     program = build_program(config)
     compile_time, compiled = compile_train_step(program)
-    return {"program": program, "memory": compiled.memory_analysis(), "compile_time": compile_time,
-            "runner": framework_runner(program, program.put_batch(tokens))}
+    variant = {"program": program, "memory": compiled.memory_analysis(),
+               "compile_time": compile_time,
+               "runner": framework_runner(program, program.put_batch(tokens))}
+    if (stages := program.mesh.shape["stage"]) > 1:  # per device: V·M + P − 1 iterations
+        model = config.model
+        iterations = model.pipeline_virtual_stages * model.pipeline_microbatches + stages - 1
+        variant["stage_transfer_bytes"] = stage_transfer_bytes(compiled.as_text()) * iterations
+    return variant
 
 
 def depth_memory(config, depths: tuple[int, int]) -> dict[str, float]:
@@ -367,6 +389,7 @@ def bench(config, steps: int, block: int, depth_check: bool, baseline: str | Non
     if (stages := program.mesh.shape["stage"]) > 1:
         result["bubble_fraction"] = bubble_fraction(stages, config.model.pipeline_virtual_stages,
                                                     config.model.pipeline_microbatches)
+        result["stage_transfer_bytes"] = main["stage_transfer_bytes"]
     temp = {label: variant["memory"].temp_size_in_bytes for label, variant in variants.items()}
     if baseline:
         result.update(
@@ -384,6 +407,9 @@ def bench(config, steps: int, block: int, depth_check: bool, baseline: str | Non
             entry = {"step_time_s": medians[label], "step_time_vs_config": medians[label]
                      / step_time, "temp_bytes": temp[label],
                      "temp_bytes_vs_config": temp[label] / max(temp["framework"], 1)}
+            if (sent := variants[label].get("stage_transfer_bytes")) is not None:
+                entry.update(stage_transfer_bytes=sent, stage_transfer_bytes_vs_config=sent
+                             / main.get("stage_transfer_bytes", math.nan))
             if decode:
                 entry.update(decode_time_s=decode_times[label],
                              decode_time_vs_config=decode_times[label]

@@ -11,30 +11,40 @@ V·P chunks of K = G/(V·P) consecutive units, for P = mesh.stage devices and V 
                        between devices (GSPMD inserts the transfer, and its transpose for the
                        gradients, in every step).
 
-The batch is split into M = `model.pipeline_microbatches` microbatches; a microbatch's whole
+The batch is split into M = `model.pipeline_microbatches` microbatches; a microbatch's
 residual state (any pytree: the plain stream, hc/mhc/gated-residual streams, the AttnRes source
 buffer with its counters) flows from stage to stage through `jax.lax.ppermute` inside a
 `jax.shard_map` that is manual over `stage` only (data, fsdp, tensor, … stay automatic, so the
 blocks' own sharding constraints still apply). At iteration t = 0 … V·M + P − 2 device p runs
 chunk v = ⌊(t − p)/M⌋ on microbatch (t − p) mod M, valid when 0 ≤ t − p < V·M:
 
-    stage 0 reads the microbatch from a buffer of M states (the embeddings at first); the others
-    read what their predecessor sent at t − 1; every device sends its output to p + 1 (mod P).
-    Device 0 receives the last stage's output for microbatch (t − P + 1) mod M and writes it back
-    into the buffer: the input of that microbatch's next round of chunks (read again M − P ≥ 0
-    iterations later, hence M ≥ P) or, after round V, its final state.
+    every device keeps its own copy of the M carries (the inputs at first), reads the
+    microbatch's carry from it, writes its output back, and sends a message to p + 1 (mod P),
+    which merges it into its copy: the carry it reads at t + 1 (device 0: the input of that
+    microbatch's next round of chunks, read M − P ≥ 0 iterations later, hence M ≥ P, or after
+    round V its final state).
+
+The message is the whole residual state by default (positions never cross: each copy has them).
+`model.pipeline_transfer="cached"` (the default) follows the AttnRes report for mechanisms whose
+state is a growing history (attnres, block_attnres: `stage_message`/`stage_merge` of their stream
+module): a receiver last held the microbatch P − 1 chunks ago, so it is sent only the source slots
+written since, ⌈(lag − 1)/S⌉ + 1 for a lag of (P − 1)·2L/(V·P) sublayers, instead of all 1 + N:
+O(P) chunks' blocks instead of O(V·P) at the last transitions (`stage_transfer_bytes` counts them
+in the compiled program). `"full"` sends the whole buffer (the naive schedule).
 
 Idle slots compute on stale data whose results are never used (zero cotangent), so the bubble
 fraction is (P − 1)/(V·M + P − 1) of each device's iterations (`bubble_fraction`). Differentiating
 the iteration scan gives GPipe's all-forward-then-all-backward order (the activations of every
 microbatch of a device's chunks are kept, or recomputed with `model.remat`). Non-parameter layer
 state (the MoE `AuxLoss`/`DroppedFraction`) is the mean over the microbatches. The final states
-leave the shard_map through a masked `psum` over `stage` (device 0's buffer), so the head runs as
+leave the shard_map through a masked `psum` over `stage` (device 0's copies), so the head runs as
 without pipelining.
 """
 
 from __future__ import annotations
 
+import math
+import re
 from collections.abc import Callable
 
 import jax
@@ -42,6 +52,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 SCHEDULES = ("gpipe", "circular")
+TRANSFERS = ("cached", "full")
+TRANSFER_SCOPE = "stage_transfer"  # names the stage-to-stage ppermutes in the compiled program
 AXIS = "stage"
 
 
@@ -76,6 +88,8 @@ def validate_pipeline(config, mesh: dict[str, int]) -> None:
         value = model[field]
         check(isinstance(value, int) and not isinstance(value, bool) and value > 0,
               f"model.{field}", value, "must be a positive integer")
+    check(model.pipeline_transfer in TRANSFERS, "model.pipeline_transfer",
+          model.pipeline_transfer, f"valid: {', '.join(TRANSFERS)}")
     check(model.pipeline_schedule == "circular" or model.pipeline_virtual_stages == 1,
           "model.pipeline_virtual_stages", model.pipeline_virtual_stages,
           "gpipe runs one chunk per device; use 1 or model.pipeline_schedule='circular'")
@@ -103,6 +117,24 @@ def validate_pipeline(config, mesh: dict[str, int]) -> None:
           " use a per-token norm or mesh.stage=1")
 
 
+def stage_transfer_bytes(hlo_text: str) -> int:
+    """Bytes each device sends to the next stage per pipeline iteration, forward and backward
+    (the cotangents flow back the same way), read off a compiled HLO module's text: the result
+    sizes of the collective-permutes issued by `pipeline` (scope `stage_transfer`; of an async
+    `collective-permute-start`, its first tuple element). Times V·M + P − 1 iterations: a
+    step's."""
+    total = 0
+    for line in hlo_text.splitlines():
+        match = re.search(r"= (.*?) collective-permute(-start)?\(", line)
+        if not match or f"{TRANSFER_SCOPE}/ppermute" not in line:
+            continue
+        shapes = re.findall(r"(\w+)\[([\d,]*)\]", match.group(1))
+        for dtype, dims in shapes[:1] if match.group(2) else shapes:
+            bits = 8 if dtype == "pred" else int(re.search(r"\d+", dtype).group())
+            total += math.prod(int(d) for d in dims.split(",") if d) * bits // 8
+    return total
+
+
 def to_microbatches(x: jax.Array, microbatches: int) -> jax.Array:
     """B×… → M×(B/M)×…, microbatch m = rows m, m + M, m + 2M, …: each data shard's contiguous
     rows split locally (no transfer) when M divides the rows per shard."""
@@ -114,17 +146,20 @@ def from_microbatches(x: jax.Array) -> jax.Array:
     return jnp.swapaxes(x, 0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
-def _select(predicate, on_true, on_false):
-    return jax.tree.map(lambda a, b: jnp.where(predicate, a, b), on_true, on_false)
-
-
 def _index(tree, index):
     return jax.tree.map(
         lambda x: jax.lax.dynamic_index_in_dim(x, index, axis=0, keepdims=False), tree)
 
 
+def _write(tree, index, value, predicate):
+    """`tree` with entry `index` of its leading axis replaced by `value` where `predicate`."""
+    return jax.tree.map(lambda b, v: b.at[index].set(jnp.where(predicate, v, b[index])),
+                        tree, value)
+
+
 def pipeline(run_unit: Callable, inputs_M, layer_params, layer_states, *, stages: int,
-             virtual_stages: int):
+             virtual_stages: int, message: Callable = lambda carry: carry,
+             merge: Callable = lambda cached, message: message):
     """Run G stacked layer-scan units over M microbatches as a P = `stages` pipeline.
 
     `run_unit(carry, (params, states)) -> (carry, new_states)` is one unit (the body of the
@@ -133,11 +168,17 @@ def pipeline(run_unit: Callable, inputs_M, layer_params, layer_states, *, stages
     whose leaves have a leading unit axis G. Returns (the carries after the last unit, leading
     axis M; the new layer states, leading axis G, averaged over the microbatches). Must run under
     a mesh with a `stage` axis of size `stages` (schedule and indexing: the module docstring).
+
+    What crosses a stage boundary is `message(carry)`, and the receiving stage rebuilds the carry
+    as `merge(cached, message)` from its own copy of that microbatch's carry (as it last held it:
+    its own output P − 1 chunks earlier, or the input before its first chunk). The defaults send
+    the whole carry; a carry with a history that only grows (the AttnRes source buffer) sends
+    what was added in the last P − 1 chunks.
     """
     microbatches = jax.tree.leaves(inputs_M)[0].shape[0]
     units = jax.tree.leaves(layer_params)[0].shape[0]
     chunk = units // (virtual_stages * stages)
-    iterations = virtual_stages * microbatches + stages - 1
+    rounds = virtual_stages * microbatches  # valid (chunk, microbatch) work items per device
     to_chunks = lambda x: x.reshape(virtual_stages, stages, chunk, *x.shape[1:])  # noqa: E731
     chunked = PartitionSpec(None, AXIS)  # [V, P, K, …]: this device's chunks on axis 1
 
@@ -146,36 +187,43 @@ def pipeline(run_unit: Callable, inputs_M, layer_params, layer_states, *, stages
 
     def per_device(params_VxPxK, states_VxPxK, inputs_M):
         stage = jax.lax.axis_index(AXIS)
+        sender = (stage - 1) % stages
         params_VxK, states_VxK = (jax.tree.map(lambda x: x[:, 0], tree)
                                   for tree in (params_VxPxK, states_VxPxK))
-        buffer = jax.tree.map(lambda x: jax.lax.pcast(x, AXIS, to="varying"), inputs_M)
-        received = _index(buffer, 0)  # a real state for the idle first iterations
+        # this device's copy of every microbatch's carry: the inputs, then what it computed
+        # itself or received from its predecessor
+        cached_M = jax.tree.map(lambda x: jax.lax.pcast(x, AXIS, to="varying"), inputs_M)
         state_sums = jax.tree.map(
             lambda x: jax.lax.pcast(jnp.zeros(x.shape, jnp.float32), AXIS, to="varying"),
             states_VxK)
 
         def iteration(carry, t):
-            buffer, received, state_sums = carry
+            cached_M, state_sums = carry
             offset = t - stage  # rounds·M + microbatch of the work this device does now
+            microbatch, valid = offset % microbatches, (offset >= 0) & (offset < rounds)
             chunk_index = jnp.clip(offset // microbatches, 0, virtual_stages - 1)
-            carry_in = _select(stage == 0, _index(buffer, t % microbatches), received)
-            carry_out, new_states = run_chunk(carry_in, _index(params_VxK, chunk_index),
+            carry_out, new_states = run_chunk(_index(cached_M, microbatch),
+                                              _index(params_VxK, chunk_index),
                                               _index(states_VxK, chunk_index))
-            valid = (offset >= 0) & (offset < virtual_stages * microbatches)
             state_sums = jax.tree.map(
                 lambda total, new: total.at[chunk_index].add(jnp.where(valid, new, 0)),
                 state_sums, new_states)
-            received = jax.lax.ppermute(carry_out, AXIS,
-                                        [(p, (p + 1) % stages) for p in range(stages)])
-            slot, back = (t - stages + 1) % microbatches, (stage == 0) & (t >= stages - 1)
-            buffer = jax.tree.map(
-                lambda b, r: b.at[slot].set(jnp.where(back, r, b[slot])), buffer, received)
-            return (buffer, received, state_sums), None
+            cached_M = _write(cached_M, microbatch, carry_out, valid)
+            with jax.named_scope(TRANSFER_SCOPE):
+                received = jax.lax.ppermute(message(carry_out), AXIS,
+                                            [(p, (p + 1) % stages) for p in range(stages)])
+            # the predecessor's microbatch: the next one here (stage 0: read M − P ≥ 0
+            # iterations later, the input of its next round of chunks or its final state)
+            sent = t - sender
+            slot = sent % microbatches
+            cached_M = _write(cached_M, slot, merge(_index(cached_M, slot), received),
+                              (sent >= 0) & (sent < rounds))
+            return (cached_M, state_sums), None
 
-        (buffer, _, state_sums), _ = jax.lax.scan(
-            iteration, (buffer, received, state_sums), jnp.arange(iterations))
+        (cached_M, state_sums), _ = jax.lax.scan(
+            iteration, (cached_M, state_sums), jnp.arange(rounds + stages - 1))
         outputs_M = jax.tree.map(
-            lambda x: jax.lax.psum(jnp.where(stage == 0, x, jnp.zeros_like(x)), AXIS), buffer)
+            lambda x: jax.lax.psum(jnp.where(stage == 0, x, jnp.zeros_like(x)), AXIS), cached_M)
         new_states = jax.tree.map(lambda total, old: (total / microbatches).astype(old.dtype),
                                   state_sums, states_VxK)
         return outputs_M, jax.tree.map(lambda x: x[:, None], new_states)

@@ -13,12 +13,12 @@ from flax import nnx
 
 from arch.config import ConfigError
 from sharding.mesh import make_mesh
-from sharding.pipeline import bubble_fraction
+from sharding.pipeline import bubble_fraction, stage_transfer_bytes
 from tests.helpers import random_tokens, tiny_config
 from train import loop
 from train.config import validate
 from train.loop import train
-from train.step import TrainProgram, next_token_loss
+from train.step import TrainProgram, compile_train_step, next_token_loss
 
 LAYERS = 8  # 8 layer-scan units: 4 stages × 2 virtual stages
 
@@ -63,7 +63,8 @@ def single_device(residual: str):
     return state, tokens, logits_loss_and_grads(program, state, tokens)[1]
 
 
-CASES = {  # residual, mesh, pipeline fields; GPipe with prenorm: the training test below
+CASES = {  # residual, mesh, pipeline fields (block_attnres: the cached transfer, the default);
+    # GPipe with prenorm: the training test below
     "block_attnres-circular-stage4-data2-V2": (
         "block_attnres", dict(data=2, stage=4),
         dict(pipeline_schedule="circular", pipeline_virtual_stages=2)),
@@ -89,6 +90,24 @@ def test_pipeline_matches_single_device(case):
     scale = max(np.abs(g).max() for g in jax.tree.leaves(grads_1))  # sums in another order
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * scale),
                  grads, grads_1)
+
+
+def test_attnres_stage_transfer_sends_only_new_slots():
+    """The cached transfer (AttnRes report): each stage keeps its own copy of every microbatch's
+    source buffer and is sent only the slots written in the P − 1 chunks since it last held it,
+    not the whole buffer. Counted in the compiled train step's stage-to-stage
+    collective-permutes (forward, and the cotangents backward)."""
+    sent = {}
+    for transfer in ("full", "cached"):
+        program = program_on(8, dict(data=2, stage=4), residual="block_attnres",
+                             attnres_block_size=3, pipeline_schedule="circular",
+                             pipeline_virtual_stages=2, pipeline_transfer=transfer)
+        sent[transfer] = stage_transfer_bytes(compile_train_step(program)[1].as_text())
+    # 16 sublayers in blocks of 3: 1 + 6 slots of 32 features and a 1/rms each, for microbatches
+    # of 1 row × 16 tokens; the lag, P − 1 = 3 chunks of 2 sublayers, touches ⌈5/3⌉ + 1 = 3 slots
+    slot_bytes = 16 * (32 + 1) * 4
+    full = 2 * (7 * slot_bytes + 17 * 32 * 4) + 4  # buffer and query table both ways; counter
+    assert sent == {"full": full, "cached": 2 * 3 * slot_bytes + 4}
 
 
 def test_bubble_fraction():
@@ -119,6 +138,8 @@ def test_bubble_fraction():
      "model.pipeline_schedule='circular'"),
     (dict(model=dict(pipeline_schedule="1f1b")),
      "model.pipeline_schedule='1f1b' is invalid: valid schedules: gpipe, circular"),
+    (dict(model=dict(pipeline_transfer="some")),
+     "model.pipeline_transfer='some' is invalid: valid: cached, full"),
     (dict(model=dict(pipeline_microbatches=0)),
      "model.pipeline_microbatches=0 is invalid: must be a positive integer"),
     (dict(model=dict(reversible=True, pipeline_microbatches=2), mesh=dict(data=4, stage=2)),
