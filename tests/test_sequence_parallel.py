@@ -18,7 +18,8 @@ from tests.helpers import random_tokens, tiny_config
 from train.config import validate
 from train.step import TrainProgram, next_token_loss
 
-RESIDUALS = {"prenorm": {}, "block_attnres": dict(attnres_block_size=2), "mhc": {}}
+RESIDUALS = {"prenorm": {}, "block_attnres": dict(attnres_block_size=2), "mhc": {},
+             "gated_residual": {}}
 TOKENS = np.asarray(random_tokens((8, 17)))
 
 
@@ -115,6 +116,7 @@ CASES = [
     ("prenorm", "ring", dict(data=2, sequence=2, tensor=2)),
     ("mhc", "all_gather", dict(fsdp=2, sequence=4)),
     ("block_attnres", "all_gather", dict(data=2, sequence=2, tensor=2)),
+    ("gated_residual", "ring", dict(data=2, sequence=4)),
 ]
 
 
