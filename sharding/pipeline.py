@@ -158,8 +158,7 @@ def _write(tree, index, value, predicate):
 
 
 def pipeline(run_unit: Callable, inputs_M, layer_params, layer_states, *, stages: int,
-             virtual_stages: int, message: Callable = lambda carry: carry,
-             merge: Callable = lambda cached, message: message):
+             virtual_stages: int, message: Callable, merge: Callable):
     """Run G stacked layer-scan units over M microbatches as a P = `stages` pipeline.
 
     `run_unit(carry, (params, states)) -> (carry, new_states)` is one unit (the body of the
@@ -171,9 +170,9 @@ def pipeline(run_unit: Callable, inputs_M, layer_params, layer_states, *, stages
 
     What crosses a stage boundary is `message(carry)`, and the receiving stage rebuilds the carry
     as `merge(cached, message)` from its own copy of that microbatch's carry (as it last held it:
-    its own output P − 1 chunks earlier, or the input before its first chunk). The defaults send
-    the whole carry; a carry with a history that only grows (the AttnRes source buffer) sends
-    what was added in the last P − 1 chunks.
+    its own output P − 1 chunks earlier, or the input before its first chunk): e.g. the whole
+    residual state, or for a history that only grows (the AttnRes source buffer) what was added
+    in the last P − 1 chunks.
     """
     microbatches = jax.tree.leaves(inputs_M)[0].shape[0]
     units = jax.tree.leaves(layer_params)[0].shape[0]
