@@ -37,10 +37,14 @@ work for Block AttnRes), O(n) for Full. The one-head softmax read has a hand-wri
 Cost (CPU, the issue's benchmark: d = 192, 16 blocks, 16×128 tokens, 8 AttnRes blocks of S = 4):
 each read streams the N + 1 slots forward and backward, and the layer scan saves the buffer for
 every read's backward pass (autodiff of the scan cannot know that completed slots never change),
-so a train step measured 1.29× the plain Pre-Norm sum's, with 1.5× its temporary memory; a
-one-token decode step 1.05–1.15× (two-phase). Reaching ~1.05× in training needs the layer scan
-to step one AttnRes block at a time (phase 1 unconditional at the step's start, one saved buffer
-per block), a change to `arch/model.py`.
+so a train step measured 1.28× the plain Pre-Norm sum's (also at d = 512), with 1.5× its
+temporary memory. Nearly all of it is the backward pass: zero-filling, writing and re-slicing the
+saved buffers (~0.3 s of ~0.65 s) and adding each read's cotangent into the buffer's. A one-token
+decode step measured 1.05–1.37× (two-phase; naive reads 1.08×): at batch 1 it is bound by the
+number of XLA ops per layer, 81 against the plain sum's 50. Reaching ~1.05× in training needs
+the backward pass to read the final buffer (completed slots never change) plus each read's
+partial sum instead of a saved copy per read: a custom VJP over the layer scan, or a scan that
+steps one AttnRes block at a time, a change to `arch/model.py`.
 
 Variants (config fields):
 - `attnres_query="input"`: w_l + W_l k̂_cur, with W_l ∈ R^{d×d} zero-initialized and the
