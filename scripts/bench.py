@@ -116,7 +116,7 @@ from absl import logging as absl_logging
 from flax import nnx
 from ml_collections import config_flags
 
-from sharding.pipeline import bubble_fraction, stage_transfer_bytes
+from sharding.pipeline import bubble_fraction, iterations, stage_transfer_bytes
 from train.step import compile_train_step
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment file, PATH[:ARG].",
@@ -291,9 +291,9 @@ def prepare(config, tokens: np.ndarray) -> dict:
                "compile_time": compile_time,
                "runner": framework_runner(program, program.put_batch(tokens))}
     if (stages := program.mesh.shape["stage"]) > 1:  # per device: V·M + P − 1 iterations
-        model = config.model
-        iterations = model.pipeline_virtual_stages * model.pipeline_microbatches + stages - 1
-        variant["stage_transfer_bytes"] = stage_transfer_bytes(compiled.as_text()) * iterations
+        per_step = iterations(stages, config.model.pipeline_virtual_stages,
+                              config.model.pipeline_microbatches)
+        variant["stage_transfer_bytes"] = stage_transfer_bytes(compiled.as_text()) * per_step
     return variant
 
 

@@ -63,11 +63,16 @@ def stage_count() -> int:
     return 1 if mesh.empty else dict(mesh.shape).get(AXIS, 1)
 
 
+def iterations(stages: int, virtual_stages: int, microbatches: int) -> int:
+    """Iterations of each device in one pass through the pipeline: V·M + P − 1."""
+    return virtual_stages * microbatches + stages - 1
+
+
 def bubble_fraction(stages: int, virtual_stages: int, microbatches: int) -> float:
     """Idle share of each device's iterations: (P − 1)/(V·M + P − 1); 0 without pipelining."""
     if stages <= 1:
         return 0.0
-    return (stages - 1) / (virtual_stages * microbatches + stages - 1)
+    return (stages - 1) / iterations(stages, virtual_stages, microbatches)
 
 
 def layer_units(model_cfg) -> int:
@@ -220,7 +225,8 @@ def pipeline(run_unit: Callable, inputs_M, layer_params, layer_states, *, stages
             return (cached_M, state_sums), None
 
         (cached_M, state_sums), _ = jax.lax.scan(
-            iteration, (cached_M, state_sums), jnp.arange(rounds + stages - 1))
+            iteration, (cached_M, state_sums),
+            jnp.arange(iterations(stages, virtual_stages, microbatches)))
         outputs_M = jax.tree.map(
             lambda x: jax.lax.psum(jnp.where(stage == 0, x, jnp.zeros_like(x)), AXIS), cached_M)
         new_states = jax.tree.map(lambda total, old: (total / microbatches).astype(old.dtype),
