@@ -291,7 +291,7 @@ def residual_state_elements_per_token(model_cfg) -> int:
 
     def begin(x_BxTxD):
         stream = RESIDUALS[frozen.residual].stream(frozen, rngs=nnx.Rngs(0))
-        return stream.begin(x_BxTxD, decoding=False)
+        return stream.begin(x_BxTxD)
 
     def size(positions: int) -> int:
         x = jax.ShapeDtypeStruct((1, positions, frozen.d_model), jnp.dtype(frozen.dtype))

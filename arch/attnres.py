@@ -34,17 +34,16 @@ slot is written, so no read recomputes a norm. Training therefore costs O(N) per
 work for Block AttnRes), O(n) for Full. The one-head softmax read has a hand-written gradient
 (`softmax_read`); writes pass the buffer's cotangent through untouched.
 
-Cost (CPU, the issue's benchmark: d = 192, 16 blocks, 16×128 tokens, 8 AttnRes blocks of S = 4):
-each read streams the N + 1 slots forward and backward, and the layer scan saves the buffer for
-every read's backward pass (autodiff of the scan cannot know that completed slots never change),
-so a train step measured 1.28× the plain Pre-Norm sum's (also at d = 512), with 1.5× its
-temporary memory. Nearly all of it is the backward pass: zero-filling, writing and re-slicing the
-saved buffers (~0.3 s of ~0.65 s) and adding each read's cotangent into the buffer's. A one-token
-decode step measured 1.05–1.37× (two-phase; naive reads 1.08×): at batch 1 it is bound by the
-number of XLA ops per layer, 81 against the plain sum's 50. Reaching ~1.05× in training needs
-the backward pass to read the final buffer (completed slots never change) plus each read's
-partial sum instead of a saved copy per read: a custom VJP over the layer scan, or a scan that
-steps one AttnRes block at a time, a change to `arch/model.py`.
+Cost (CPU, the issue's benchmark, `scripts/bench.py` with --compare: d = 192, 16 blocks, 16×128
+tokens, 8 AttnRes blocks of S = 4, two-phase): a train step measured 1.21–1.26× the plain
+Pre-Norm sum's (1.28× with naive reads), with 1.29× its temporary memory. What remains is mostly
+the backward pass: the layer scan saves the buffer at every step (autodiff of the scan cannot
+know that completed slots never change; zero-filling, writing and re-slicing it is ~0.1 s), the
+per-block contractions with their cotangents and the merges' saved residuals. Closing the rest
+needs a custom VJP over the layer scan that reads the final buffer instead of a copy per step.
+A one-token decode step measured 0.36–0.49× the plain sum's: two-phase reads, and the scan runs
+one AttnRes block (2 layers) per step, so half the loop iterations (naive reads, blocks of 3:
+1.07×).
 
 Variants (config fields):
 - `attnres_query="input"`: w_l + W_l k̂_cur, with W_l ∈ R^{d×d} zero-initialized and the
@@ -60,15 +59,16 @@ Variants (config fields):
 - `attnres_key_norm=False`: raw sources as keys.
 - `attnres_window=W > 0`: only the W most recent sources (slots ⌈l/S⌉ − W + 1 … ⌈l/S⌉).
 
-Two-phase inference (paper, "Two-phase computation"; used with a KV cache, `decoding=True`):
-the pseudo-queries do not depend on the input, so when a block starts, the S queries of the block
-are batched against the completed sources once (phase 1: running max, denominator and weighted
-numerator per query and head), and each read of the block then merges its one partial-sum
-source into that result with an online-softmax merge (phase 2), O(d) per read instead of O(N·d).
-Equal to the naive read to float rounding. It applies to softmax weights with static queries and
-no window; the other variants keep the naive read in decoding. Training keeps the naive read:
-under autodiff the phase-1 `lax.cond` copies the state and pads its saved residuals with zeros
-at every write, which measured slower than reading the N + 1 slots directly.
+Two-phase schedule (paper, "Two-phase computation"), in training and with a KV cache: the
+pseudo-queries do not depend on the input, so when a block starts (`AttnResStream.open`), its S
+queries are batched against the completed sources once (phase 1: running max, denominator and
+weighted numerator per query and head, with a hand-written gradient), and each read of the block
+then merges its one partial-sum source into that result with an online-softmax merge (phase 2),
+O(d) per read instead of O(N·d); the partial sum is kept apart and written to its slot when the
+block ends (`close`). Equal to the naive read to float rounding. It applies to softmax weights
+with static queries and no window, when blocks are whole layers (S a multiple of the sublayers
+per scan unit and n a multiple of S: `units_per_block`), so that the layer scan steps one block at
+a time with static boundaries; the other variants and layouts keep the naive read.
 
 Pipeline parallelism (the report's cached stage transfer; `sharding/pipeline.py`): a stage that
 receives the buffer last held it P − 1 chunks (lag sublayers) earlier and keeps that copy, so it
@@ -78,13 +78,14 @@ is sent only the slots written since, ⌈(lag − 1)/S⌉ + 1 of them with their
 
 Recorded (`arch.residual.record`): "depth_weights", the weights over the N + 1 slots (zero on
 unavailable slots) averaged over batch, tokens and heads, one row per read (stacked over layers
-for the sublayer reads; the final read from the stream module). Under `nnx.capture` the reads
-take the autodiff path (and two-phase reads also compute the naive weights) to record them.
+for the sublayer reads; the final read from the stream module). Under `nnx.capture` the model
+scans unit by unit with naive reads (autodiff path), which record them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -132,10 +133,24 @@ def _split_heads(x: jax.Array, heads: int) -> jax.Array:
     return x.reshape(*x.shape[:-1], heads, x.shape[-1] // heads)
 
 
+def _head_sums(x: jax.Array, heads: int) -> jax.Array:
+    """Sums over each head's d/H features: …×D → …×H. One head keeps the array's rank (XLA:CPU's
+    library reductions are an order of magnitude slower with a size-1 axis before the last)."""
+    if heads == 1:
+        return x.sum(axis=-1, keepdims=True)
+    return _split_heads(x, heads).sum(axis=-1)
+
+
+def _per_feature(x_HEADS: jax.Array, width: int) -> jax.Array:
+    """A per-head value on each of the head's features: …×H → …×D (one head: broadcastable)."""
+    heads = x_HEADS.shape[-1]
+    return x_HEADS if heads == 1 else jnp.repeat(x_HEADS, width // heads, axis=-1)
+
+
 def inverse_rms(x: jax.Array, heads: int, eps: float) -> jax.Array:
     """1 / sqrt(mean(x²) + ε) per head chunk of d/H features: …×D → …×H, float32."""
-    x = _split_heads(x.astype(jnp.float32), heads)
-    return jax.lax.rsqrt(jnp.mean(x * x, axis=-1) + eps)
+    x = x.astype(jnp.float32)
+    return jax.lax.rsqrt(_head_sums(x * x, heads) * (heads / x.shape[-1]) + eps)
 
 
 def depth_scores(query, sources_BxTxNxD, inverse_rms_BxTxNxH, heads: int) -> jax.Array:
@@ -217,44 +232,86 @@ def _softmax_read_backward(residuals, mixed_cotangent_BxTxD):
 softmax_read.defvjp(_softmax_read_forward, _softmax_read_backward)
 
 
+def _contract(spec: str, heads: int, *operands) -> jax.Array:
+    """`jnp.einsum(spec)`, with the head axis `h` dropped from the spec for one head (operands then
+    have no head axis: XLA:CPU would transpose around a size-1 axis)."""
+    return jnp.einsum(spec.replace("h", "") if heads == 1 else spec, *operands)
+
+
 def phase_one(queries_SxD, sources_BxTxNxD, inverse_rms_BxTxNxH, valid_N, heads: int):
     """Phase 1 of two-phase AttnRes: the S queries of a block against the completed sources at
     once. Returns the online-softmax state per query and head: running max m (B×T×S×H),
-    denominator Σ_j e^{s_j − m} (B×T×S×H) and numerator Σ_j e^{s_j − m} v_j (B×T×S×D), float32."""
-    values = sources_BxTxNxD.astype(jnp.float32)
+    denominator Σ_j e^{s_j − m} (B×T×S×H) and numerator Σ_j e^{s_j − m} v_j (B×T×S×D), float32.
+    The max is a constant to the gradient (it cancels in every read's ratio)."""
+    split = (lambda x: x) if heads == 1 else (lambda x: _split_heads(x, heads))  # noqa: E731
+    if inverse_rms_BxTxNxH is None:
+        inverse_rms_BxTxNxH = jnp.ones(sources_BxTxNxD.shape[:3] + (heads,), jnp.float32)
+    inverse = inverse_rms_BxTxNxH[..., 0] if heads == 1 else inverse_rms_BxTxNxH
+    running_max, denominator, numerator = _phase_one(
+        split(queries_SxD.astype(jnp.float32)), split(sources_BxTxNxD), inverse, valid_N, heads)
     if heads == 1:
-        scores = jnp.einsum("btnd,sd->btsn", values, queries_SxD.astype(jnp.float32))[..., None]
-    else:
-        scores = jnp.einsum("btnhk,shk->btsnh", _split_heads(values, heads),
-                            _split_heads(queries_SxD.astype(jnp.float32), heads))
-    if inverse_rms_BxTxNxH is not None:
-        scores = scores * inverse_rms_BxTxNxH[:, :, None]
-    scores = jnp.where(valid_N[:, None], scores, -jnp.inf)
-    running_max = jax.lax.stop_gradient(scores.max(axis=3))  # cancels in the ratio
-    exponentials = jnp.exp(scores - running_max[:, :, :, None])
-    if heads == 1:
-        numerator = jnp.einsum("btsn,btnd->btsd", exponentials[..., 0], values)
-    else:
-        numerator = jnp.einsum("btsnh,btnhk->btshk", exponentials, _split_heads(values, heads))
-        numerator = numerator.reshape(*numerator.shape[:-2], -1)
-    return running_max, exponentials.sum(axis=3), numerator
+        return running_max[..., None], denominator[..., None], numerator
+    return running_max, denominator, numerator.reshape(*numerator.shape[:-2], -1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _phase_one(queries_SxHxK, sources_BxTxNxHxK, inverse_BxTxNxH, valid_N, heads):
+    """`phase_one` on split heads (no head axes for one head), with a hand-written gradient: the
+    scores keep the sources' layout (one GEMM against the S queries) and the backward pass
+    reads the sources twice, with no transposed copy."""
+    return _phase_one_forward(queries_SxHxK, sources_BxTxNxHxK, inverse_BxTxNxH, valid_N,
+                              heads)[0]
+
+
+def _phase_one_forward(queries, sources, inverse, valid_N, heads):
+    values = sources.astype(jnp.float32)
+    raw = _contract("btnhk,shk->btnsh", heads, values, queries)  # B×T×N×S(×H)
+    mask = valid_N.reshape(-1, *(1,) * (raw.ndim - 3))
+    scores = jnp.where(mask, raw * jnp.expand_dims(inverse, 3), -jnp.inf)
+    running_max = scores.max(axis=2)
+    exponentials = jnp.exp(scores - running_max[:, :, None])
+    # Sums over the few sources and queries are unrolled (one elementwise fusion each): XLA:CPU
+    # runs them as thousands of tiny matrix products otherwise, 2-3× slower.
+    numerator = sum(exponentials[:, :, n, ..., None] * values[:, :, n, None]
+                    for n in range(values.shape[2]))
+    outputs = running_max, exponentials.sum(axis=2), numerator
+    return outputs, (queries, sources, inverse, raw, exponentials)
+
+
+def _phase_one_backward(heads, residuals, cotangents):
+    queries, sources, inverse, raw, exponentials = residuals
+    _, denominator_cotangent, numerator_cotangent = cotangents  # the max is a constant
+    values = sources.astype(jnp.float32)
+    weight_cotangent = (_contract("btshk,btnhk->btnsh", heads, numerator_cotangent, values)
+                        + denominator_cotangent[:, :, None])
+    score_cotangent = exponentials * weight_cotangent
+    raw_cotangent = score_cotangent * jnp.expand_dims(inverse, 3)
+    source_cotangent = sum(exponentials[:, :, :, s, ..., None] * numerator_cotangent[:, :, None, s]
+                           + raw_cotangent[:, :, :, s, ..., None] * queries[s]
+                           for s in range(queries.shape[0]))
+    return (_contract("btnsh,btnhk->shk", heads, raw_cotangent, values),
+            source_cotangent.astype(sources.dtype), (score_cotangent * raw).sum(axis=3), None)
+
+
+_phase_one.defvjp(_phase_one_forward, _phase_one_backward)
 
 
 def merge_partial(query_D, running_max_BxTxH, denominator_BxTxH, numerator_BxTxD, partial_BxTxD,
-                  partial_inverse_rms_BxTxH, has_partial, heads: int) -> jax.Array:
-    """Phase 2: merge one more source (the block's partial sum; skipped where `has_partial` is
-    False) into a phase-1 result with the online-softmax update, and normalize:
+                  partial_inverse_rms_BxTxH, heads: int) -> jax.Array:
+    """Phase 2: merge one more source (the block's partial sum; None: no source yet) into a
+    phase-1 result with the online-softmax update, and normalize:
     m' = max(m, s), read = (e^{m−m'}·num + e^{s−m'}·v) / (e^{m−m'}·den + e^{s−m'}), float32."""
-    partial = _split_heads(partial_BxTxD.astype(jnp.float32), heads)
-    score = jnp.einsum("bthk,hk->bth", partial, _split_heads(query_D.astype(jnp.float32), heads))
+    width = numerator_BxTxD.shape[-1]
+    if partial_BxTxD is None:
+        return numerator_BxTxD / _per_feature(denominator_BxTxH, width)
+    partial = partial_BxTxD.astype(jnp.float32)
+    score = _head_sums(partial * query_D.astype(jnp.float32), heads)
     if partial_inverse_rms_BxTxH is not None:
         score = score * partial_inverse_rms_BxTxH
-    score = jnp.where(has_partial, score, -jnp.inf)
     new_max = jax.lax.stop_gradient(jnp.maximum(running_max_BxTxH, score))
     keep, add = jnp.exp(running_max_BxTxH - new_max), jnp.exp(score - new_max)
-    numerator = _split_heads(numerator_BxTxD, heads) * keep[..., None] + partial * add[..., None]
-    mixed = numerator / (denominator_BxTxH * keep + add)[..., None]
-    return mixed.reshape(*mixed.shape[:-2], -1)
+    numerator = numerator_BxTxD * _per_feature(keep, width) + partial * _per_feature(add, width)
+    return numerator / _per_feature(denominator_BxTxH * keep + add, width)
 
 
 def two_phase_reads(queries_SxD, sources_BxTxNxD, inverse_rms_BxTxNxH, valid_N,
@@ -265,9 +322,10 @@ def two_phase_reads(queries_SxD, sources_BxTxNxD, inverse_rms_BxTxNxH, valid_N,
     phase = phase_one(queries_SxD, sources_BxTxNxD, inverse_rms_BxTxNxH, valid_N, heads)
     reads = []
     for i in range(queries_SxD.shape[0]):
+        partial = partials_SxBxTxD[i] if i else None
         inverse = None if partial_inverse_rms_SxBxTxH is None else partial_inverse_rms_SxBxTxH[i]
-        reads.append(merge_partial(queries_SxD[i], *(p[:, :, i] for p in phase),
-                                   partials_SxBxTxD[i], inverse, i > 0, heads))
+        reads.append(merge_partial(queries_SxD[i], *(p[:, :, i] for p in phase), partial,
+                                   inverse, heads))
     return jnp.stack(reads)
 
 
@@ -315,43 +373,14 @@ def _row(table, index):
     return jax.lax.dynamic_index_in_dim(table, index, axis=0, keepdims=False)
 
 
-def _phase_one_state(layout: DepthLayout, state: dict) -> dict:
-    """Phase 1 for the block that starts at sublayer `state["sublayer"]` (its S pseudo-queries,
-    from a table padded by S rows, against the completed sources)."""
-    first = state["sublayer"]
-    queries = jax.lax.dynamic_slice_in_dim(state["pseudo_queries"], first, layout.block_size)
-    valid = jnp.arange(layout.slots) <= first // layout.block_size
-    sources = _unflatten(state["sources"], state["pseudo_queries"].shape[-1])
-    inverse = state.get("inverse_rms")
-    inverse = None if inverse is None else _unflatten(inverse, layout.heads)
-    running_max, denominator, numerator = phase_one(queries, sources, inverse, valid,
-                                                    layout.heads)
-    flat = lambda x: x.reshape(*x.shape[:2], -1)  # noqa: E731
-    return dict(state, phase_max=flat(running_max), phase_denominator=flat(denominator),
-                phase_numerator=flat(numerator))
-
-
-def _two_phase_read(layout: DepthLayout, state: dict) -> jax.Array:
-    index = state["sublayer"]
-    position, block = index % layout.block_size, index // layout.block_size
-    heads, width = layout.heads, state["pseudo_queries"].shape[-1]
-    inverse = state.get("inverse_rms")
-    partial_inverse = None if inverse is None else _slot(inverse, block + 1, heads)
-    return merge_partial(
-        _row(state["pseudo_queries"], index), _slot(state["phase_max"], position, heads),
-        _slot(state["phase_denominator"], position, heads),
-        _slot(state["phase_numerator"], position, width),
-        _slot(state["sources"], block + 1, width), partial_inverse, position > 0, heads)
-
-
-def _read(layout: DepthLayout, state: dict, query_projection, module: nnx.Module,
-          naive: bool = False) -> jax.Array:
+def _read(layout: DepthLayout, state: dict, query_projection, module: nnx.Module) -> jax.Array:
     """The mixed read Σ_j α_{j→l} v_j (float32 B×T×D) of sublayer l = `state["sublayer"]` (l = n:
-    the final read)."""
-    if "phase_max" in state and not naive:
-        if hasattr(module, "__captures__"):  # weights for `record` only under nnx.capture
-            _read(layout, state, query_projection, module, naive=True)
-        return _two_phase_read(layout, state)
+    the final read); inside a block opened by `AttnResStream.open`, the two-phase merge."""
+    if "phase" in state:
+        partial = state.get("partial")
+        inverse = None if partial is None else state.get("partial_inverse_rms")
+        return merge_partial(_row(state["pseudo_queries"], state["sublayer"]), *state["phase"][0],
+                             partial, inverse, layout.heads)
     index = state["sublayer"]
     sources = _unflatten(state["sources"], state["sources"].shape[-1] // layout.slots)
     inverse = state.get("inverse_rms")
@@ -404,7 +433,7 @@ class AttnResStream(nnx.Module):
         self.final_query_projection = (_query_projection(cfg, rngs) if layout.query == "input"
                                        else None)
 
-    def begin(self, x_BxTxD, *, decoding: bool = False) -> dict:
+    def begin(self, x_BxTxD) -> dict:
         layout = self.layout
         batch, length, width = x_BxTxD.shape
         sources = _set_slot(jnp.zeros((batch, length, layout.slots * width), x_BxTxD.dtype),
@@ -418,15 +447,51 @@ class AttnResStream(nnx.Module):
             state["static_weights"] = self.static_weights[...].reshape(layout.sublayers + 1, -1)
         else:
             state["pseudo_queries"] = self.pseudo_queries[...]
-        if decoding and layout.two_phase:
-            padding = jnp.zeros((layout.block_size, width), jnp.float32)
-            state["pseudo_queries"] = jnp.concatenate([state["pseudo_queries"], padding])
-            state = _phase_one_state(layout, state)
         return state
 
     def end(self, state: dict) -> jax.Array:
-        mixed = _read(self.layout, state, self.final_query_projection, self, naive=True)
+        mixed = _read(self.layout, state, self.final_query_projection, self)
         return mixed.astype(state["sources"].dtype)
+
+    def units_per_block(self, units: int) -> int | None:
+        """How many of the model's `units` scan units (blocks, or MoE block groups) make one
+        AttnRes block, when the blocks align with them (S a multiple of the sublayers per unit, n
+        a multiple of S) and the reads are two-phase: one step of the layer scan then `open`s
+        and `close`s one AttnRes block. None otherwise (the naive read, unit by unit)."""
+        layout = self.layout
+        per_unit = layout.sublayers // units
+        if (layout.two_phase and layout.block_size % per_unit == 0
+                and layout.sublayers % layout.block_size == 0):
+            return layout.block_size // per_unit
+        return None
+
+    def open(self, state: dict) -> dict:
+        """Phase 1 for the block starting at sublayer `state["sublayer"]`: its S pseudo-queries
+        against the completed sources at once. `state["phase"]` holds, in order, each remaining
+        read's (running max, denominator, numerator); the block's partial sum is kept apart
+        (`state["partial"]`, absent while empty) until `close` writes it to its slot."""
+        layout = self.layout
+        first, width = state["sublayer"], state["pseudo_queries"].shape[-1]
+        queries = jax.lax.dynamic_slice_in_dim(state["pseudo_queries"], first, layout.block_size)
+        valid = jnp.arange(layout.slots) <= first // layout.block_size
+        inverse = state.get("inverse_rms")
+        inverse = None if inverse is None else _unflatten(inverse, layout.heads)
+        phase = phase_one(queries, _unflatten(state["sources"], width), inverse, valid,
+                          layout.heads)
+        return dict(state, phase=tuple(tuple(p[:, :, i] for p in phase)
+                                       for i in range(layout.block_size)))
+
+    def close(self, state: dict) -> dict:
+        """Write the block's sum to its slot (with its 1/rms): the summary becomes a source."""
+        state = dict(state)
+        partial, inverse = state.pop("partial"), state.pop("partial_inverse_rms", None)
+        del state["phase"]
+        slot = state["sublayer"] // self.layout.block_size
+        state["sources"] = _add_to_slot(state["sources"], partial, slot)
+        if inverse is not None:
+            state["inverse_rms"] = _set_slot(state["inverse_rms"], inverse, slot,
+                                             self.layout.heads)
+        return state
 
     def stage_window(self, lag: int) -> int:
         """Source slots a pipeline stage is sent: those written in `lag` consecutive sublayers,
@@ -530,23 +595,24 @@ class AttentionResidual(nnx.Module):
         return self.norm(mixed.astype(state["sources"].dtype))
 
     def write(self, state: dict, update_BxTxD) -> dict:
-        """Add the output to its block's slot (in place); the slot becomes a source from the next
-        read on; in decoding, run phase 1 for the next block once this one completes."""
+        """Add the output to its block's slot (in place), or, inside an opened block, to the
+        partial sum; it is a source from the next read on."""
         layout = self.layout
-        index, sources = state["sublayer"], state["sources"]
+        index = state["sublayer"]
+        state = dict(state, sublayer=index + 1)
+        if "phase" in state:
+            partial, update = state.get("partial"), update_BxTxD.astype(state["sources"].dtype)
+            total = update if partial is None else partial + update
+            state.update(partial=total, phase=state["phase"][1:])
+            if layout.normalizes_keys:
+                state["partial_inverse_rms"] = inverse_rms(total, layout.heads, layout.eps)
+            return state
         slot, width = index // layout.block_size + 1, update_BxTxD.shape[-1]
-        sources = _add_to_slot(sources, update_BxTxD, slot)
-        total = _slot(sources, slot, width)
-        state = dict(state, sources=sources, sublayer=index + 1)
+        state["sources"] = _add_to_slot(state["sources"], update_BxTxD, slot)
         if layout.normalizes_keys:
-            state["inverse_rms"] = _set_slot(state["inverse_rms"],
-                                             inverse_rms(total, layout.heads, layout.eps), slot,
-                                             layout.heads)
-        if "phase_max" in state and layout.block_size == 1:  # every write completes a block
-            state = _phase_one_state(layout, state)
-        elif "phase_max" in state:
-            state = jax.lax.cond((index + 1) % layout.block_size == 0,
-                                 lambda s: _phase_one_state(layout, s), lambda s: s, state)
+            state["inverse_rms"] = _set_slot(
+                state["inverse_rms"], inverse_rms(_slot(state["sources"], slot, width),
+                                                  layout.heads, layout.eps), slot, layout.heads)
         return state
 
 

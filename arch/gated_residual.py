@@ -177,8 +177,7 @@ class GatedResidualStream(nnx.Module):
         self.state_dtype = cfg.gr_state_dtype
         self.dtype = jnp.dtype(cfg.dtype)
 
-    def begin(self, x_BxTxD, *, decoding: bool = False) -> dict:
-        del decoding  # the same computation with and without a KV cache
+    def begin(self, x_BxTxD) -> dict:
         branches = jnp.broadcast_to(x_BxTxD.astype(jnp.float32), (self.n, *x_BxTxD.shape))
         return store_branches(branches, self.state_dtype)
 

@@ -114,7 +114,7 @@ class CopiedStreams(nnx.Module):
     def __init__(self, streams: int):
         self.streams = streams
 
-    def begin(self, x_BxTxD: jax.Array, *, decoding: bool = False) -> StreamState:
+    def begin(self, x_BxTxD: jax.Array) -> StreamState:
         return StreamState(jnp.broadcast_to(x_BxTxD, (self.streams, *x_BxTxD.shape)),
                            jnp.zeros((), jnp.int32))
 
@@ -130,7 +130,7 @@ class SeparateBranches(nnx.Module):
     def __init__(self, streams: int):
         self.streams = streams
 
-    def begin(self, x_BxTxD: jax.Array, *, decoding: bool = False) -> StreamState:
+    def begin(self, x_BxTxD: jax.Array) -> StreamState:
         zeros = jnp.zeros((self.streams - 1, *x_BxTxD.shape), x_BxTxD.dtype)
         return StreamState(jnp.concatenate([x_BxTxD[None], zeros]), jnp.zeros((), jnp.int32))
 

@@ -142,20 +142,43 @@ class TransformerLM(nnx.Module):
         if stages > 1 and cache is None:  # training and evaluation: pipelined over `stage`
             return self._output(self._pipelined(x_BxTxD, positions_BxT, graphdef, layer_params,
                                                 layer_states, stages)), None
-        stream = constrain_state(self.residual_stream.begin(x_BxTxD, decoding=cache is not None))
-
-        def run_block(stream, layer):
-            params, states, layer_cache = layer
-            block = nnx.merge(graphdef, params, states)
-            stream, layer_cache = block(stream, positions_BxT, self.position.rotate, layer_cache)
-            return stream, (nnx.state(block, nnx.Not(nnx.Param)), layer_cache)
-
-        if self.cfg.remat:
-            run_block = jax.checkpoint(run_block)
-        stream, (layer_states, cache) = jax.lax.scan(run_block, stream,
-                                                     (layer_params, layer_states, cache))
+        stream = constrain_state(self.residual_stream.begin(x_BxTxD))
+        stream, (layer_states, cache) = self._scan(stream, positions_BxT, graphdef, layer_params,
+                                                   layer_states, cache)
         nnx.update(self.blocks, layer_states)  # e.g. BatchNorm running statistics
         return self._output(self.residual_stream.end(stream)), cache
+
+    def _scan(self, stream, positions_BxT, graphdef, layer_params, layer_states, cache):
+        """The layer stack as one `jax.lax.scan`, k units (blocks, or MoE block groups) per step:
+        k = 1, or, for a mechanism that opens and closes a group of sublayers (two-phase AttnRes:
+        `units_per_block`, `open`, `close`), the units of one group. Returns the final state and
+        the per-unit (non-parameter state, KV cache), stacked over units."""
+        units, stream_module = self.stack_shape[0], self.residual_stream
+        group = None  # under nnx.capture, unit by unit: the naive reads record their weights
+        if hasattr(stream_module, "units_per_block") and not hasattr(self, "__captures__"):
+            group = stream_module.units_per_block(units)
+        per_step = group or 1
+
+        def run_step(stream, layer):
+            if group:
+                stream = stream_module.open(stream)
+            outputs = []
+            for j in range(per_step):
+                params, states, layer_cache = jax.tree.map(lambda x, j=j: x[j], layer)
+                block = nnx.merge(graphdef, params, states)
+                stream, layer_cache = block(stream, positions_BxT, self.position.rotate,
+                                            layer_cache)
+                outputs.append((nnx.state(block, nnx.Not(nnx.Param)), layer_cache))
+            if group:
+                stream = constrain_state(stream_module.close(stream))
+            return stream, jax.tree.map(lambda *x: jnp.stack(x), *outputs)
+
+        if self.cfg.remat:
+            run_step = jax.checkpoint(run_step)
+        steps = lambda x: x.reshape(units // per_step, per_step, *x.shape[1:])  # noqa: E731
+        stream, outputs = jax.lax.scan(run_step, stream,
+                                       jax.tree.map(steps, (layer_params, layer_states, cache)))
+        return stream, jax.tree.map(lambda x: x.reshape(units, *x.shape[2:]), outputs)
 
     def _pipelined(self, x_BxTxD, positions_BxT, graphdef, layer_params, layer_states,
                    stages: int):

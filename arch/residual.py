@@ -5,12 +5,12 @@ A mechanism owns how a sublayer reads the residual state and how it writes back:
 one instance per sublayer (stacked over layers with the blocks), and, at the model level, a
 `stream` module (`Mechanism.stream(cfg, rngs=...)`, built once, parameters not stacked) that
 starts the state from the embedding (`begin`) and gives what the final norm sees (`end`):
-    state = stream.begin(x_BxTxD, decoding=...);  ...;  x_BxTxD = stream.end(state)
+    state = stream.begin(x_BxTxD);  ...;  x_BxTxD = stream.end(state)
 The plain sum's state is x_BxTxD itself. Richer mechanisms (several streams, a history of depth
 sources) carry a pytree through the same calls; by convention its leaves are x_BxTxD-shaped,
 stacked n×B×T×D, or small (counters, per-depth parameters), and `constrain_state` shards them.
-`decoding=True` when the model runs against a KV cache (generation), for mechanisms with a
-faster inference schedule.
+A stream module may also group sublayers (`units_per_block`, `open`, `close`: two-phase AttnRes),
+and the model's layer scan then runs one group per step (`TransformerLM._scan`).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ class SumStream(nnx.Module):
     """Model-level part of the single-stream mechanisms: the state is the embedding itself, and
     the final norm reads the state."""
 
-    def begin(self, x_BxTxD, *, decoding: bool = False):
+    def begin(self, x_BxTxD):
         return x_BxTxD
 
     def end(self, stream_BxTxD):

@@ -12,6 +12,7 @@ from flax import nnx
 from arch import reference
 from arch.attnres import (
     AttentionResidual,
+    AttnResStream,
     BlockAttentionResidual,
     depth_read,
     inverse_rms,
@@ -122,23 +123,24 @@ def test_boundary_rules_every_output_lands_in_exactly_one_source(block_size):
         assert buffer[0, 0] == 1 and buffer[0, 1:].sum() == 0  # e₀ alone in slot 0
 
 
-@pytest.mark.parametrize("key_norm,heads", [(True, 1), (False, 2)])
-def test_two_phase_reads_equal_the_naive_reads(key_norm, heads):
+@pytest.mark.parametrize("key_norm,heads", [(True, 1), (False, 2), (True, 2)])
+def test_two_phase_reads_and_their_gradients_equal_the_naive_reads(key_norm, heads):
     block, completed, shape = 4, 3, (2, 5, 16)
     rng = np.random.default_rng(0)
     queries = 2 * rng.standard_normal((block, shape[-1]), np.float32)
     scales = np.arange(1, completed + 3, dtype=np.float32)[:, None]
     sources = rng.standard_normal((*shape[:2], completed + 2, shape[-1]), np.float32) * scales
     outputs = rng.standard_normal((block, *shape), np.float32)
-    partials = np.concatenate([np.zeros((1, *shape), np.float32), np.cumsum(outputs, 0)[:-1]])
+    probe = rng.standard_normal((block, *shape), np.float32)
 
-    @jax.jit
-    def both_ways(queries, sources, partials):
+    def reads(two_phase, queries, sources, outputs):
+        partials = jnp.concatenate([jnp.zeros((1, *shape)), jnp.cumsum(outputs, 0)[:-1]])
         inverse = inverse_rms(sources, heads, 1e-6) if key_norm else None
         partial_inverse = inverse_rms(partials, heads, 1e-6) if key_norm else None
         valid = jnp.arange(completed + 2) < completed  # two padding slots that must stay out
-        two_phase = two_phase_reads(queries, sources, inverse, valid, partials, partial_inverse,
-                                    heads)
+        if two_phase:
+            return two_phase_reads(queries, sources, inverse, valid, partials, partial_inverse,
+                                   heads)
         naive = []
         for i in range(block):
             available = jnp.concatenate([sources[:, :, :completed], partials[i][:, :, None]], 2)
@@ -146,9 +148,17 @@ def test_two_phase_reads_equal_the_naive_reads(key_norm, heads):
                 [inverse[:, :, :completed], partial_inverse[i][:, :, None]], 2)
             naive.append(depth_read(queries[i], available, available_inverse,
                                     jnp.arange(completed + 1) < completed + (i > 0), heads)[0])
-        return two_phase, jnp.stack(naive)
+        return jnp.stack(naive)
 
-    np.testing.assert_allclose(*both_ways(queries, sources, partials), atol=1e-5, rtol=1e-5)
+    @functools.partial(jax.jit, static_argnums=0)
+    def value_and_grads(two_phase, *inputs):
+        loss = lambda *x: jnp.sum(probe * reads(two_phase, *x))  # noqa: E731
+        return reads(two_phase, *inputs), jax.grad(loss, (0, 1, 2))(*inputs)
+
+    inputs = queries, sources, outputs
+    fast, naive = value_and_grads(True, *inputs), value_and_grads(False, *inputs)
+    for got, expected in zip(jax.tree.leaves(fast), jax.tree.leaves(naive), strict=True):
+        np.testing.assert_allclose(got, expected, atol=5e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("query_shape", [(16,), (2, 5, 16)], ids=["static", "input"])
@@ -170,20 +180,31 @@ def test_hand_written_read_gradient_equals_autodiff(query_shape):
         np.testing.assert_allclose(fast_grad, naive_grad, atol=1e-5, rtol=1e-5)
 
 
-def test_kv_cache_decoding_uses_two_phase_and_equals_the_forward_pass():
-    cfg, model = tiny_model(residual="block_attnres", attnres_block_size=3)  # blocks of 3 and 1
+@pytest.mark.parametrize("block_size,units_per_block", [(2, 1), (4, 2), (3, None)])
+def test_two_phase_when_blocks_align_with_layers_and_decoding_equals_the_forward_pass(
+        block_size, units_per_block, monkeypatch):
+    """Blocks of whole layers (2 sublayers each) run two-phase, one block per scan step, in
+    training and decoding; blocks of 3 sublayers (3 and 1 here) keep the naive read."""
+    cfg, model = tiny_model(residual="block_attnres", attnres_block_size=block_size)
+    assert model.residual_stream.units_per_block(cfg.num_layers) == units_per_block
     perturb_parameters(model)
-    state = model.residual_stream.begin(jnp.ones((1, 1, cfg.d_model)), decoding=True)
-    assert "phase_max" in state and state["phase_max"].shape == (1, 1, 3)  # B×T×(S·H)
+    opened = []
+    open_block = AttnResStream.open
+    monkeypatch.setattr(AttnResStream, "open",
+                        lambda self, state: opened.append(1) or open_block(self, state))
     tokens = random_tokens((2, 6))
+    forward = nnx.jit(lambda m, t: m(t))(model, tokens)
     decoded = nnx.jit(prefill_then_decode, static_argnums=(2, 3))(model, tokens, 5, 6)
-    np.testing.assert_allclose(decoded, nnx.jit(lambda m, t: m(t))(model, tokens), atol=2e-5,
-                               rtol=1e-5)
+    assert len(opened) == (0 if units_per_block is None else 3)  # traced once per program
+    np.testing.assert_allclose(decoded, forward, atol=2e-5, rtol=1e-5)
+    np.testing.assert_allclose(forward, jax.jit(functools.partial(reference.logits, cfg))(
+        nnx.to_pure_dict(nnx.state(model, nnx.Param)), tokens), atol=1e-4, rtol=1e-5)
 
 
 def test_pseudo_query_gradients_one_source_has_none():
     """The first read has a single source (the embedding), so its softmax is constant and its
-    pseudo-query gets exactly zero gradient; every later pseudo-query learns from step one."""
+    pseudo-query gets no gradient (to rounding: the two-phase read divides by its own
+    denominator); every later pseudo-query learns from step one."""
     _, model = tiny_model(residual="block_attnres", attnres_block_size=2)
     tokens = random_tokens((2, 9))
 
@@ -192,8 +213,8 @@ def test_pseudo_query_gradients_one_source_has_none():
         return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], -1))
 
     grads = nnx.jit(nnx.grad(loss))(model).residual_stream.pseudo_queries[...]
-    assert np.all(grads[0] == 0)
-    assert np.all(np.abs(grads[1:]).max(-1) > 0)
+    learned = np.abs(grads[1:]).max(-1)
+    assert np.abs(grads[0]).max() < 1e-5 * learned.min(), (grads[0], learned)
 
 
 @pytest.mark.parametrize("field,value,message", [
