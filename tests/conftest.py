@@ -2,6 +2,8 @@
 code generation (the suite's time is mostly compiling small programs; results are unchanged)."""
 
 import os
+import shutil
+import tempfile
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "")
@@ -13,6 +15,16 @@ import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
+# One compilation cache per test run, shared by the xdist workers (and by the scripts the tests
+# start): tests that build the same tiny program compile it once. Removed when the run ends.
+_RUN = os.environ.setdefault("BLOCKBENCH_TEST_RUN", os.environ.get("PYTEST_XDIST_TESTRUNUID",
+                                                                   str(os.getpid())))
+COMPILATION_CACHE = os.path.join(tempfile.gettempdir(), f"blockbench-test-compiles-{_RUN}")
+os.environ["JAX_COMPILATION_CACHE_DIR"] = COMPILATION_CACHE
+jax.config.update("jax_compilation_cache_dir", COMPILATION_CACHE)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
 
 import pytest  # noqa: E402
 
@@ -21,3 +33,8 @@ import pytest  # noqa: E402
 def _data_dir(tmp_path_factory):
     """Prepare the embedded corpus into a fresh directory: tests never read a user's cache."""
     os.environ["BLOCKBENCH_DATA_DIR"] = str(tmp_path_factory.mktemp("tfds"))
+
+
+def pytest_sessionfinish(session):
+    if not hasattr(session.config, "workerinput"):  # the controller, after every worker
+        shutil.rmtree(COMPILATION_CACHE, ignore_errors=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import jax
 import ml_collections
 from flax import nnx
@@ -9,6 +11,15 @@ from flax import nnx
 from arch.model import TransformerLM
 from experiments.common import base_config
 from train.config import validate
+
+
+def one_device_env(*drop: str) -> dict[str, str]:
+    """The environment for a script run in a fresh interpreter: conftest's XLA flags without its 8
+    simulated devices (one CPU device, the cheap code generation kept), less the `drop` names."""
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env["XLA_FLAGS"] = " ".join(flag for flag in env.get("XLA_FLAGS", "").split()
+                                if not flag.startswith("--xla_force_host_platform_device_count"))
+    return env
 
 
 def tiny_config(**model_overrides) -> ml_collections.ConfigDict:

@@ -2,7 +2,6 @@
 numbers, published open-model counts, and scripts/accounting.py end to end."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ from arch.reference_shapes import (
     worked_examples,
 )
 from experiments.common import model_config
+from tests.helpers import one_device_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -81,7 +81,7 @@ def test_open_models_reproduce_their_published_parameter_counts(name):
 
 
 def test_accounting_script_prints_json_for_a_config_and_shapes(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = one_device_env()
     out = tmp_path / "books.json"
     command = [sys.executable, str(ROOT / "scripts" / "accounting.py"),
                "--config", str(ROOT / "experiments" / "quickstart.py"),

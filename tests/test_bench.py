@@ -2,10 +2,11 @@
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
+
+from tests.helpers import one_device_env
 
 ROOT = Path(__file__).resolve().parents[1]
 REQUIRED = ("tokens_per_sec", "step_time_s", "compile_time_s", "mfu", "peak_flops",
@@ -19,8 +20,7 @@ COMPARE = ("step_time_s", "step_time_vs_config", "temp_bytes", "temp_bytes_vs_co
 
 
 def test_bench_json_with_baseline_compare_decode_and_depth_memory():
-    # One CPU device: conftest's XLA_FLAGS (8 simulated devices) is dropped from the child's env.
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = one_device_env()
     env["JAX_PLATFORMS"] = "cpu"
     command = [sys.executable, str(ROOT / "scripts" / "bench.py"),
                "--config", str(ROOT / "experiments" / "quickstart.py"),

@@ -16,6 +16,7 @@ import pytest
 from arch.config import ConfigError
 from sharding.mesh import hybrid_device_grid, ici_dcn_shapes, make_mesh, multiprocess_launch
 from sharding.rules import MESH_AXES, logical_to_spec, named_sharding
+from tests.helpers import one_device_env
 from train.data import Dataset
 from train.step import rows_held
 
@@ -25,7 +26,7 @@ QUICKSTART = str(ROOT / "experiments" / "quickstart.py")
 
 def run_script(*args: str) -> subprocess.CompletedProcess:
     """A script of this checkout in a fresh interpreter, without conftest's 8 simulated devices."""
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env = one_device_env("JAX_PLATFORMS")
     env["PYTHONPATH"] = str(ROOT)
     return subprocess.run([*args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 

@@ -16,7 +16,7 @@ import optax
 import pytest
 
 from arch.config import ConfigError
-from tests.helpers import tiny_config, tiny_model
+from tests.helpers import one_device_env, tiny_config, tiny_model
 from train import data
 from train.checkpoint import Checkpointer
 from train.config import validate
@@ -130,7 +130,7 @@ def test_bad_config_is_one_clear_line(overrides, message):
 
 
 def cli(*args, env=None):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device
+    env = one_device_env()
     return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=300)
 
