@@ -374,6 +374,13 @@ def _row(table, index):
     return jax.lax.dynamic_index_in_dim(table, index, axis=0, keepdims=False)
 
 
+def _source_slots(layout: DepthLayout, state: dict):
+    """The buffer as B×T×(N+1)×D sources and their 1/rms as B×T×(N+1)×H (None: raw keys)."""
+    inverse = state.get("inverse_rms")
+    return (_unflatten(state["sources"], state["sources"].shape[-1] // layout.slots),
+            None if inverse is None else _unflatten(inverse, layout.heads))
+
+
 def _read(layout: DepthLayout, state: dict, query_projection, module: nnx.Module) -> jax.Array:
     """The mixed read Σ_j α_{j→l} v_j (float32 B×T×D) of sublayer l = `state["sublayer"]` (l = n:
     the final read); inside a block opened by `AttnResStream.open`, the two-phase merge."""
@@ -383,9 +390,7 @@ def _read(layout: DepthLayout, state: dict, query_projection, module: nnx.Module
         return merge_partial(_row(state["pseudo_queries"], state["sublayer"]), *state["phase"][0],
                              partial, inverse, layout.heads)
     index = state["sublayer"]
-    sources = _unflatten(state["sources"], state["sources"].shape[-1] // layout.slots)
-    inverse = state.get("inverse_rms")
-    inverse = None if inverse is None else _unflatten(inverse, layout.heads)
+    sources, inverse = _source_slots(layout, state)
     newest = (index + layout.block_size - 1) // layout.block_size  # ⌈l/S⌉, the newest source
     slot = jnp.arange(layout.slots)
     valid = slot <= newest
@@ -472,13 +477,10 @@ class AttnResStream(nnx.Module):
         read's (running max, denominator, numerator); the block's partial sum is kept apart
         (`state["partial"]`, absent while empty) until `close` writes it to its slot."""
         layout = self.layout
-        first, width = state["sublayer"], state["pseudo_queries"].shape[-1]
+        first = state["sublayer"]
         queries = jax.lax.dynamic_slice_in_dim(state["pseudo_queries"], first, layout.block_size)
         valid = jnp.arange(layout.slots) <= first // layout.block_size
-        inverse = state.get("inverse_rms")
-        inverse = None if inverse is None else _unflatten(inverse, layout.heads)
-        phase = phase_one(queries, _unflatten(state["sources"], width), inverse, valid,
-                          layout.heads)
+        phase = phase_one(queries, *_source_slots(layout, state), valid, layout.heads)
         return dict(state, phase=tuple(tuple(p[:, :, i] for p in phase)
                                        for i in range(layout.block_size)))
 

@@ -129,7 +129,7 @@ def test_bad_config_is_one_clear_line(overrides, message):
     assert message in str(error.value) and "\n" not in str(error.value)
 
 
-def cli(*args, env=None):
+def cli(*args):
     env = one_device_env()
     return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=300)
