@@ -35,12 +35,13 @@ work for Block AttnRes), O(n) for Full. The one-head softmax read has a hand-wri
 (`softmax_read`); writes pass the buffer's cotangent through untouched.
 
 Cost (CPU, the issue's benchmark, `scripts/bench.py` with --compare: d = 192, 16 blocks, 16×128
-tokens, 8 AttnRes blocks of S = 4, two-phase): a train step measured 1.21–1.26× the plain
-Pre-Norm sum's (1.28× with naive reads), with 1.29× its temporary memory. What remains is mostly
-the backward pass: the layer scan saves the buffer at every step (autodiff of the scan cannot
-know that completed slots never change; zero-filling, writing and re-slicing it is ~0.1 s), the
-per-block contractions with their cotangents and the merges' saved residuals. Closing the rest
-needs a custom VJP over the layer scan that reads the final buffer instead of a copy per step.
+tokens, 8 AttnRes blocks of S = 4, two-phase): a train step measured 1.12–1.17× the plain
+Pre-Norm sum's (1.28× with naive reads), with 1.25× its temporary memory. What remains: the layer
+scan saves the buffer at every step (autodiff of the scan cannot know that completed slots never
+change; zero-filling, writing and re-slicing it is ~0.1 s), phase 1's contractions with their
+cotangents over all N + 1 slots (about half of them still empty), and the merges. Closing the
+buffer part needs a custom VJP over the layer scan that reads the final buffer instead of a copy
+per step.
 A one-token decode step measured 0.36–0.49× the plain sum's, mostly because the scan then steps
 one AttnRes block (2 layers) at a time: the plain sum stepped the same way measured 7.1 ms against
 14.9 ms, and two-phase AttnRes 0.96× that (naive reads, blocks of 3: 1.07× the plain sum).
@@ -61,11 +62,12 @@ Variants (config fields):
 
 Two-phase schedule (paper, "Two-phase computation"), in training and with a KV cache: the
 pseudo-queries do not depend on the input, so when a block starts (`AttnResStream.open`), its S
-queries are batched against the completed sources once (phase 1: running max, denominator and
-weighted numerator per query and head, with a hand-written gradient), and each read of the block
-then merges its one partial-sum source into that result with an online-softmax merge (phase 2),
-O(d) per read instead of O(N·d); the partial sum is kept apart and written to its slot when the
-block ends (`close`). Equal to the naive read to float rounding. It applies to softmax weights
+queries are batched against the completed sources once (phase 1: per query and head the
+log-sum-exp of the scores, lse, and the normalized read c over those sources), and each read of
+the block then merges its one partial-sum source p, with score s, into that result (phase 2, the
+online-softmax merge as a two-way softmax: σ(lse − s)·c + σ(s − lse)·p), O(d) per read instead
+of O(N·d); both phases have hand-written gradients, and the partial sum is kept apart and written
+to its slot when the block ends (`close`). Equal to the naive read to float rounding. It applies to softmax weights
 with static queries and no window, when blocks are whole layers (S a multiple of the sublayers
 per scan unit and n a multiple of S: `units_per_block`), so that the layer scan steps one block at
 a time with static boundaries (its S/2 layers unrolled in the step: compile time grows with S,
@@ -241,25 +243,26 @@ def _contract(spec: str, heads: int, *operands) -> jax.Array:
 
 def phase_one(queries_SxD, sources_BxTxNxD, inverse_rms_BxTxNxH, valid_N, heads: int):
     """Phase 1 of two-phase AttnRes: the S queries of a block against the completed sources at
-    once. Returns the online-softmax state per query and head: running max m (B×T×S×H),
-    denominator Σ_j e^{s_j − m} (B×T×S×H) and numerator Σ_j e^{s_j − m} v_j (B×T×S×D), float32.
-    The max is a constant to the gradient (it cancels in every read's ratio)."""
+    once. Returns, per query and head, the log-sum-exp of the scores, lse = log Σ_j e^{s_j}
+    (B×T×S×H), and a tuple of S normalized reads over these sources, Σ_j e^{s_j − lse} v_j
+    (B×T×D each), float32."""
     split = (lambda x: x) if heads == 1 else (lambda x: _split_heads(x, heads))  # noqa: E731
     if inverse_rms_BxTxNxH is None:
         inverse_rms_BxTxNxH = jnp.ones(sources_BxTxNxD.shape[:3] + (heads,), jnp.float32)
     inverse = inverse_rms_BxTxNxH[..., 0] if heads == 1 else inverse_rms_BxTxNxH
-    running_max, denominator, numerator = _phase_one(
-        split(queries_SxD.astype(jnp.float32)), split(sources_BxTxNxD), inverse, valid_N, heads)
+    lse, reads = _phase_one(split(queries_SxD.astype(jnp.float32)), split(sources_BxTxNxD),
+                            inverse, valid_N, heads)
     if heads == 1:
-        return running_max[..., None], denominator[..., None], numerator
-    return running_max, denominator, numerator.reshape(*numerator.shape[:-2], -1)
+        return lse[..., None], reads
+    return lse, tuple(read.reshape(*read.shape[:-2], -1) for read in reads)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _phase_one(queries_SxHxK, sources_BxTxNxHxK, inverse_BxTxNxH, valid_N, heads):
     """`phase_one` on split heads (no head axes for one head), with a hand-written gradient: the
-    scores keep the sources' layout (one GEMM against the S queries) and the backward pass
-    reads the sources twice, with no transposed copy."""
+    scores keep the sources' layout (one GEMM against the S queries), the backward pass reads
+    the sources twice, with no transposed copy, and the S reads are separate arrays (each merge
+    saves its own for the backward pass: a stacked copy would be a second one)."""
     return _phase_one_forward(queries_SxHxK, sources_BxTxNxHxK, inverse_BxTxNxH, valid_N,
                               heads)[0]
 
@@ -269,27 +272,27 @@ def _phase_one_forward(queries, sources, inverse, valid_N, heads):
     raw = _contract("btnhk,shk->btnsh", heads, values, queries)  # B×T×N×S(×H)
     mask = valid_N.reshape(-1, *(1,) * (raw.ndim - 3))
     scores = jnp.where(mask, raw * jnp.expand_dims(inverse, 3), -jnp.inf)
-    running_max = scores.max(axis=2)
-    exponentials = jnp.exp(scores - running_max[:, :, None])
-    # Sums over the few sources and queries are unrolled (one elementwise fusion each): XLA:CPU
-    # runs them as thousands of tiny matrix products otherwise, 2-3× slower.
-    numerator = sum(exponentials[:, :, n, ..., None] * values[:, :, n, None]
-                    for n in range(values.shape[2]))
-    outputs = running_max, exponentials.sum(axis=2), numerator
-    return outputs, (queries, sources, inverse, raw, exponentials)
+    lse = jax.nn.logsumexp(scores, axis=2)
+    weights = jnp.exp(scores - lse[:, :, None])
+    # Each read's sum over the few sources is unrolled (one elementwise fusion): XLA:CPU runs
+    # it as thousands of tiny matrix products otherwise, 3× slower.
+    reads = tuple(sum(weights[:, :, n, s, ..., None] * values[:, :, n]
+                      for n in range(values.shape[2])) for s in range(queries.shape[0]))
+    return (lse, reads), (queries, sources, inverse, raw, weights)
 
 
 def _phase_one_backward(heads, residuals, cotangents):
-    queries, sources, inverse, raw, exponentials = residuals
-    _, denominator_cotangent, numerator_cotangent = cotangents  # the max is a constant
+    """With α_j = e^{s_j − lse} and c = Σ_j α_j v_j: ∂lse/∂s_j = α_j, ∂c/∂s_j = α_j (v_j − c)."""
+    queries, sources, inverse, raw, weights = residuals
+    lse_cotangent, read_cotangents = cotangents
     values = sources.astype(jnp.float32)
-    weight_cotangent = (_contract("btshk,btnhk->btnsh", heads, numerator_cotangent, values)
-                        + denominator_cotangent[:, :, None])
-    score_cotangent = exponentials * weight_cotangent
+    read_cotangent = jnp.stack(read_cotangents, axis=2)  # B×T×S(×H)×K
+    along_values = _contract("btshk,btnhk->btnsh", heads, read_cotangent, values)  # dc · v_j
+    along_read = (weights * along_values).sum(axis=2, keepdims=True)  # dc · c
+    score_cotangent = weights * (along_values - along_read + lse_cotangent[:, :, None])
     raw_cotangent = score_cotangent * jnp.expand_dims(inverse, 3)
-    source_cotangent = sum(exponentials[:, :, :, s, ..., None] * numerator_cotangent[:, :, None, s]
-                           + raw_cotangent[:, :, :, s, ..., None] * queries[s]
-                           for s in range(queries.shape[0]))
+    source_cotangent = (_contract("btnsh,btshk->btnhk", heads, weights, read_cotangent)
+                        + _contract("btnsh,shk->btnhk", heads, raw_cotangent, queries))
     return (_contract("btnsh,btnhk->shk", heads, raw_cotangent, values),
             source_cotangent.astype(sources.dtype), (score_cotangent * raw).sum(axis=3), None)
 
@@ -297,37 +300,67 @@ def _phase_one_backward(heads, residuals, cotangents):
 _phase_one.defvjp(_phase_one_forward, _phase_one_backward)
 
 
-def merge_partial(query_D, running_max_BxTxH, denominator_BxTxH, numerator_BxTxD, partial_BxTxD,
-                  partial_inverse_rms_BxTxH, heads: int) -> jax.Array:
-    """Phase 2: merge one more source (the block's partial sum; None: no source yet) into a
-    phase-1 result with the online-softmax update, and normalize:
-    m' = max(m, s), read = (e^{m−m'}·num + e^{s−m'}·v) / (e^{m−m'}·den + e^{s−m'}), float32."""
-    width = numerator_BxTxD.shape[-1]
+def merge_partial(query_D, lse_BxTxH, read_BxTxD, partial_BxTxD, heads: int,
+                  eps: float | None) -> jax.Array:
+    """Phase 2: merge one more source, the block's partial sum p (None: no source yet), into a
+    phase-1 result (lse, c). With its score s = w · p̂ (p̂ = p·rms(p)⁻¹ per head, computed here;
+    eps None: raw key p̂ = p), the read over all sources is the two-way softmax
+        σ(lse − s) · c + σ(s − lse) · p,    float32,
+    with a hand-written gradient that keeps only c and p (autodiff saves four D-wide arrays)."""
     if partial_BxTxD is None:
-        return numerator_BxTxD / _per_feature(denominator_BxTxH, width)
-    partial = partial_BxTxD.astype(jnp.float32)
-    score = _head_sums(partial * query_D.astype(jnp.float32), heads)
-    if partial_inverse_rms_BxTxH is not None:
-        score = score * partial_inverse_rms_BxTxH
-    new_max = jax.lax.stop_gradient(jnp.maximum(running_max_BxTxH, score))
-    keep, add = jnp.exp(running_max_BxTxH - new_max), jnp.exp(score - new_max)
-    numerator = numerator_BxTxD * _per_feature(keep, width) + partial * _per_feature(add, width)
-    return numerator / _per_feature(denominator_BxTxH * keep + add, width)
+        return read_BxTxD
+    return _merge(query_D, lse_BxTxH, read_BxTxD, partial_BxTxD, heads, eps)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _merge(query, lse, read, partial, heads, eps):
+    return _merge_forward(query, lse, read, partial, heads, eps)[0]
+
+
+def _merge_forward(query, lse, read, partial, heads, eps):
+    values = partial.astype(jnp.float32)
+    raw = _head_sums(values * query.astype(jnp.float32), heads)
+    inverse = None if eps is None else inverse_rms(values, heads, eps)
+    weight = jax.nn.sigmoid(lse - (raw if inverse is None else raw * inverse))  # on c
+    merged = values + _per_feature(weight, read.shape[-1]) * (read - values)
+    return merged, (query, read, partial, raw, inverse, weight)
+
+
+def _merge_backward(heads, eps, residuals, merged_cotangent):
+    query, read, partial, raw, inverse, weight = residuals
+    width, values = read.shape[-1], partial.astype(jnp.float32)
+    per_feature = lambda x: _per_feature(x, width)  # noqa: E731
+    # d merged / d weight = c − p; the weight is σ(lse − s).
+    gate_cotangent = (_head_sums(merged_cotangent * (read - values), heads)
+                      * weight * (1 - weight))
+    raw_cotangent = -gate_cotangent if inverse is None else -gate_cotangent * inverse
+    value_cotangent = (merged_cotangent * per_feature(1 - weight)
+                       + per_feature(raw_cotangent) * query.astype(jnp.float32))
+    if inverse is not None:  # ∂rms(p)⁻¹/∂p = −rms(p)⁻³ · p / (d/H)
+        inverse_cotangent = -gate_cotangent * raw
+        value_cotangent += per_feature(inverse_cotangent * inverse**3 * (heads / width)) * -values
+    split = (lambda x: x) if heads == 1 else (lambda x: _split_heads(x, heads))  # noqa: E731
+    query_cotangent = _contract("bthk,bth->hk", heads, split(values),
+                                raw_cotangent[..., 0] if heads == 1 else raw_cotangent)
+    query_cotangent = query_cotangent.reshape(-1)
+    return (query_cotangent.astype(query.dtype), gate_cotangent,
+            merged_cotangent * per_feature(weight), value_cotangent.astype(partial.dtype))
+
+
+_merge.defvjp(_merge_forward, _merge_backward)
 
 
 def two_phase_reads(queries_SxD, sources_BxTxNxD, inverse_rms_BxTxNxH, valid_N,
-                    partials_SxBxTxD, partial_inverse_rms_SxBxTxH, heads: int) -> jax.Array:
+                    partials_SxBxTxD, heads: int, eps: float) -> jax.Array:
     """The S reads of one block by the two-phase schedule, S×B×T×D float32: read i attends over
     the valid completed sources and, for i > 0, `partials[i]` (the sum of the block's first i
-    outputs; `partials[0]` is ignored). Equal to `depth_read` over the same sources."""
-    phase = phase_one(queries_SxD, sources_BxTxNxD, inverse_rms_BxTxNxH, valid_N, heads)
-    reads = []
-    for i in range(queries_SxD.shape[0]):
-        partial = partials_SxBxTxD[i] if i else None
-        inverse = None if partial_inverse_rms_SxBxTxH is None else partial_inverse_rms_SxBxTxH[i]
-        reads.append(merge_partial(queries_SxD[i], *(p[:, :, i] for p in phase), partial,
-                                   inverse, heads))
-    return jnp.stack(reads)
+    outputs; `partials[0]` is ignored), with keys normalized when `inverse_rms` is given. Equal
+    to `depth_read` over the same sources."""
+    lse, reads = phase_one(queries_SxD, sources_BxTxNxD, inverse_rms_BxTxNxH, valid_N, heads)
+    eps = None if inverse_rms_BxTxNxH is None else eps
+    return jnp.stack([merge_partial(queries_SxD[i], lse[:, :, i], reads[i],
+                                    partials_SxBxTxD[i] if i else None, heads, eps)
+                      for i in range(queries_SxD.shape[0])])
 
 
 # The state keeps every per-token array 3-D, B×T×(k·width) with k slots side by side, so that
@@ -385,10 +418,9 @@ def _read(layout: DepthLayout, state: dict, query_projection, module: nnx.Module
     """The mixed read Σ_j α_{j→l} v_j (float32 B×T×D) of sublayer l = `state["sublayer"]` (l = n:
     the final read); inside a block opened by `AttnResStream.open`, the two-phase merge."""
     if "phase" in state:
-        partial = state.get("partial")
-        inverse = None if partial is None else state.get("partial_inverse_rms")
+        eps = layout.eps if layout.normalizes_keys else None
         return merge_partial(_row(state["pseudo_queries"], state["sublayer"]), *state["phase"][0],
-                             partial, inverse, layout.heads)
+                             state.get("partial"), layout.heads, eps)
     index = state["sublayer"]
     sources, inverse = _source_slots(layout, state)
     newest = (index + layout.block_size - 1) // layout.block_size  # ⌈l/S⌉, the newest source
@@ -474,26 +506,26 @@ class AttnResStream(nnx.Module):
     def open(self, state: dict) -> dict:
         """Phase 1 for the block starting at sublayer `state["sublayer"]`: its S pseudo-queries
         against the completed sources at once. `state["phase"]` holds, in order, each remaining
-        read's (running max, denominator, numerator); the block's partial sum is kept apart
+        read's (log-sum-exp, normalized read); the block's partial sum is kept apart
         (`state["partial"]`, absent while empty) until `close` writes it to its slot."""
         layout = self.layout
         first = state["sublayer"]
         queries = jax.lax.dynamic_slice_in_dim(state["pseudo_queries"], first, layout.block_size)
         valid = jnp.arange(layout.slots) <= first // layout.block_size
-        phase = phase_one(queries, *_source_slots(layout, state), valid, layout.heads)
-        return dict(state, phase=tuple(tuple(p[:, :, i] for p in phase)
-                                       for i in range(layout.block_size)))
+        lse, reads = phase_one(queries, *_source_slots(layout, state), valid, layout.heads)
+        return dict(state, phase=tuple((lse[:, :, i], read) for i, read in enumerate(reads)))
 
     def close(self, state: dict) -> dict:
         """Write the block's sum to its slot (with its 1/rms): the summary becomes a source."""
-        state = dict(state)
-        partial, inverse = state.pop("partial"), state.pop("partial_inverse_rms", None)
+        layout, state = self.layout, dict(state)
+        partial = state.pop("partial")
         del state["phase"]
-        slot = state["sublayer"] // self.layout.block_size
+        slot = state["sublayer"] // layout.block_size
         state["sources"] = _add_to_slot(state["sources"], partial, slot)
-        if inverse is not None:
-            state["inverse_rms"] = _set_slot(state["inverse_rms"], inverse, slot,
-                                             self.layout.heads)
+        if layout.normalizes_keys:
+            state["inverse_rms"] = _set_slot(
+                state["inverse_rms"], inverse_rms(partial, layout.heads, layout.eps), slot,
+                layout.heads)
         return state
 
     def stage_window(self, lag: int) -> int:
@@ -607,8 +639,6 @@ class AttentionResidual(nnx.Module):
             partial, update = state.get("partial"), update_BxTxD.astype(state["sources"].dtype)
             total = update if partial is None else partial + update
             state.update(partial=total, phase=state["phase"][1:])
-            if layout.normalizes_keys:
-                state["partial_inverse_rms"] = inverse_rms(total, layout.heads, layout.eps)
             return state
         slot, width = index // layout.block_size + 1, update_BxTxD.shape[-1]
         state["sources"] = _add_to_slot(state["sources"], update_BxTxD, slot)

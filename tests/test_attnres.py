@@ -136,11 +136,10 @@ def test_two_phase_reads_and_their_gradients_equal_the_naive_reads(key_norm, hea
     def reads(two_phase, queries, sources, outputs):
         partials = jnp.concatenate([jnp.zeros((1, *shape)), jnp.cumsum(outputs, 0)[:-1]])
         inverse = inverse_rms(sources, heads, 1e-6) if key_norm else None
-        partial_inverse = inverse_rms(partials, heads, 1e-6) if key_norm else None
         valid = jnp.arange(completed + 2) < completed  # two padding slots that must stay out
         if two_phase:
-            return two_phase_reads(queries, sources, inverse, valid, partials, partial_inverse,
-                                   heads)
+            return two_phase_reads(queries, sources, inverse, valid, partials, heads, 1e-6)
+        partial_inverse = inverse_rms(partials, heads, 1e-6) if key_norm else None
         naive = []
         for i in range(block):
             available = jnp.concatenate([sources[:, :, :completed], partials[i][:, :, None]], 2)
