@@ -67,10 +67,10 @@ log-sum-exp of the scores, lse, and the normalized read c over those sources), a
 the block then merges its one partial-sum source p, with score s, into that result (phase 2, the
 online-softmax merge as a two-way softmax: σ(lse − s)·c + σ(s − lse)·p), O(d) per read instead
 of O(N·d); both phases have hand-written gradients, and the partial sum is kept apart and written
-to its slot when the block ends (`close`). Equal to the naive read to float rounding. It applies to softmax weights
-with static queries and no window, when blocks are whole layers (S a multiple of the sublayers
-per scan unit and n a multiple of S: `units_per_block`), so that the layer scan steps one block at
-a time with static boundaries (its S/2 layers unrolled in the step: compile time grows with S,
+to its slot when the block ends (`close`). Equal to the naive read to float rounding. It
+applies to softmax weights with static queries and no window, when blocks are whole layers (S a
+multiple of the sublayers per scan unit and n a multiple of S: `units_per_block`), so that the
+layer scan steps one block at a time with static boundaries (its S/2 layers unrolled in the step: compile time grows with S,
 not with depth at a fixed S); the other variants and layouts keep the naive read.
 
 Pipeline parallelism (the report's cached stage transfer; `sharding/pipeline.py`): a stage that
