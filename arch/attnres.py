@@ -70,8 +70,9 @@ of O(N·d); both phases have hand-written gradients, and the partial sum is kept
 to its slot when the block ends (`close`). Equal to the naive read to float rounding. It
 applies to softmax weights with static queries and no window, when blocks are whole layers (S a
 multiple of the sublayers per scan unit and n a multiple of S: `units_per_block`), so that the
-layer scan steps one block at a time with static boundaries (its S/2 layers unrolled in the step: compile time grows with S,
-not with depth at a fixed S); the other variants and layouts keep the naive read.
+layer scan steps one block at a time with static boundaries (its S/2 layers unrolled in the
+step: compile time grows with S, not with depth at a fixed S); the other variants and layouts
+keep the naive read.
 
 Pipeline parallelism (the report's cached stage transfer; `sharding/pipeline.py`): a stage that
 receives the buffer last held it P − 1 chunks (lag sublayers) earlier and keeps that copy, so it
