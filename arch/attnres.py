@@ -36,12 +36,13 @@ work for Block AttnRes), O(n) for Full. The one-head softmax read has a hand-wri
 
 Cost (CPU, the issue's benchmark, `scripts/bench.py` with --compare: d = 192, 16 blocks, 16×128
 tokens, 8 AttnRes blocks of S = 4, two-phase): a train step measured 1.12–1.17× the plain
-Pre-Norm sum's (1.28× with naive reads), with 1.25× its temporary memory. What remains: the layer
-scan saves the buffer at every step (autodiff of the scan cannot know that completed slots never
-change; zero-filling, writing and re-slicing it is ~0.1 s), phase 1's contractions with their
-cotangents over all N + 1 slots (about half of them still empty), and the merges. Closing the
-buffer part needs a custom VJP over the layer scan that reads the final buffer instead of a copy
-per step.
+Pre-Norm sum's (1.28× with naive reads), with 1.25× its temporary memory; at d = 512 (16 heads)
+1.03–1.10× and 1.19×, since the added work is O(d) per token against the block's O(d²). What
+remains: the layer scan saves the buffer at every step (autodiff of the scan cannot know that
+completed slots never change; zero-filling, writing and re-slicing it is ~0.1 s), phase 1's
+contractions with their cotangents over all N + 1 slots (about half of them still empty), and
+the merges. Closing the buffer part needs a custom VJP over the layer scan that reads the final
+buffer instead of a copy per step.
 A one-token decode step measured 0.36–0.49× the plain sum's, mostly because the scan then steps
 one AttnRes block (2 layers) at a time: the plain sum stepped the same way measured 7.1 ms against
 14.9 ms, and two-phase AttnRes 0.96× that (naive reads, blocks of 3: 1.07× the plain sum).
@@ -262,8 +263,8 @@ def phase_one(queries_SxD, sources_BxTxNxD, inverse_rms_BxTxNxH, valid_N, heads:
 def _phase_one(queries_SxHxK, sources_BxTxNxHxK, inverse_BxTxNxH, valid_N, heads):
     """`phase_one` on split heads (no head axes for one head), with a hand-written gradient: the
     scores keep the sources' layout (one GEMM against the S queries), the backward pass reads
-    the sources twice, with no transposed copy, and the S reads are separate arrays (each merge
-    saves its own for the backward pass: a stacked copy would be a second one)."""
+    the sources twice, with no transposed copy, and saves none of the reads (dc · c is
+    Σ_j α_j (dc · v_j)): each merge keeps its own."""
     return _phase_one_forward(queries_SxHxK, sources_BxTxNxHxK, inverse_BxTxNxH, valid_N,
                               heads)[0]
 
