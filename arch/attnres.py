@@ -138,6 +138,11 @@ def _split_heads(x: jax.Array, heads: int) -> jax.Array:
     return x.reshape(*x.shape[:-1], heads, x.shape[-1] // heads)
 
 
+def _contraction_view(x: jax.Array, heads: int) -> jax.Array:
+    """The operand `_contract` expects: heads split, or unchanged for one head (no head axis)."""
+    return x if heads == 1 else _split_heads(x, heads)
+
+
 def _head_sums(x: jax.Array, heads: int) -> jax.Array:
     """Sums over each head's d/H features: …×D → …×H. One head keeps the array's rank (XLA:CPU's
     library reductions are an order of magnitude slower with a size-1 axis before the last)."""
@@ -248,12 +253,11 @@ def phase_one(queries_SxD, sources_BxTxNxD, inverse_rms_BxTxNxH, valid_N, heads:
     once. Returns, per query and head, the log-sum-exp of the scores, lse = log Σ_j e^{s_j}
     (B×T×S×H), and a tuple of S normalized reads over these sources, Σ_j e^{s_j − lse} v_j
     (B×T×D each), float32."""
-    split = (lambda x: x) if heads == 1 else (lambda x: _split_heads(x, heads))  # noqa: E731
     if inverse_rms_BxTxNxH is None:
         inverse_rms_BxTxNxH = jnp.ones(sources_BxTxNxD.shape[:3] + (heads,), jnp.float32)
     inverse = inverse_rms_BxTxNxH[..., 0] if heads == 1 else inverse_rms_BxTxNxH
-    lse, reads = _phase_one(split(queries_SxD.astype(jnp.float32)), split(sources_BxTxNxD),
-                            inverse, valid_N, heads)
+    lse, reads = _phase_one(_contraction_view(queries_SxD.astype(jnp.float32), heads),
+                            _contraction_view(sources_BxTxNxD, heads), inverse, valid_N, heads)
     if heads == 1:
         return lse[..., None], reads
     return lse, tuple(read.reshape(*read.shape[:-2], -1) for read in reads)
@@ -341,8 +345,7 @@ def _merge_backward(heads, eps, residuals, merged_cotangent):
     if inverse is not None:  # ∂rms(p)⁻¹/∂p = −rms(p)⁻³ · p / (d/H)
         inverse_cotangent = -gate_cotangent * raw
         value_cotangent += per_feature(inverse_cotangent * inverse**3 * (heads / width)) * -values
-    split = (lambda x: x) if heads == 1 else (lambda x: _split_heads(x, heads))  # noqa: E731
-    query_cotangent = _contract("bthk,bth->hk", heads, split(values),
+    query_cotangent = _contract("bthk,bth->hk", heads, _contraction_view(values, heads),
                                 raw_cotangent[..., 0] if heads == 1 else raw_cotangent)
     query_cotangent = query_cotangent.reshape(-1)
     return (query_cotangent.astype(query.dtype), gate_cotangent,

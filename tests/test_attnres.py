@@ -202,8 +202,8 @@ def test_two_phase_when_blocks_align_with_layers_and_decoding_equals_the_forward
 
 def test_pseudo_query_gradients_one_source_has_none():
     """The first read has a single source (the embedding), so its softmax is constant and its
-    pseudo-query gets no gradient (to rounding: the two-phase read divides by its own
-    denominator); every later pseudo-query learns from step one."""
+    pseudo-query gets no gradient (to rounding: the two-phase read normalizes its
+    weights itself); every later pseudo-query learns from step one."""
     _, model = tiny_model(residual="block_attnres", attnres_block_size=2)
     tokens = random_tokens((2, 9))
 
