@@ -68,12 +68,14 @@ log-sum-exp of the scores, lse, and the normalized read c over those sources), a
 the block then merges its one partial-sum source p, with score s, into that result (phase 2, the
 online-softmax merge as a two-way softmax: σ(lse − s)·c + σ(s − lse)·p), O(d) per read instead
 of O(N·d); both phases have hand-written gradients, and the partial sum is kept apart and written
-to its slot when the block ends (`close`). Equal to the naive read to float rounding. It
-applies to softmax weights with static queries and no window, when blocks are whole layers (S a
-multiple of the sublayers per scan unit and n a multiple of S: `units_per_block`), so that the
-layer scan steps one block at a time with static boundaries (its S/2 layers unrolled in the
-step: compile time grows with S, not with depth at a fixed S); the other variants and layouts
-keep the naive read.
+to its slot when the block ends (`close`). Equal to the naive read to float rounding. The scan
+over blocks (`AttnResStream.scan`) has a hand-written gradient as well: completed slots never
+change, so its forward pass saves no copy of the buffer per step, and its backward pass reads
+phase 1's sources from the final buffer (`_block_scan`). The schedule applies to softmax
+weights with static queries and no window, when blocks are whole layers (S a multiple of the
+sublayers per scan unit and n a multiple of S: `units_per_block`), so that the layer scan steps
+one block at a time with static boundaries (its S/2 layers unrolled in the step: compile time
+grows with S, not with depth at a fixed S); the other variants and layouts keep the naive read.
 
 Pipeline parallelism (the report's cached stage transfer; `sharding/pipeline.py`): a stage that
 receives the buffer last held it P − 1 chunks (lag sublayers) earlier and keeps that copy, so it
@@ -99,7 +101,7 @@ from flax import nnx
 
 from arch.layers import Dense, param
 from arch.norms import make_norm
-from arch.residual import RESIDUALS, record
+from arch.residual import RESIDUALS, constrain_state, record
 
 WEIGHTS = ("softmax", "sigmoid", "static")
 QUERIES = ("static", "input")
@@ -253,11 +255,23 @@ def phase_one(queries_SxD, sources_BxTxNxD, inverse_rms_BxTxNxH, valid_N, heads:
     once. Returns, per query and head, the log-sum-exp of the scores, lse = log Σ_j e^{s_j}
     (B×T×S×H), and a tuple of S normalized reads over these sources, Σ_j e^{s_j − lse} v_j
     (B×T×D each), float32."""
+    return phase_one_on_views(queries_SxD, contraction_views(
+        sources_BxTxNxD, inverse_rms_BxTxNxH, heads), valid_N, heads)
+
+
+def contraction_views(sources_BxTxNxD, inverse_rms_BxTxNxH, heads: int) -> tuple:
+    """What phase 1 contracts: the sources with their heads split and their 1/rms (ones for raw
+    keys), without head axes for one head."""
     if inverse_rms_BxTxNxH is None:
         inverse_rms_BxTxNxH = jnp.ones(sources_BxTxNxD.shape[:3] + (heads,), jnp.float32)
     inverse = inverse_rms_BxTxNxH[..., 0] if heads == 1 else inverse_rms_BxTxNxH
-    lse, reads = _phase_one(_contraction_view(queries_SxD.astype(jnp.float32), heads),
-                            _contraction_view(sources_BxTxNxD, heads), inverse, valid_N, heads)
+    return _contraction_view(sources_BxTxNxD, heads), inverse
+
+
+def phase_one_on_views(queries_SxD, views: tuple, valid_N, heads: int):
+    """`phase_one` on `contraction_views`."""
+    lse, reads = _phase_one(_contraction_view(queries_SxD.astype(jnp.float32), heads), *views,
+                            valid_N, heads)
     if heads == 1:
         return lse[..., None], reads
     return lse, tuple(read.reshape(*read.shape[:-2], -1) for read in reads)
@@ -299,8 +313,13 @@ def _phase_one_backward(heads, residuals, cotangents):
     raw_cotangent = score_cotangent * jnp.expand_dims(inverse, 3)
     source_cotangent = (_contract("btnsh,btshk->btnhk", heads, weights, read_cotangent)
                         + _contract("btnsh,shk->btnhk", heads, raw_cotangent, queries))
-    return (_contract("btnsh,btnhk->shk", heads, raw_cotangent, values),
-            source_cotangent.astype(sources.dtype), (score_cotangent * raw).sum(axis=3), None)
+    if heads == 1:  # one GEMM over the tokens and sources (the einsum transposes the sources)
+        queries_cotangent = (raw_cotangent.reshape(-1, queries.shape[0]).T
+                             @ values.reshape(-1, values.shape[-1]))
+    else:
+        queries_cotangent = _contract("btnsh,btnhk->shk", heads, raw_cotangent, values)
+    return (queries_cotangent, source_cotangent.astype(sources.dtype),
+            (score_cotangent * raw).sum(axis=3), None)
 
 
 _phase_one.defvjp(_phase_one_forward, _phase_one_backward)
@@ -424,8 +443,9 @@ def _read(layout: DepthLayout, state: dict, query_projection, module: nnx.Module
     the final read); inside a block opened by `AttnResStream.open`, the two-phase merge."""
     if "phase" in state:
         eps = layout.eps if layout.normalizes_keys else None
+        first = len(state["phase"]) == layout.block_size  # the partial sum is still empty
         return merge_partial(_row(state["pseudo_queries"], state["sublayer"]), *state["phase"][0],
-                             state.get("partial"), layout.heads, eps)
+                             None if first else state["partial"], layout.heads, eps)
     index = state["sublayer"]
     sources, inverse = _source_slots(layout, state)
     newest = (index + layout.block_size - 1) // layout.block_size  # ⌈l/S⌉, the newest source
@@ -450,6 +470,120 @@ def _read(layout: DepthLayout, state: dict, query_projection, module: nnx.Module
     mixed, weights = depth_read(query, sources, inverse, valid, layout.heads, layout.weights)
     record(module, "depth_weights", weights.mean((0, 1, 3)))
     return mixed
+
+
+_HISTORY = ("sources", "inverse_rms")  # the state's per-slot leaves: the buffer and its 1/rms
+
+
+def _split_inexact(tree):
+    """(leaves that take gradients or None, the other leaves or None), each in `tree`'s shape."""
+    inexact = lambda x: jnp.issubdtype(x.dtype, jnp.inexact)  # noqa: E731
+    return (jax.tree.map(lambda x: x if inexact(x) else None, tree),
+            jax.tree.map(lambda x: None if inexact(x) else x, tree))
+
+
+def _join(first, second):
+    """The inverse of `_split_inexact`."""
+    return jax.tree.map(lambda a, b: b if a is None else a, first, second,
+                        is_leaf=lambda x: x is None)
+
+
+def _block_scan(stream: AttnResStream, body):
+    """`run(queries_table, history, first, consts, xs) -> (history, ys)`: the scan of
+    `AttnResStream.scan`, one AttnRes block per step, with `body(block_state, x, *consts)`
+    (`jax.closure_convert`ed), and its hand-written gradient.
+
+    Completed slots never change and phase 1 masks the others, so what phase 1 of step m needs
+    from the buffer in the backward pass is in the final buffer. The forward pass saves, per
+    step, the residuals of phase 1 and of the body (`jax.vjp`) except those that are the step's
+    own inputs: the buffer, the query table, the constants and the layer's parameters come back
+    from the final buffer and the inputs (autodiff of the scan would save the B×T×(N+1)×D
+    buffer at every step). The backward pass scans in reverse: the block's sum gets the
+    cotangent of its slot and of its 1/rms, the body's VJP gives those of the phase-1 results,
+    queries, constants and layer inputs, and phase 1's adds to the buffer's and the queries'."""
+    size = stream.layout.block_size
+    plan = {}  # filled while tracing the forward pass: where each residual comes from
+
+    def block(first, history, other_x):
+        """The body as a function of its differentiable inputs, for the block at `first`."""
+        def run_block(queries, phase, consts, diff_x):
+            state = stream.block_state(queries, phase, first, history)
+            state, y = body(state, _join(diff_x, other_x), *consts)
+            diff_y, other_y = _split_inexact(y)
+            return (state["partial"], diff_y), other_y
+        return run_block
+
+    def run(queries, history, first, consts, xs):
+        def step(carry, x):
+            history, first = carry
+            phase = stream.open(queries, stream.views(history), first)
+            diff_x, other_x = _split_inexact(x)
+            (partial, diff_y), other_y = block(first, history, other_x)(
+                queries, phase, consts, diff_x)
+            return (stream.close(history, partial, first), first + size), _join(diff_y, other_y)
+        (history, _), ys = jax.lax.scan(step, (history, first), xs)
+        return history, ys
+
+    def run_saving(queries, history, first, consts, xs):
+        def step(carry, x):
+            history, first = carry
+            views = stream.views(history)
+            phase, open_vjp = jax.vjp(lambda q, v: stream.open(q, v, first), queries, views)
+            diff_x, other_x = _split_inexact(x)
+            (partial, diff_y), block_vjp, other_y = jax.vjp(
+                block(first, history, other_x), queries, phase, consts, diff_x, has_aux=True)
+            inputs = jax.tree.leaves((queries, views, consts, diff_x))
+            residuals, plan["tree"] = jax.tree.flatten((open_vjp, block_vjp))
+            plan["input"] = [next((i for i, x in enumerate(inputs) if x is r), None)
+                             for r in residuals]
+            saved = [r for r, i in zip(residuals, plan["input"], strict=True) if i is None]
+            history = stream.close(history, partial, first)
+            return (history, first + size), (_join(diff_y, other_y), saved)
+        (history, _), (ys, saved) = jax.lax.scan(step, (history, first), xs)
+        return (history, ys), (queries, history, first, consts, xs, saved)
+
+    def backward(residuals, cotangents):
+        queries, final, first, consts, xs, saved = residuals
+        history_cotangent, ys_cotangent = cotangents
+        layout, width = stream.layout, queries.shape[-1]
+        views, views_vjp = jax.vjp(stream.views, final)
+
+        def step(carry, inputs):
+            history_cotangent, queries_cotangent, consts_cotangent = carry
+            index, x, saved, y_cotangent = inputs
+            block_first = first + index * size
+            slot = block_first // size + 1
+            partial_cotangent = _slot(history_cotangent["sources"], slot, width)
+            if layout.normalizes_keys:  # the slot's 1/rms, written from the block's sum
+                inverse = history_cotangent["inverse_rms"]
+                _, rms_vjp = jax.vjp(lambda p: inverse_rms(p, layout.heads, layout.eps),
+                                     _slot(final["sources"], slot, width))
+                partial_cotangent += rms_vjp(_slot(inverse, slot, layout.heads))[0]
+                history_cotangent = dict(history_cotangent, inverse_rms=_set_slot(
+                    inverse, jnp.zeros(inverse.shape[:2] + (layout.heads,)), slot, layout.heads))
+            inputs = jax.tree.leaves((queries, views, consts, _split_inexact(x)[0]))
+            saved = iter(saved)
+            open_vjp, block_vjp = jax.tree.unflatten(plan["tree"], [
+                next(saved) if i is None else inputs[i] for i in plan["input"]])
+            queries_from_body, phase_cotangent, consts_from_body, x_cotangent = block_vjp(
+                (partial_cotangent.astype(final["sources"].dtype), y_cotangent))
+            queries_from_phase, views_cotangent = open_vjp(phase_cotangent)
+            carry = (jax.tree.map(jnp.add, history_cotangent, views_vjp(views_cotangent)[0]),
+                     queries_cotangent + queries_from_body + queries_from_phase,
+                     jax.tree.map(jnp.add, consts_cotangent, consts_from_body))
+            return carry, x_cotangent
+
+        steps = jax.tree.leaves(xs)[0].shape[0]
+        zeros = jax.tree.map(jnp.zeros_like, (queries, consts))
+        (history_cotangent, queries_cotangent, consts_cotangent), xs_cotangent = jax.lax.scan(
+            step, (history_cotangent, *zeros),
+            (jnp.arange(steps), xs, saved, _split_inexact(ys_cotangent)[0]), reverse=True)
+        return queries_cotangent, history_cotangent, None, consts_cotangent, xs_cotangent
+
+    scan = jax.custom_vjp(run)
+    scan.defvjp(run_saving, backward)
+    return scan
+
 
 
 def _query_projection(cfg, rngs: nnx.Rngs) -> Dense:
@@ -499,8 +633,8 @@ class AttnResStream(nnx.Module):
     def units_per_block(self, units: int) -> int | None:
         """How many of the model's `units` scan units (blocks, or MoE block groups) make one
         AttnRes block, when the blocks align with them (S a multiple of the sublayers per unit, n
-        a multiple of S) and the reads are two-phase: one step of the layer scan then `open`s
-        and `close`s one AttnRes block. None otherwise (the naive read, unit by unit)."""
+        a multiple of S) and the reads are two-phase: the layer scan is then `scan`, one AttnRes
+        block per step. None otherwise (the naive read, unit by unit)."""
         layout = self.layout
         per_unit = layout.sublayers // units
         if (layout.two_phase and layout.block_size % per_unit == 0
@@ -508,30 +642,55 @@ class AttnResStream(nnx.Module):
             return layout.block_size // per_unit
         return None
 
-    def open(self, state: dict) -> dict:
-        """Phase 1 for the block starting at sublayer `state["sublayer"]`: its S pseudo-queries
-        against the completed sources at once. `state["phase"]` holds, in order, each remaining
-        read's (log-sum-exp, normalized read); the block's partial sum is kept apart
-        (`state["partial"]`, absent while empty) until `close` writes it to its slot."""
-        layout = self.layout
-        first = state["sublayer"]
-        queries = jax.lax.dynamic_slice_in_dim(state["pseudo_queries"], first, layout.block_size)
-        valid = jnp.arange(layout.slots) <= first // layout.block_size
-        lse, reads = phase_one(queries, *_source_slots(layout, state), valid, layout.heads)
-        return dict(state, phase=tuple((lse[:, :, i], read) for i, read in enumerate(reads)))
+    def views(self, history: dict) -> tuple:
+        """The buffer and its 1/rms as phase 1 contracts them (`contraction_views`)."""
+        return contraction_views(*_source_slots(self.layout, history), self.layout.heads)
 
-    def close(self, state: dict) -> dict:
-        """Write the block's sum to its slot (with its 1/rms): the summary becomes a source."""
-        layout, state = self.layout, dict(state)
-        partial = state.pop("partial")
-        del state["phase"]
-        slot = state["sublayer"] // layout.block_size
-        state["sources"] = _add_to_slot(state["sources"], partial, slot)
+    def open(self, queries_table, views: tuple, first) -> tuple:
+        """Phase 1 for the block whose first sublayer is `first`: its S pseudo-queries against
+        the completed sources (`views` of the buffer) at once. Each read's (log-sum-exp,
+        normalized read), in order."""
+        layout = self.layout
+        queries = jax.lax.dynamic_slice_in_dim(queries_table, first, layout.block_size)
+        valid = jnp.arange(layout.slots) <= first // layout.block_size
+        lse, reads = phase_one_on_views(queries, views, valid, layout.heads)
+        return tuple((lse[:, :, i], read) for i, read in enumerate(reads))
+
+    def close(self, history: dict, partial_BxTxD, first) -> dict:
+        """The buffer with the block's sum written to its slot (with its 1/rms): the summary
+        becomes a source."""
+        layout = self.layout
+        slot = first // layout.block_size + 1
+        history = dict(history, sources=_add_to_slot(history["sources"], partial_BxTxD, slot))
         if layout.normalizes_keys:
-            state["inverse_rms"] = _set_slot(
-                state["inverse_rms"], inverse_rms(partial, layout.heads, layout.eps), slot,
-                layout.heads)
-        return state
+            history["inverse_rms"] = _set_slot(
+                history["inverse_rms"], inverse_rms(partial_BxTxD, layout.heads, layout.eps),
+                slot, layout.heads)
+        return constrain_state(history)
+
+    def scan(self, body, state: dict, xs):
+        """The layer stack one AttnRes block per step (layouts with `units_per_block`): `open`,
+        then `body(block_state, x) -> (block_state, y)`, the block's layers, which read by
+        merging into phase 1 and add their outputs to the block's partial sum, then `close`.
+        `jax.lax.scan` with a hand-written gradient (`_block_scan`): the forward pass does not
+        save the buffer at every step. Returns (final state, stacked y)."""
+        queries, first = state["pseudo_queries"], state["sublayer"]
+        history = {name: state[name] for name in _HISTORY if name in state}
+        example = jax.eval_shape(lambda: (self.block_state(
+            queries, self.open(queries, self.views(history), first), first, history),
+            jax.tree.map(lambda x: x[0], xs)))
+        body, consts = jax.closure_convert(body, *example)
+        history, ys = _block_scan(self, body)(queries, history, first, consts, xs)
+        steps = jax.tree.leaves(xs)[0].shape[0]
+        return dict(state, **history, sublayer=first + steps * self.layout.block_size), ys
+
+    @staticmethod
+    def block_state(queries_table, phase: tuple, first, history: dict) -> dict:
+        """What the layers of an opened block read and write: the counter, the query table,
+        the remaining reads' phase-1 results and the partial sum (zero: no source yet)."""
+        sources = history["sources"]
+        partial = jnp.zeros((*sources.shape[:2], phase[0][1].shape[-1]), sources.dtype)
+        return dict(sublayer=first, pseudo_queries=queries_table, phase=phase, partial=partial)
 
     def stage_window(self, lag: int) -> int:
         """Source slots a pipeline stage is sent: those written in `lag` consecutive sublayers,
@@ -632,7 +791,7 @@ class AttentionResidual(nnx.Module):
 
     def read(self, state: dict) -> jax.Array:
         mixed = _read(self.layout, state, self.query_projection, self)
-        return self.norm(mixed.astype(state["sources"].dtype))
+        return self.norm(mixed.astype(state["partial" if "phase" in state else "sources"].dtype))
 
     def write(self, state: dict, update_BxTxD) -> dict:
         """Add the output to its block's slot (in place), or, inside an opened block, to the
@@ -641,9 +800,9 @@ class AttentionResidual(nnx.Module):
         index = state["sublayer"]
         state = dict(state, sublayer=index + 1)
         if "phase" in state:
-            partial, update = state.get("partial"), update_BxTxD.astype(state["sources"].dtype)
-            total = update if partial is None else partial + update
-            state.update(partial=total, phase=state["phase"][1:])
+            partial = state["partial"]
+            state.update(partial=partial + update_BxTxD.astype(partial.dtype),
+                         phase=state["phase"][1:])
             return state
         slot, width = index // layout.block_size + 1, update_BxTxD.shape[-1]
         state["sources"] = _add_to_slot(state["sources"], update_BxTxD, slot)

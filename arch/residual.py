@@ -9,8 +9,8 @@ starts the state from the embedding (`begin`) and gives what the final norm sees
 The plain sum's state is x_BxTxD itself. Richer mechanisms (several streams, a history of depth
 sources) carry a pytree through the same calls; by convention its leaves are x_BxTxD-shaped,
 stacked n×B×T×D, or small (counters, per-depth parameters), and `constrain_state` shards them.
-A stream module may also group sublayers (`units_per_block`, `open`, `close`: two-phase AttnRes),
-and the model's layer scan then runs one group per step (`TransformerLM._scan`).
+A stream module may also group sublayers (`units_per_block`; two-phase AttnRes), and then scans
+the layers itself, one group per step (its `scan`, called by `TransformerLM._scan`).
 """
 
 from __future__ import annotations
