@@ -35,14 +35,14 @@ work for Block AttnRes), O(n) for Full. The one-head softmax read has a hand-wri
 (`softmax_read`); writes pass the buffer's cotangent through untouched.
 
 Cost (CPU, the issue's benchmark, `scripts/bench.py` with --compare: d = 192, 16 blocks, 16×128
-tokens, 8 AttnRes blocks of S = 4, two-phase): a train step measured 1.12–1.17× the plain
-Pre-Norm sum's (1.28× with naive reads), with 1.25× its temporary memory; at d = 512 (16 heads)
-1.03–1.10× and 1.19×, since the added work is O(d) per token against the block's O(d²). What
-remains: the layer scan saves the buffer at every step (autodiff of the scan cannot know that
-completed slots never change; zero-filling, writing and re-slicing it is ~0.1 s), phase 1's
-contractions with their cotangents over all N + 1 slots (about half of them still empty), and
-the merges. Closing the buffer part needs a custom VJP over the layer scan that reads the final
-buffer instead of a copy per step.
+tokens, 8 AttnRes blocks of S = 4, two-phase): a train step measured 1.09–1.10× the plain
+Pre-Norm sum's (1.18× with autodiff of the block scan, 1.28× with naive reads), with 1.14× its
+temporary memory; 1.09× at d = 512 (16 heads). Where the remaining ~85 ms of a 0.87 s step go
+(profiled at d = 192): phase 1's backward pass, ~30 ms (dc · v_j for every read and slot, the
+sources' cotangent and its sum into the buffer's, over all N + 1 slots although about half are
+still empty: a scan of uniform steps cannot skip them), the merges and the residuals they save,
+~25 ms, phase 1's forward pass, ~5 ms, and the buffer's creation and final read, ~5 ms; the rest
+is spread thin. Phase 1's per-token products already run near this CPU's memory bandwidth.
 A one-token decode step measured 0.36–0.49× the plain sum's, mostly because the scan then steps
 one AttnRes block (2 layers) at a time: the plain sum stepped the same way measured 7.1 ms against
 14.9 ms, and two-phase AttnRes 0.96× that (naive reads, blocks of 3: 1.07× the plain sum).
