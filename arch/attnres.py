@@ -585,7 +585,6 @@ def _block_scan(stream: AttnResStream, body):
     return scan
 
 
-
 def _query_projection(cfg, rngs: nnx.Rngs) -> Dense:
     """W ∈ R^{d×d}, zero-initialized: the input-dependent query starts at the static one."""
     return Dense((cfg.d_model,), (cfg.d_model,), ("embed",), (None,), rngs=rngs,
