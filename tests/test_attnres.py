@@ -215,18 +215,18 @@ GROUPED_CASES = {  # every one runs one AttnRes block per step of the layer scan
 @pytest.mark.parametrize("case", GROUPED_CASES.values(), ids=GROUPED_CASES.keys())
 def test_block_scan_gradient_equals_autodiff_of_the_naive_reads(case, monkeypatch):
     """The hand-written gradient of the layer scan over AttnRes blocks (`_block_scan`: no
-    buffer saved per step, phase 1 recomputed from the final buffer) against autodiff of the
+    buffer saved per step, phase 1's sources read from the final buffer) against autodiff of the
     unit-by-unit scan with naive reads: the train step's loss (MoE auxiliary losses included),
     every parameter gradient and the model state it writes (BatchNorm statistics)."""
     config = tiny_config(residual="block_attnres", **case)
     validate(config, 1)
     program = TrainProgram(config, make_mesh(config.mesh, jax.devices()[:1]))
     state = program.init(0)
-    params = jax.tree.map(  # off the initialization: non-uniform depth mixing
-        lambda x, k: x + 0.1 * jax.random.normal(k, x.shape), state["params"],
-        jax.tree.unflatten(jax.tree.structure(state["params"]), list(jax.random.split(
-            jax.random.key(5), len(jax.tree.leaves(state["params"]))))))
+    model = nnx.merge(program.graphdef, state["params"], state["model_state"])
+    perturb_parameters(model)
+    params = nnx.state(model, nnx.Param)
     tokens = random_tokens((8, 17))
+
     def loss_and_grads():  # traced anew on each call
         return jax.jit(lambda *args: program._loss_and_grads(*args))(
             params, state["model_state"], tokens)
