@@ -35,14 +35,18 @@ work for Block AttnRes), O(n) for Full. The one-head softmax read has a hand-wri
 (`softmax_read`); writes pass the buffer's cotangent through untouched.
 
 Cost (CPU, the issue's benchmark, `scripts/bench.py` with --compare: d = 192, 16 blocks, 16×128
-tokens, 8 AttnRes blocks of S = 4, two-phase): a train step measured 1.09–1.10× the plain
+tokens, 8 AttnRes blocks of S = 4, two-phase): a train step measured 1.09–1.11× the plain
 Pre-Norm sum's (1.18× with autodiff of the block scan, 1.28× with naive reads), with 1.14× its
-temporary memory; 1.09× at d = 512 (16 heads). Where the remaining ~85 ms of a 0.87 s step go
-(profiled at d = 192): phase 1's backward pass, ~30 ms (dc · v_j for every read and slot, the
-sources' cotangent and its sum into the buffer's, over all N + 1 slots although about half are
-still empty: a scan of uniform steps cannot skip them), the merges and the residuals they save,
-~25 ms, phase 1's forward pass, ~5 ms, and the buffer's creation and final read, ~5 ms; the rest
-is spread thin. Phase 1's per-token products already run near this CPU's memory bandwidth.
+temporary memory; 1.08–1.09× at d = 512 (16 heads). Where the ~90 ms over a ~0.9 s step go,
+measured by ablation in one process (interleaved steps, each part replaced by a trivial one):
+phase 1's backward pass ~10 ms, its forward pass ~9 ms, the merges ~12 ms. The largest part is
+not AttnRes arithmetic: the scan steps one block, 2 layers, at a time, and the plain sum itself,
+stepped 2 layers at a time (`model.scan_unroll=2`, or grouped like this), measured 1.02–1.05×
+(mostly 1.04×) its one-layer scan: XLA:CPU overlaps less work in a two-layer backward loop body.
+Stepping AttnRes one layer at a time instead (phase 1 per layer, the partial sum kept in its
+slot) measured 1.18×: phase 1's buffer-wide work then runs twice per block. Phase 1's per-token
+contractions over the L3-resident buffer run far below memory bandwidth (XLA:CPU's batched small
+products), and pruning the empty slots by slicing is slower still (strided copies).
 A one-token decode step measured 0.36–0.49× the plain sum's, mostly because the scan then steps
 one AttnRes block (2 layers) at a time: the plain sum stepped the same way measured 7.1 ms against
 14.9 ms, and two-phase AttnRes 0.96× that (naive reads, blocks of 3: 1.07× the plain sum).
@@ -364,8 +368,11 @@ def _merge_backward(heads, eps, residuals, merged_cotangent):
     if inverse is not None:  # ∂rms(p)⁻¹/∂p = −rms(p)⁻³ · p / (d/H)
         inverse_cotangent = -gate_cotangent * raw
         value_cotangent += per_feature(inverse_cotangent * inverse**3 * (heads / width)) * -values
-    query_cotangent = _contract("bthk,bth->hk", heads, _contraction_view(values, heads),
-                                raw_cotangent[..., 0] if heads == 1 else raw_cotangent)
+    if heads == 1:  # a GEMV over the tokens (the einsum copies the values transposed)
+        query_cotangent = raw_cotangent.reshape(1, -1) @ values.reshape(-1, width)
+    else:
+        query_cotangent = _contract("bthk,bth->hk", heads, _split_heads(values, heads),
+                                    raw_cotangent)
     query_cotangent = query_cotangent.reshape(-1)
     return (query_cotangent.astype(query.dtype), gate_cotangent,
             merged_cotangent * per_feature(weight), value_cotangent.astype(partial.dtype))

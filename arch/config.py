@@ -55,7 +55,8 @@ def resolve_model(cfg) -> None:
           f"FixNorm is used with a tied output head; set model.head='tied' (got {cfg.head!r})")
     check(cfg.fixnorm_scale is None or cfg.fixnorm_scale > 0, "model.fixnorm_scale",
           cfg.fixnorm_scale, "must be positive (or None: unit-length rows)")
-    for field in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads"):
+    for field in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads",
+                  "scan_unroll"):
         check(isinstance(cfg[field], int) and cfg[field] > 0, f"model.{field}", cfg[field],
               "must be a positive integer")
     h, h_kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.d_model

@@ -16,6 +16,8 @@ keeps the ordinary scan (GSPMD moves the stage-sharded layer parameters).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -149,10 +151,11 @@ class TransformerLM(nnx.Module):
         return self._output(self.residual_stream.end(stream)), cache
 
     def _scan(self, stream, positions_BxT, graphdef, layer_params, layer_states, cache):
-        """The layer stack as one scan, k units (blocks, or MoE block groups) per step: k = 1, or,
-        for a mechanism that runs a group of sublayers per step (two-phase AttnRes:
-        `units_per_block`), the units of one group, scanned by the mechanism (`scan`). Returns
-        the final state and the per-unit (non-parameter state, KV cache), stacked over units."""
+        """The layer stack as one scan, k units (blocks, or MoE block groups) per step: k = 1
+        (`model.scan_unroll` units per loop iteration), or, for a mechanism that runs a group of
+        sublayers per step (two-phase AttnRes: `units_per_block`), the units of one group,
+        scanned by the mechanism (`scan`). Returns the final state and the per-unit
+        (non-parameter state, KV cache), stacked over units."""
         units, stream_module = self.stack_shape[0], self.residual_stream
         group = None  # under nnx.capture, unit by unit: the naive reads record their weights
         if hasattr(stream_module, "units_per_block") and not hasattr(self, "__captures__"):
@@ -173,7 +176,8 @@ class TransformerLM(nnx.Module):
             run_units = jax.checkpoint(run_units)
         steps = lambda x: x.reshape(units // per_step, per_step, *x.shape[1:])  # noqa: E731
         xs = jax.tree.map(steps, (layer_params, layer_states, cache))
-        scan = stream_module.scan if group else jax.lax.scan
+        scan = (stream_module.scan if group
+                else functools.partial(jax.lax.scan, unroll=self.cfg.scan_unroll))
         stream, outputs = scan(run_units, stream, xs)
         return stream, jax.tree.map(lambda x: x.reshape(units, *x.shape[2:]), outputs)
 

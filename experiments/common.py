@@ -89,6 +89,8 @@ def model_config() -> ml_collections.ConfigDict:
         final_norm=True,
         dtype="float32",          # compute dtype; parameters are always float32
         remat=False,              # recompute each block in the backward pass
+        scan_unroll=1,            # layers per loop iteration of the layer scan (its unroll;
+                                  # not the pipeline's nor two-phase AttnRes's own scan)
         # Pipeline parallelism, with mesh.stage > 1 (sharding/pipeline.py); bubble fraction
         # (P − 1)/(V·M + P − 1) for P = mesh.stage, V virtual stages, M microbatches.
         pipeline_schedule="gpipe",  # "gpipe" (one chunk of layers per device) or "circular"

@@ -12,6 +12,7 @@ from flax import nnx
 from arch import reference
 from arch.accounting import flops_per_token, matmul_parameter_count, parameter_count
 from arch.attention import MultiHeadAttention, causal_mask
+from arch.config import ConfigError
 from arch.norms import LayerNorm, RMSNorm
 from arch.positions import RoPE
 from tests.helpers import prefill_then_decode, random_tokens, tiny_model
@@ -112,6 +113,23 @@ def test_kv_cache_decoding_equals_the_full_forward_pass(position):
     tokens = random_tokens((2, 12))
     np.testing.assert_allclose(prefill_then_decode(model, tokens, prefill=7, cache_length=16),
                                model(tokens), atol=2e-5, rtol=1e-5)
+
+
+def test_unrolled_layer_scan_computes_the_same_logits_and_gradients():
+    """`model.scan_unroll` only changes how many layers one loop iteration runs (3 layers by 2:
+    a remainder iteration), not the function or its gradient."""
+    tokens = random_tokens((2, 8))
+
+    def logits_and_grads(unroll):
+        _, model = tiny_model(num_layers=3, scan_unroll=unroll)
+        loss = lambda m: jnp.mean(m(tokens) ** 2)  # noqa: E731
+        return nnx.jit(lambda m: (m(tokens), nnx.grad(loss)(m)))(model)
+
+    for got, expected in zip(jax.tree.leaves(logits_and_grads(2)),
+                             jax.tree.leaves(logits_and_grads(1)), strict=True):
+        np.testing.assert_allclose(got, expected, atol=1e-6, rtol=1e-5)
+    with pytest.raises(ConfigError, match="model.scan_unroll=0 is invalid"):
+        tiny_model(scan_unroll=0)
 
 
 def test_bfloat16_compute_keeps_float32_parameters():
