@@ -36,7 +36,7 @@ work for Block AttnRes), O(n) for Full. The one-head softmax read has a hand-wri
 
 Cost (CPU, the issue's benchmark, `scripts/bench.py` with --compare: d = 192, 16 blocks, 16×128
 tokens, 8 AttnRes blocks of S = 4, two-phase): a train step measured 1.09–1.11× the plain
-Pre-Norm sum's (1.18× with autodiff of the block scan, 1.28× with naive reads), with 1.14× its
+Pre-Norm sum's (1.18× with autodiff of the block scan, 1.28× with naive reads), with 1.15× its
 temporary memory; 1.08–1.09× at d = 512 (16 heads). Where the ~90 ms over a ~0.9 s step go,
 measured by ablation in one process (interleaved steps, each part replaced by a trivial one):
 phase 1's backward pass ~10 ms, its forward pass ~9 ms, the merges ~12 ms. The largest part is
@@ -47,9 +47,9 @@ Stepping AttnRes one layer at a time instead (phase 1 per layer, the partial sum
 slot) measured 1.18×: phase 1's buffer-wide work then runs twice per block. Phase 1's per-token
 contractions over the L3-resident buffer run far below memory bandwidth (XLA:CPU's batched small
 products), and pruning the empty slots by slicing is slower still (strided copies).
-A one-token decode step measured 0.36–0.49× the plain sum's, mostly because the scan then steps
-one AttnRes block (2 layers) at a time: the plain sum stepped the same way measured 7.1 ms against
-14.9 ms, and two-phase AttnRes 0.96× that (naive reads, blocks of 3: 1.07× the plain sum).
+A one-token decode step (batch 1) measured 1.04–1.43× the plain sum's (median 1.18 over six
+runs; 1.5–2.9 ms against 1.3–2.8 ms): at one token a step is many small ops, and the two-phase
+schedule adds ops per read where it saves arithmetic (naive reads, blocks of 3: 1.08–1.16×).
 
 Variants (config fields):
 - `attnres_query="input"`: w_l + W_l k̂_cur, with W_l ∈ R^{d×d} zero-initialized and the
@@ -450,9 +450,8 @@ def _read(layout: DepthLayout, state: dict, query_projection, module: nnx.Module
     the final read); inside a block opened by `AttnResStream.open`, the two-phase merge."""
     if "phase" in state:
         eps = layout.eps if layout.normalizes_keys else None
-        first = len(state["phase"]) == layout.block_size  # the partial sum is still empty
         return merge_partial(_row(state["pseudo_queries"], state["sublayer"]), *state["phase"][0],
-                             None if first else state["partial"], layout.heads, eps)
+                             None if "fresh" in state else state["partial"], layout.heads, eps)
     index = state["sublayer"]
     sources, inverse = _source_slots(layout, state)
     newest = (index + layout.block_size - 1) // layout.block_size  # ⌈l/S⌉, the newest source
@@ -495,71 +494,114 @@ def _join(first, second):
                         is_leaf=lambda x: x is None)
 
 
-def _block_scan(stream: AttnResStream, body):
+def _empty_partial(history: dict, queries_table) -> jax.Array:
+    """A block's partial sum before its first output: zeros, B×T×D."""
+    sources = history["sources"]
+    return jnp.zeros((*sources.shape[:2], queries_table.shape[-1]), sources.dtype)
+
+
+def _block_scan(stream: AttnResStream, bodies: tuple, per_block: int):
     """`run(queries_table, history, first, consts, xs) -> (history, ys)`: the scan of
-    `AttnResStream.scan`, one AttnRes block per step, with `body(block_state, x, *consts)`
-    (`jax.closure_convert`ed), and its hand-written gradient.
+    `AttnResStream.scan`, one AttnRes block of `per_block` scan units per step, with
+    `bodies[0](unit_state, x, *consts[0])` for a block's first unit and `bodies[1]` (with
+    `consts[1]`) for the others (`jax.closure_convert`ed), and its hand-written gradient.
 
-    Completed slots never change and phase 1 masks the others, so what phase 1 of step m needs
+    Completed slots never change and phase 1 masks the others, so what phase 1 of a block needs
     from the buffer in the backward pass is in the final buffer. The forward pass saves, per
-    step, the residuals of phase 1 and of the body (`jax.vjp`) except those that are the step's
-    own inputs: the buffer, the query table, the constants and the layer's parameters come back
-    from the final buffer and the inputs (autodiff of the scan would save the B×T×(N+1)×D
-    buffer at every step). The backward pass scans in reverse: the block's sum gets the
-    cotangent of its slot and of its 1/rms, the body's VJP gives those of the phase-1 results,
-    queries, constants and layer inputs, and phase 1's adds to the buffer's and the queries'."""
-    size = stream.layout.block_size
-    plan = {}  # filled while tracing the forward pass: where each residual comes from
+    block, the residuals of phase 1 and of each unit (`jax.vjp`) except those that are the
+    step's own inputs: the buffer, the query table, the constants and the layer's parameters
+    come back from the final buffer and the inputs (autodiff of the scan would save the
+    B×T×(N+1)×D buffer at every step). The backward pass scans the blocks in reverse: the
+    block's sum gets the cotangent of its slot and of its 1/rms, the units' VJPs, last first,
+    give those of their phase-1 results, queries, constants, layer inputs and the partial sum
+    each read, and phase 1's adds to the buffer's and the queries'. Each unit's inputs are
+    indexed in the unit-major xs directly (a blocks × units view of them made decoding several
+    times slower)."""
+    layout = stream.layout
+    size, reads = layout.block_size, layout.block_size // per_block
+    plans = {}  # filled while tracing the forward pass: where each residual comes from
 
-    def block(first, history, other_x):
-        """The body as a function of its differentiable inputs, for the block at `first`."""
-        def run_block(queries, phase, consts, diff_x):
-            state = stream.block_state(queries, phase, first, history)
-            state, y = body(state, _join(diff_x, other_x), *consts)
+    def unit(j, first, other_x):
+        """Unit j of the block at `first` as a function of its differentiable inputs."""
+        def run_unit(queries, phase, consts, diff_x, partial):
+            state = stream.unit_state(queries, phase, first + j * reads, partial, j == 0)
+            state, y = bodies[min(j, 1)](state, _join(diff_x, other_x), *consts)
             diff_y, other_y = _split_inexact(y)
             return (state["partial"], diff_y), other_y
-        return run_block
+        return run_unit
+
+    def by_unit(ys):  # per-unit leaves stacked over blocks → unit-major
+        return jax.tree.map(lambda *y: jnp.stack(y, 1).reshape(-1, *y[0].shape[1:]), *ys)
+
+    def step_units(queries, phase, consts, xs, block, history, first, differentiate):
+        """The block's units in order: (partial sum, each unit's y, each unit's VJP and the
+        inputs it may keep)."""
+        partial, ys, vjps = _empty_partial(history, queries), [], []
+        for j in range(per_block):
+            x = jax.tree.map(lambda a, j=j: jax.lax.dynamic_index_in_dim(
+                a, block * per_block + j, keepdims=False), xs)
+            diff_x, other_x = _split_inexact(x)
+            args = (queries, phase[j * reads:(j + 1) * reads], consts[min(j, 1)], diff_x,
+                    partial)
+            run_unit = unit(j, first, other_x)
+            if differentiate:
+                (partial, diff_y), vjp, other_y = jax.vjp(run_unit, *args, has_aux=True)
+                vjps.append((vjp, (queries, consts[min(j, 1)], diff_x)))
+            else:
+                (partial, diff_y), other_y = run_unit(*args)
+            ys.append(_join(diff_y, other_y))
+        return partial, tuple(ys), vjps
+
+    def blocks(xs):
+        return jnp.arange(jax.tree.leaves(xs)[0].shape[0] // per_block)
 
     def run(queries, history, first, consts, xs):
-        def step(carry, x):
+        def step(carry, block):
             history, first = carry
             phase = stream.open(queries, stream.views(history), first)
-            diff_x, other_x = _split_inexact(x)
-            (partial, diff_y), other_y = block(first, history, other_x)(
-                queries, phase, consts, diff_x)
-            return (stream.close(history, partial, first), first + size), _join(diff_y, other_y)
-        (history, _), ys = jax.lax.scan(step, (history, first), xs)
-        return history, ys
+            partial, ys, _ = step_units(queries, phase, consts, xs, block, history, first, False)
+            return (stream.close(history, partial, first), first + size), ys
+        (history, _), ys = jax.lax.scan(step, (history, first), blocks(xs))
+        return history, by_unit(ys)
+
+    def keep(key, vjp, inputs):
+        """The VJP's residuals that are not among `inputs` (their places recorded)."""
+        residuals, tree = jax.tree.flatten(vjp)
+        inputs = jax.tree.leaves(inputs)
+        where = [next((i for i, x in enumerate(inputs) if x is r), None) for r in residuals]
+        plans[key] = (tree, where)
+        return [r for r, i in zip(residuals, where, strict=True) if i is None]
+
+    def rebuild(key, kept, inputs):
+        tree, where = plans[key]
+        kept, inputs = iter(kept), jax.tree.leaves(inputs)
+        return jax.tree.unflatten(tree, [next(kept) if i is None else inputs[i] for i in where])
 
     def run_saving(queries, history, first, consts, xs):
-        def step(carry, x):
+        def step(carry, block):
             history, first = carry
             views = stream.views(history)
             phase, open_vjp = jax.vjp(lambda q, v: stream.open(q, v, first), queries, views)
-            diff_x, other_x = _split_inexact(x)
-            (partial, diff_y), block_vjp, other_y = jax.vjp(
-                block(first, history, other_x), queries, phase, consts, diff_x, has_aux=True)
-            inputs = jax.tree.leaves((queries, views, consts, diff_x))
-            residuals, plan["tree"] = jax.tree.flatten((open_vjp, block_vjp))
-            plan["input"] = [next((i for i, x in enumerate(inputs) if x is r), None)
-                             for r in residuals]
-            saved = [r for r, i in zip(residuals, plan["input"], strict=True) if i is None]
-            history = stream.close(history, partial, first)
-            return (history, first + size), (_join(diff_y, other_y), saved)
-        (history, _), (ys, saved) = jax.lax.scan(step, (history, first), xs)
-        return (history, ys), (queries, history, first, consts, xs, saved)
+            partial, ys, vjps = step_units(queries, phase, consts, xs, block, history, first,
+                                           True)
+            saved = [keep("open", open_vjp, (queries, views))]
+            saved += [keep(j, vjp, inputs) for j, (vjp, inputs) in enumerate(vjps)]
+            return (stream.close(history, partial, first), first + size), (ys, saved)
+        (history, _), (ys, saved) = jax.lax.scan(step, (history, first), blocks(xs))
+        return (history, by_unit(ys)), (queries, history, first, consts, xs, saved)
 
     def backward(residuals, cotangents):
         queries, final, first, consts, xs, saved = residuals
         history_cotangent, ys_cotangent = cotangents
-        layout, width = stream.layout, queries.shape[-1]
+        width, dtype = queries.shape[-1], final["sources"].dtype
         views, views_vjp = jax.vjp(stream.views, final)
+        at = lambda tree, unit: jax.tree.map(  # noqa: E731
+            lambda a: jax.lax.dynamic_index_in_dim(a, unit, keepdims=False), tree)
 
         def step(carry, inputs):
             history_cotangent, queries_cotangent, consts_cotangent = carry
-            index, x, saved, y_cotangent = inputs
-            block_first = first + index * size
-            slot = block_first // size + 1
+            block, saved = inputs
+            slot = (first + block * size) // size + 1
             partial_cotangent = _slot(history_cotangent["sources"], slot, width)
             if layout.normalizes_keys:  # the slot's 1/rms, written from the block's sum
                 inverse = history_cotangent["inverse_rms"]
@@ -568,24 +610,28 @@ def _block_scan(stream: AttnResStream, body):
                 partial_cotangent += rms_vjp(_slot(inverse, slot, layout.heads))[0]
                 history_cotangent = dict(history_cotangent, inverse_rms=_set_slot(
                     inverse, jnp.zeros(inverse.shape[:2] + (layout.heads,)), slot, layout.heads))
-            inputs = jax.tree.leaves((queries, views, consts, _split_inexact(x)[0]))
-            saved = iter(saved)
-            open_vjp, block_vjp = jax.tree.unflatten(plan["tree"], [
-                next(saved) if i is None else inputs[i] for i in plan["input"]])
-            queries_from_body, phase_cotangent, consts_from_body, x_cotangent = block_vjp(
-                (partial_cotangent.astype(final["sources"].dtype), y_cotangent))
-            queries_from_phase, views_cotangent = open_vjp(phase_cotangent)
+            consts_cotangent, phase_cotangent, xs_cotangent = list(consts_cotangent), [], []
+            for j in reversed(range(per_block)):  # the units' VJPs, last unit first
+                unit_vjp = rebuild(j, saved[j + 1], (queries, consts[min(j, 1)], _split_inexact(
+                    at(xs, block * per_block + j))[0]))
+                queries_from_unit, unit_phase, consts_from_unit, x_cotangent, partial_cotangent \
+                    = unit_vjp((partial_cotangent.astype(dtype), _split_inexact(
+                        at(ys_cotangent, block * per_block + j))[0]))
+                queries_cotangent = queries_cotangent + queries_from_unit
+                consts_cotangent[min(j, 1)] = jax.tree.map(jnp.add, consts_cotangent[min(j, 1)],
+                                                           consts_from_unit)
+                phase_cotangent[:0], xs_cotangent[:0] = unit_phase, [x_cotangent]
+            queries_from_phase, views_cotangent = rebuild("open", saved[0], (queries, views))(
+                tuple(phase_cotangent))
             carry = (jax.tree.map(jnp.add, history_cotangent, views_vjp(views_cotangent)[0]),
-                     queries_cotangent + queries_from_body + queries_from_phase,
-                     jax.tree.map(jnp.add, consts_cotangent, consts_from_body))
-            return carry, x_cotangent
+                     queries_cotangent + queries_from_phase, tuple(consts_cotangent))
+            return carry, tuple(xs_cotangent)
 
-        steps = jax.tree.leaves(xs)[0].shape[0]
         zeros = jax.tree.map(jnp.zeros_like, (queries, consts))
         (history_cotangent, queries_cotangent, consts_cotangent), xs_cotangent = jax.lax.scan(
-            step, (history_cotangent, *zeros),
-            (jnp.arange(steps), xs, saved, _split_inexact(ys_cotangent)[0]), reverse=True)
-        return queries_cotangent, history_cotangent, None, consts_cotangent, xs_cotangent
+            step, (history_cotangent, *zeros), (blocks(xs), saved), reverse=True)
+        return (queries_cotangent, history_cotangent, None, consts_cotangent,
+                by_unit(xs_cotangent))
 
     scan = jax.custom_vjp(run)
     scan.defvjp(run_saving, backward)
@@ -675,28 +721,35 @@ class AttnResStream(nnx.Module):
         return constrain_state(history)
 
     def scan(self, body, state: dict, xs):
-        """The layer stack one AttnRes block per step (layouts with `units_per_block`): `open`,
-        then `body(block_state, x) -> (block_state, y)`, the block's layers, which read by
-        merging into phase 1 and add their outputs to the block's partial sum, then `close`.
-        `jax.lax.scan` with a hand-written gradient (`_block_scan`): the forward pass does not
-        save the buffer at every step. Returns (final state, stacked y)."""
+        """The whole layer stack (layouts with `units_per_block`), one AttnRes block per step:
+        `open`, then `body(unit_state, x) -> (unit_state, y)` for each of the block's scan
+        units, whose layers read by merging into phase 1 and add their outputs to the block's
+        partial sum, then `close`. `jax.lax.scan` with a hand-written gradient (`_block_scan`):
+        the forward pass does not save the buffer at every step. Returns (final state, y
+        stacked over units)."""
         queries, first = state["pseudo_queries"], state["sublayer"]
         history = {name: state[name] for name in _HISTORY if name in state}
-        example = jax.eval_shape(lambda: (self.block_state(
-            queries, self.open(queries, self.views(history), first), first, history),
-            jax.tree.map(lambda x: x[0], xs)))
-        body, consts = jax.closure_convert(body, *example)
-        history, ys = _block_scan(self, body)(queries, history, first, consts, xs)
-        steps = jax.tree.leaves(xs)[0].shape[0]
-        return dict(state, **history, sublayer=first + steps * self.layout.block_size), ys
+        per_block = self.units_per_block(jax.tree.leaves(xs)[0].shape[0])
+        reads = self.layout.block_size // per_block
+
+        def example(fresh: bool):
+            return jax.eval_shape(lambda: (self.unit_state(
+                queries, self.open(queries, self.views(history), first)[:reads], first,
+                _empty_partial(history, queries), fresh), jax.tree.map(lambda x: x[0], xs)))
+        # A unit that starts its block reads no partial sum: a body of its own.
+        bodies, consts = zip(*(jax.closure_convert(body, *example(fresh))
+                               for fresh in (True, False)[:per_block]), strict=True)
+        history, ys = _block_scan(self, bodies, per_block)(queries, history, first, consts, xs)
+        return dict(state, **history, sublayer=first + self.layout.sublayers), ys
 
     @staticmethod
-    def block_state(queries_table, phase: tuple, first, history: dict) -> dict:
-        """What the layers of an opened block read and write: the counter, the query table,
-        the remaining reads' phase-1 results and the partial sum (zero: no source yet)."""
-        sources = history["sources"]
-        partial = jnp.zeros((*sources.shape[:2], phase[0][1].shape[-1]), sources.dtype)
-        return dict(sublayer=first, pseudo_queries=queries_table, phase=phase, partial=partial)
+    def unit_state(queries_table, phase: tuple, first, partial_BxTxD, fresh: bool) -> dict:
+        """What the layers of a scan unit in an opened block read and write: the counter, the
+        query table, the unit's reads' phase-1 results and the block's partial sum, and, when
+        the unit starts the block, the key "fresh" (the partial sum is not a source yet)."""
+        state = dict(sublayer=first, pseudo_queries=queries_table, phase=phase,
+                     partial=partial_BxTxD)
+        return dict(state, fresh=None) if fresh else state
 
     def stage_window(self, lag: int) -> int:
         """Source slots a pipeline stage is sent: those written in `lag` consecutive sublayers,
@@ -806,6 +859,7 @@ class AttentionResidual(nnx.Module):
         index = state["sublayer"]
         state = dict(state, sublayer=index + 1)
         if "phase" in state:
+            state.pop("fresh", None)  # the partial sum holds an output from now on
             partial = state["partial"]
             state.update(partial=partial + update_BxTxD.astype(partial.dtype),
                          phase=state["phase"][1:])

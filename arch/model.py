@@ -151,35 +151,27 @@ class TransformerLM(nnx.Module):
         return self._output(self.residual_stream.end(stream)), cache
 
     def _scan(self, stream, positions_BxT, graphdef, layer_params, layer_states, cache):
-        """The layer stack as one scan, k units (blocks, or MoE block groups) per step: k = 1
-        (`model.scan_unroll` units per loop iteration), or, for a mechanism that runs a group of
-        sublayers per step (two-phase AttnRes: `units_per_block`), the units of one group,
-        scanned by the mechanism (`scan`). Returns the final state and the per-unit
-        (non-parameter state, KV cache), stacked over units."""
+        """The layer stack as one scan over units (blocks, or MoE block groups),
+        `model.scan_unroll` units per loop iteration, or, for a mechanism that runs a group of
+        units at a time (two-phase AttnRes: `units_per_block`), scanned by the mechanism
+        (`scan`). Returns the final state and the per-unit (non-parameter state, KV cache),
+        stacked over units."""
         units, stream_module = self.stack_shape[0], self.residual_stream
         group = None  # under nnx.capture, unit by unit: the naive reads record their weights
         if hasattr(stream_module, "units_per_block") and not hasattr(self, "__captures__"):
             group = stream_module.units_per_block(units)
-        per_step = group or 1
 
-        def run_units(stream, layer):
-            outputs = []
-            for j in range(per_step):
-                params, states, layer_cache = jax.tree.map(lambda x, j=j: x[j], layer)
-                block = nnx.merge(graphdef, params, states)
-                stream, layer_cache = block(stream, positions_BxT, self.position.rotate,
-                                            layer_cache)
-                outputs.append((nnx.state(block, nnx.Not(nnx.Param)), layer_cache))
-            return stream, jax.tree.map(lambda *x: jnp.stack(x), *outputs)
+        def run_unit(stream, layer):
+            params, states, layer_cache = layer
+            block = nnx.merge(graphdef, params, states)
+            stream, layer_cache = block(stream, positions_BxT, self.position.rotate, layer_cache)
+            return stream, (nnx.state(block, nnx.Not(nnx.Param)), layer_cache)
 
         if self.cfg.remat:
-            run_units = jax.checkpoint(run_units)
-        steps = lambda x: x.reshape(units // per_step, per_step, *x.shape[1:])  # noqa: E731
-        xs = jax.tree.map(steps, (layer_params, layer_states, cache))
+            run_unit = jax.checkpoint(run_unit)
         scan = (stream_module.scan if group
                 else functools.partial(jax.lax.scan, unroll=self.cfg.scan_unroll))
-        stream, outputs = scan(run_units, stream, xs)
-        return stream, jax.tree.map(lambda x: x.reshape(units, *x.shape[2:]), outputs)
+        return scan(run_unit, stream, (layer_params, layer_states, cache))
 
     def _pipelined(self, x_BxTxD, positions_BxT, graphdef, layer_params, layer_states,
                    stages: int):
