@@ -530,6 +530,9 @@ def _block_scan(stream: AttnResStream, bodies: tuple, per_block: int):
             return (state["partial"], diff_y), other_y
         return run_unit
 
+    def at(tree, unit):  # one unit's slice of unit-major leaves
+        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, unit, keepdims=False), tree)
+
     def by_unit(ys):  # per-unit leaves stacked over blocks → unit-major
         return jax.tree.map(lambda *y: jnp.stack(y, 1).reshape(-1, *y[0].shape[1:]), *ys)
 
@@ -538,9 +541,7 @@ def _block_scan(stream: AttnResStream, bodies: tuple, per_block: int):
         inputs it may keep)."""
         partial, ys, vjps = _empty_partial(history, queries), [], []
         for j in range(per_block):
-            x = jax.tree.map(lambda a, j=j: jax.lax.dynamic_index_in_dim(
-                a, block * per_block + j, keepdims=False), xs)
-            diff_x, other_x = _split_inexact(x)
+            diff_x, other_x = _split_inexact(at(xs, block * per_block + j))
             args = (queries, phase[j * reads:(j + 1) * reads], consts[min(j, 1)], diff_x,
                     partial)
             run_unit = unit(j, first, other_x)
@@ -595,8 +596,6 @@ def _block_scan(stream: AttnResStream, bodies: tuple, per_block: int):
         history_cotangent, ys_cotangent = cotangents
         width, dtype = queries.shape[-1], final["sources"].dtype
         views, views_vjp = jax.vjp(stream.views, final)
-        at = lambda tree, unit: jax.tree.map(  # noqa: E731
-            lambda a: jax.lax.dynamic_index_in_dim(a, unit, keepdims=False), tree)
 
         def step(carry, inputs):
             history_cotangent, queries_cotangent, consts_cotangent = carry

@@ -96,9 +96,9 @@ step_time_vs_config ≤ 1.05 and decode_time_vs_config ≤ 1.05; the others are 
 (one argument, no spaces or line breaks inside the quotes). Their residual I/O, history memory
 and added parameters come from `arch.accounting.residual_accounting(config.model)`. Measured
 here: block_attnres 1.09–1.11× (d = 192; 1.08–1.09× with --config.model.d_model=512
---config.model.num_heads=16), decode 1.04–1.43× (median 1.18); where the rest goes: `arch/attnres.py`'s
-docstring. The plain sum stepped two layers per loop iteration, as the AttnRes block scan is
-(`--compare "...;model.scan_unroll=2"`), measured 1.05× in the same run.
+--config.model.num_heads=16), decode 1.04–1.43× (median 1.18); where the rest goes:
+`arch/attnres.py`'s docstring. The plain sum stepped two layers per loop iteration, as the
+AttnRes block scan is (`--compare "...;model.scan_unroll=2"`), measured 1.05× in the same run.
 """
 
 from __future__ import annotations
