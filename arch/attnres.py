@@ -494,6 +494,11 @@ def _join(first, second):
                         is_leaf=lambda x: x is None)
 
 
+def _units(xs) -> int:
+    """The number of scan units: the leading axis of the unit-major inputs."""
+    return jax.tree.leaves(xs)[0].shape[0]
+
+
 def _empty_partial(history: dict, queries_table) -> jax.Array:
     """A block's partial sum before its first output: zeros, B×T×D."""
     sources = history["sources"]
@@ -533,8 +538,26 @@ def _block_scan(stream: AttnResStream, bodies: tuple, per_block: int):
     def at(tree, unit):  # one unit's slice of unit-major leaves
         return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, unit, keepdims=False), tree)
 
-    def by_unit(ys):  # per-unit leaves stacked over blocks → unit-major
-        return jax.tree.map(lambda *y: jnp.stack(y, 1).reshape(-1, *y[0].shape[1:]), *ys)
+    def scan_blocks(step, carry, units: int, scanned=(), reverse=False):
+        """`jax.lax.scan` of `step(carry, (block, *scanned)) -> (carry, (per-unit outputs,
+        other outputs))` over the blocks, each unit's output written in place into unit-major
+        buffers in the loop carry (stacked per block and interleaved after, every output was
+        copied once more: the whole KV cache at each decode step). Returns (carry, unit-major
+        outputs, other outputs stacked over blocks)."""
+        blocks = jnp.arange(units // per_block)
+        example = jax.eval_shape(step, carry, (blocks[0], *at(scanned, 0)))[1][0][0]
+        buffers = jax.tree.map(lambda y: jnp.zeros((units, *y.shape), y.dtype), example)
+
+        def body(carry_buffers, inputs):
+            carry, buffers = carry_buffers
+            carry, (ys, other) = step(carry, inputs)
+            for j, y in enumerate(ys):
+                buffers = jax.tree.map(lambda b, y, j=j: jax.lax.dynamic_update_index_in_dim(
+                    b, y.astype(b.dtype), inputs[0] * per_block + j, 0), buffers, y)
+            return (carry, buffers), other
+        (carry, buffers), other = jax.lax.scan(body, (carry, buffers), (blocks, *scanned),
+                                               reverse=reverse)
+        return carry, buffers, other
 
     def step_units(queries, phase, consts, xs, block, history, first, differentiate):
         """The block's units in order: (partial sum, each unit's y, each unit's VJP and the
@@ -553,17 +576,14 @@ def _block_scan(stream: AttnResStream, bodies: tuple, per_block: int):
             ys.append(_join(diff_y, other_y))
         return partial, tuple(ys), vjps
 
-    def blocks(xs):
-        return jnp.arange(jax.tree.leaves(xs)[0].shape[0] // per_block)
-
     def run(queries, history, first, consts, xs):
-        def step(carry, block):
-            history, first = carry
+        def step(carry, inputs):
+            (history, first), (block,) = carry, inputs
             phase = stream.open(queries, stream.views(history), first)
             partial, ys, _ = step_units(queries, phase, consts, xs, block, history, first, False)
-            return (stream.close(history, partial, first), first + size), ys
-        (history, _), ys = jax.lax.scan(step, (history, first), blocks(xs))
-        return history, by_unit(ys)
+            return (stream.close(history, partial, first), first + size), (ys, ())
+        (history, _), ys, _ = scan_blocks(step, (history, first), _units(xs))
+        return history, ys
 
     def keep(key, vjp, inputs):
         """The VJP's residuals that are not among `inputs` (their places recorded)."""
@@ -579,8 +599,8 @@ def _block_scan(stream: AttnResStream, bodies: tuple, per_block: int):
         return jax.tree.unflatten(tree, [next(kept) if i is None else inputs[i] for i in where])
 
     def run_saving(queries, history, first, consts, xs):
-        def step(carry, block):
-            history, first = carry
+        def step(carry, inputs):
+            (history, first), (block,) = carry, inputs
             views = stream.views(history)
             phase, open_vjp = jax.vjp(lambda q, v: stream.open(q, v, first), queries, views)
             partial, ys, vjps = step_units(queries, phase, consts, xs, block, history, first,
@@ -588,8 +608,8 @@ def _block_scan(stream: AttnResStream, bodies: tuple, per_block: int):
             saved = [keep("open", open_vjp, (queries, views))]
             saved += [keep(j, vjp, inputs) for j, (vjp, inputs) in enumerate(vjps)]
             return (stream.close(history, partial, first), first + size), (ys, saved)
-        (history, _), (ys, saved) = jax.lax.scan(step, (history, first), blocks(xs))
-        return (history, by_unit(ys)), (queries, history, first, consts, xs, saved)
+        (history, _), ys, saved = scan_blocks(step, (history, first), _units(xs))
+        return (history, ys), (queries, history, first, consts, xs, saved)
 
     def backward(residuals, cotangents):
         queries, final, first, consts, xs, saved = residuals
@@ -624,13 +644,12 @@ def _block_scan(stream: AttnResStream, bodies: tuple, per_block: int):
                 tuple(phase_cotangent))
             carry = (jax.tree.map(jnp.add, history_cotangent, views_vjp(views_cotangent)[0]),
                      queries_cotangent + queries_from_phase, tuple(consts_cotangent))
-            return carry, tuple(xs_cotangent)
+            return carry, (tuple(xs_cotangent), ())
 
         zeros = jax.tree.map(jnp.zeros_like, (queries, consts))
-        (history_cotangent, queries_cotangent, consts_cotangent), xs_cotangent = jax.lax.scan(
-            step, (history_cotangent, *zeros), (blocks(xs), saved), reverse=True)
-        return (queries_cotangent, history_cotangent, None, consts_cotangent,
-                by_unit(xs_cotangent))
+        (history_cotangent, queries_cotangent, consts_cotangent), xs_cotangent, _ = scan_blocks(
+            step, (history_cotangent, *zeros), _units(xs), (saved,), reverse=True)
+        return queries_cotangent, history_cotangent, None, consts_cotangent, xs_cotangent
 
     scan = jax.custom_vjp(run)
     scan.defvjp(run_saving, backward)
@@ -728,7 +747,7 @@ class AttnResStream(nnx.Module):
         stacked over units)."""
         queries, first = state["pseudo_queries"], state["sublayer"]
         history = {name: state[name] for name in _HISTORY if name in state}
-        per_block = self.units_per_block(jax.tree.leaves(xs)[0].shape[0])
+        per_block = self.units_per_block(_units(xs))
         reads = self.layout.block_size // per_block
 
         def example(fresh: bool):
