@@ -35,21 +35,26 @@ work for Block AttnRes), O(n) for Full. The one-head softmax read has a hand-wri
 (`softmax_read`); writes pass the buffer's cotangent through untouched.
 
 Cost (CPU, the issue's benchmark, `scripts/bench.py` with --compare: d = 192, 16 blocks, 16×128
-tokens, 8 AttnRes blocks of S = 4, two-phase): a train step measured 1.09–1.11× the plain
-Pre-Norm sum's (1.18× with autodiff of the block scan, 1.28× with naive reads), with 1.15× its
-temporary memory; 1.08–1.09× at d = 512 (16 heads). Where the ~90 ms over a ~0.9 s step go,
-measured by ablation in one process (interleaved steps, each part replaced by a trivial one):
-phase 1's backward pass ~10 ms, its forward pass ~9 ms, the merges ~12 ms. The largest part is
-not AttnRes arithmetic: the scan steps one block, 2 layers, at a time, and the plain sum itself,
-stepped 2 layers at a time (`model.scan_unroll=2`, or grouped like this), measured 1.02–1.05×
-(mostly 1.04×) its one-layer scan: XLA:CPU overlaps less work in a two-layer backward loop body.
-Stepping AttnRes one layer at a time instead (phase 1 per layer, the partial sum kept in its
-slot) measured 1.18×: phase 1's buffer-wide work then runs twice per block. Phase 1's per-token
-contractions over the L3-resident buffer run far below memory bandwidth (XLA:CPU's batched small
-products), and pruning the empty slots by slicing is slower still (strided copies).
-A one-token decode step (batch 1) measured 1.04–1.43× the plain sum's (median 1.18 over six
-runs; 1.5–2.9 ms against 1.3–2.8 ms): at one token a step is many small ops, and the two-phase
-schedule adds ops per read where it saves arithmetic (naive reads, blocks of 3: 1.08–1.16×).
+tokens, 8 AttnRes blocks of S = 4, two-phase): a train step measured 1.04–1.13× the plain
+Pre-Norm sum's (median 1.09 over a dozen runs; 1.18× with autodiff of the block scan, 1.28× with
+naive reads), with 1.14× its temporary memory; 1.08–1.09× at d = 512 (16 heads). Where the ~80 ms
+over a ~0.9 s step go, by a per-op profile (`jax.profiler` op times, attributed to source lines
+through the compiled program's stack frames): phase 1's backward pass ~30 ms and the
+accumulation of its buffer cotangent ~6 ms (passes over the B×T×(N+1)×D buffer, 14 MB, each near
+memory bandwidth), the merges ~20 ms, saving and reloading the merges' residuals (c and p, six
+B×T×D arrays per block that the plain sum does not have) ~20 ms, phase 1's forward pass ~7 ms.
+The scan steps one block, 2 layers, at a time; the plain sum stepped 2 layers at a time
+(`model.scan_unroll=2`) measured 1.01–1.05× its one-layer scan. Measured slower: AttnRes stepped
+one layer at a time (phase 1 per layer, the partial sum kept in its slot: 1.18×, phase 1's
+buffer-wide work then runs twice per block), pruning the empty slots by slicing (strided
+copies), phase 1's source cotangent unrolled over the S reads, and w·p with p·p as one stacked
+reduction in the merge.
+A one-token decode step (batch 1, `--decode`) measured 1.03–1.07× the plain sum's (median 1.05
+over a dozen runs of 200–400 steps, ~1.4 ms), and 0.90–0.95× when the machine runs both at
+~3 ms (then per-iteration costs dominate and the block scan has half the plain scan's
+iterations). Each unit's KV cache is written in place into the scan's stacked output (stacked per
+block and interleaved after, the whole cache was copied every step: 1.18×); the rest is op count,
+per block ~9 small ops for phase 1 and the close and ~3 per merge, against ~48 per layer.
 
 Variants (config fields):
 - `attnres_query="input"`: w_l + W_l k̂_cur, with W_l ∈ R^{d×d} zero-initialized and the

@@ -1,6 +1,7 @@
 """Benchmark one train step: `python scripts/bench.py --config PATH[:ARG] [--config.FIELD=VALUE ...]
 [--json] [--steps N] [--block K] [--depth_check] [--baseline FIELD=VALUE[,...]]
-[--depth_memory A,B] [--compare FIELD=VALUE[,...][;FIELD=VALUE[,...]...]] [--decode]`
+[--depth_memory A,B] [--compare FIELD=VALUE[,...][;FIELD=VALUE[,...]...]] [--decode]
+[--decode_batch B] [--decode_steps N]`
 
 Runs on whatever devices exist (one CPU device normally) with random tokens of the config's
 batch_size × (seq_len + 1), and reports, in one run:
@@ -42,9 +43,12 @@ batch_size × (seq_len + 1), and reports, in one run:
   decode_time_s          only with --decode: median seconds of one jitted single-token KV-cache
                          decode step (evaluation mode, greedy, cache donated) of --decode_batch
                          sequences (default 1) after a prefill of seq_len / 2 tokens into a
-                         cache of seq_len positions (train/generate.py's decode path), timed in
-                         ABBA blocks over the config, the baseline and the --compare variants;
-                         with --baseline also baseline_decode_time_s and decode_time_vs_baseline.
+                         cache of seq_len positions (train/generate.py's decode path): the
+                         median of --decode_steps steps (default 400; a step takes about a
+                         millisecond, so far more steps than --steps are needed against machine
+                         noise), timed in ABBA blocks of 20 over the config, the baseline and the
+                         --compare variants; with --baseline also baseline_decode_time_s and
+                         decode_time_vs_baseline.
   bubble_fraction        only when the config's mesh.stage = P > 1 (pipeline parallelism,
                          sharding/pipeline.py): the schedule's theoretical idle share
                          (P − 1)/(V·M + P − 1), V = model.pipeline_virtual_stages, M =
@@ -95,10 +99,17 @@ step_time_vs_config ≤ 1.05 and decode_time_vs_config ≤ 1.05; the others are 
     model.residual=gated_residual"
 (one argument, no spaces or line breaks inside the quotes). Their residual I/O, history memory
 and added parameters come from `arch.accounting.residual_accounting(config.model)`. Measured
-here: block_attnres 1.09–1.11× (d = 192; 1.08–1.09× with --config.model.d_model=512
---config.model.num_heads=16), decode 1.04–1.43× (median 1.18); where the rest goes:
-`arch/attnres.py`'s docstring. The plain sum stepped two layers per loop iteration, as the
-AttnRes block scan is (`--compare "...;model.scan_unroll=2"`), measured 1.05× in the same run.
+here: block_attnres 1.04–1.13× (median 1.09; d = 192; 1.08–1.09× with --config.model.d_model=512
+--config.model.num_heads=16), decode 1.03–1.07× (median 1.05; 0.90–0.95× in runs where the
+machine takes ~3 ms per decode step instead of ~1.4); where the rest goes: `arch/attnres.py`'s
+docstring. The plain sum stepped two layers per loop iteration, as the AttnRes block scan is
+(`--compare "...;model.scan_unroll=2"`), measured 1.01–1.05× in the same run.
+
+On CPU (jaxlib 0.10.2), XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type=dot, an experimental
+XLA:CPU option (YNNPACK dot fusions), made the 16-block quickstart train step 1.2–1.3× faster
+(0.88–0.94 s → 0.73 s, the plain sum and Block AttnRes alike, their ratio unchanged): in a
+profile, the transposing copies of the gated FFN's backward pass, ~0.2 s of the default step,
+were gone. The framework does not set it (experimental; process-wide).
 """
 
 from __future__ import annotations
@@ -139,6 +150,7 @@ _COMPARE = flags.DEFINE_string(
     "each timed interleaved with it and reported as ratios to it.")
 _DECODE = flags.DEFINE_bool("decode", False, "Also time one-token KV-cache decoding.")
 _DECODE_BATCH = flags.DEFINE_integer("decode_batch", 1, "Sequences decoded at once (--decode).")
+_DECODE_STEPS = flags.DEFINE_integer("decode_steps", 400, "Timed decode steps per variant.")
 flags.mark_flag_as_required("config")
 
 TARGETS = {"vs_reference": "<= 1.05", "compile_24_over_4": "<= 1.5",
@@ -146,6 +158,7 @@ TARGETS = {"vs_reference": "<= 1.05", "compile_24_over_4": "<= 1.5",
            "temp_bytes_depth_ratio": "<= 1.3 (reversible, 2 to 16 layers)",
            "step_time_vs_config": "<= 1.05 (block_attnres, 8 blocks, vs the plain sum)",
            "decode_time_vs_config": "<= 1.05 (two-phase inference vs the plain sum)"}
+DECODE_BLOCK = 20  # decode steps per interleaved block: a step is ~1 ms, noise comes in bursts
 
 
 def log(message: str) -> None:
@@ -337,7 +350,7 @@ def depth_compile_ratio(config, repeats: int = 2) -> dict[str, float]:
 
 def bench(config, steps: int, block: int, depth_check: bool, baseline: str | None = None,
           depths: tuple[int, int] | None = None, compare: str | None = None,
-          decode: bool = False, decode_batch: int = 1) -> dict:
+          decode: bool = False, decode_batch: int = 1, decode_steps: int = 400) -> dict:
     from arch import reference
     from arch.accounting import flops_per_token
     from train.metrics import measure_matmul_peak
@@ -367,11 +380,13 @@ def bench(config, steps: int, block: int, depth_check: bool, baseline: str | Non
     decode_times = {}
     if decode:
         prompt = tokens[:decode_batch, :config.seq_len // 2]
-        log(f"timing {steps} one-token decode steps each of {', '.join(variants)}...")
+        decode_block = max(1, min(DECODE_BLOCK, decode_steps // 2))
+        log(f"timing {decode_steps} one-token decode steps each of {', '.join(variants)}, in "
+            f"blocks of {decode_block}...")
         decoders = {label: decode_runner(variant["program"], jnp.asarray(prompt), config.seq_len)
                     for label, variant in variants.items()}
-        decode_times = {label: statistics.median(seconds)
-                        for label, seconds in time_interleaved(decoders, steps, block).items()}
+        decode_times = {label: statistics.median(seconds) for label, seconds in
+                        time_interleaved(decoders, decode_steps, decode_block).items()}
     step_time = medians["framework"]
     reference_time = medians.get("reference")
     peak = measure_matmul_peak()
@@ -459,7 +474,8 @@ def main(argv: list[str]) -> None:
                 ) from None
             depths = (a, b)
         result = bench(_CONFIG.value, _STEPS.value, _BLOCK.value, _DEPTH.value, _BASELINE.value,
-                       depths, _COMPARE.value, _DECODE.value, _DECODE_BATCH.value)
+                       depths, _COMPARE.value, _DECODE.value, _DECODE_BATCH.value,
+                       _DECODE_STEPS.value)
     except ConfigError as error:
         log(f"error: {error}")
         sys.exit(2)

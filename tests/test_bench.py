@@ -28,7 +28,7 @@ def test_bench_json_with_baseline_compare_decode_and_depth_memory():
                "--config.model.num_layers=2", "--config.seq_len=16", "--config.batch_size=8",
                "--json", "--steps", "3", "--block", "1",
                "--baseline", "model.ffn=mlp", "--depth_memory", "1,2",
-               "--compare", "model.num_kv_heads=1", "--decode"]
+               "--compare", "model.num_kv_heads=1", "--decode", "--decode_steps", "4"]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
