@@ -49,12 +49,13 @@ one layer at a time (phase 1 per layer, the partial sum kept in its slot: 1.18×
 buffer-wide work then runs twice per block), pruning the empty slots by slicing (strided
 copies), phase 1's source cotangent unrolled over the S reads, and w·p with p·p as one stacked
 reduction in the merge.
-A one-token decode step (batch 1, `--decode`) measured 1.03–1.07× the plain sum's (median 1.05
-over a dozen runs of 200–400 steps, ~1.4 ms), and 0.90–0.95× when the machine runs both at
-~3 ms (then per-iteration costs dominate and the block scan has half the plain scan's
-iterations). Each unit's KV cache is written in place into the scan's stacked output (stacked per
-block and interleaved after, the whole cache was copied every step: 1.18×); the rest is op count,
-per block ~9 small ops for phase 1 and the close and ~3 per merge, against ~48 per layer.
+A one-token decode step (batch 1, `--decode`) measured 1.03–1.10× the plain sum's (median 1.06
+over a dozen runs of 200–400 steps at 1.2–1.4 ms), and 0.85–0.95× in runs where the machine
+takes 2.5–3 ms per step (per-iteration costs then dominate, and the block scan has half the plain
+scan's iterations). Each unit's KV cache is written in place into the scan's stacked output
+(stacked per block and interleaved after, the whole cache was copied every step: 1.18×); the
+rest is op count, per block ~9 small ops for phase 1 and the close and ~6 per merge (two
+reductions, split in two stages each by XLA:CPU), against ~48 per layer.
 
 Variants (config fields):
 - `attnres_query="input"`: w_l + W_l k̂_cur, with W_l ∈ R^{d×d} zero-initialized and the

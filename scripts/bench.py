@@ -100,8 +100,8 @@ step_time_vs_config ≤ 1.05 and decode_time_vs_config ≤ 1.05; the others are 
 (one argument, no spaces or line breaks inside the quotes). Their residual I/O, history memory
 and added parameters come from `arch.accounting.residual_accounting(config.model)`. Measured
 here: block_attnres 1.04–1.13× (median 1.09; d = 192; 1.08–1.09× with --config.model.d_model=512
---config.model.num_heads=16), decode 1.03–1.07× (median 1.05; 0.90–0.95× in runs where the
-machine takes ~3 ms per decode step instead of ~1.4); where the rest goes: `arch/attnres.py`'s
+--config.model.num_heads=16), decode 1.03–1.10× (median 1.06; 0.85–0.95× in runs where the
+machine takes 2.5–3 ms per decode step instead of 1.2–1.4); where the rest goes: `arch/attnres.py`'s
 docstring. The plain sum stepped two layers per loop iteration, as the AttnRes block scan is
 (`--compare "...;model.scan_unroll=2"`), measured 1.01–1.05× in the same run.
 
