@@ -137,8 +137,9 @@ from train.step import compile_train_step
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment file, PATH[:ARG].",
                                           lock_config=False)
 _JSON = flags.DEFINE_bool("json", False, "Print one JSON object on stdout instead of a table.")
-_STEPS = flags.DEFINE_integer("steps", 20, "Timed steps, each of framework and reference.")
-_BLOCK = flags.DEFINE_integer("block", 5, "Steps per interleaved block.")
+_STEPS = flags.DEFINE_integer("steps", 20, "Timed steps, each of framework and reference.",
+                              lower_bound=1)
+_BLOCK = flags.DEFINE_integer("block", 5, "Steps per interleaved block.", lower_bound=1)
 _DEPTH = flags.DEFINE_bool("depth_check", False, "Also measure compile_24_over_4.")
 _BASELINE = flags.DEFINE_string(
     "baseline", None, "FIELD=VALUE[,FIELD=VALUE...]: overrides giving a baseline config to time "
@@ -149,8 +150,10 @@ _COMPARE = flags.DEFINE_string(
     "compare", None, "FIELD=VALUE[,FIELD=VALUE...][;FIELD=VALUE...]: variants of the config, "
     "each timed interleaved with it and reported as ratios to it.")
 _DECODE = flags.DEFINE_bool("decode", False, "Also time one-token KV-cache decoding.")
-_DECODE_BATCH = flags.DEFINE_integer("decode_batch", 1, "Sequences decoded at once (--decode).")
-_DECODE_STEPS = flags.DEFINE_integer("decode_steps", 400, "Timed decode steps per variant.")
+_DECODE_BATCH = flags.DEFINE_integer("decode_batch", 1, "Sequences decoded at once (--decode).",
+                                     lower_bound=1)
+_DECODE_STEPS = flags.DEFINE_integer("decode_steps", 400, "Timed decode steps per variant.",
+                                     lower_bound=1)
 flags.mark_flag_as_required("config")
 
 TARGETS = {"vs_reference": "<= 1.05", "compile_24_over_4": "<= 1.5",
