@@ -16,10 +16,10 @@ batch_size × (seq_len + 1), and reports, in one run:
                          argument_bytes / output_bytes alongside
   reference_step_time_s  median step time of the hand-written pure-JAX step (`arch/reference.py`)
                          for the same model, batch, optimizer and initial parameters
-  vs_reference           step_time_s / reference_step_time_s; target ≤ 1.05. Framework and
-                         reference steps run in alternating blocks of --block steps (ABBA order),
-                         so machine noise hits both alike. null (and not timed) for variants the
-                         reference does not implement.
+  vs_reference           step_time_s / reference_step_time_s (paired, see below); target ≤ 1.05.
+                         Framework and reference steps run in alternating blocks of --block steps
+                         (ABBA order), so machine noise hits both alike. null (and not timed) for
+                         variants the reference does not implement.
   compile_24_over_4      only with --depth_check (off by default: it compiles four more programs,
                          ~15 s for the quickstart): cold compile time at num_layers=24 over
                          num_layers=4, the rest of the config as given, best of two fresh compiles
@@ -69,6 +69,13 @@ batch_size × (seq_len + 1), and reports, in one run:
                          train step at num_layers=B over num_layers=A (compile only, never run;
                          each also reported as temp_bytes_layers_A / _B). Target for the
                          reversible stack (issue 3): ≤ 1.3 from 2 to 16 layers.
+
+Each ratio of two timed programs' step times (vs_reference, *_time_vs_*) is paired: the median,
+over the ABBA rounds, of the ratio of the two programs' median step times in that round. They ran
+back to back, so a change of machine speed between rounds (this CPU's one-token decode step
+alternates between ~1.3 and ~3 ms for minutes at a time) cancels, where the ratio of the two
+overall medians can mix states; it may therefore differ a little from the quotient of the
+reported medians.
 
 Targets are reported, never asserted. `--json` prints exactly one JSON object on stdout; progress
 goes to stderr. Example: python scripts/bench.py --config experiments/quickstart.py --depth_check
@@ -253,6 +260,14 @@ def time_interleaved(runners: dict[str, Callable[[], None]], steps: int,
     return times
 
 
+def paired_ratio(times: dict[str, list[float]], label: str, other: str, block: int) -> float:
+    """`label`'s step time over `other`'s from `time_interleaved`'s samples: the median over the
+    rounds of blocks of `block` steps of the ratio of their medians within the round."""
+    return statistics.median(
+        statistics.median(times[label][i:i + block]) / statistics.median(times[other][i:i + block])
+        for i in range(0, len(times[label]), block))
+
+
 def parse_value(text: str, current):
     """A command-line value in the type of the field it replaces."""
     if isinstance(current, bool):
@@ -381,7 +396,7 @@ def bench(config, steps: int, block: int, depth_check: bool, baseline: str | Non
     log(f"timing {steps} steps each of {', '.join(runners)}, in blocks of {block}...")
     times = time_interleaved(runners, steps, block)
     medians = {label: statistics.median(seconds) for label, seconds in times.items()}
-    decode_times = {}
+    decode_samples, decode_block = {}, 1
     if decode:
         prompt = tokens[:decode_batch, :config.seq_len // 2]
         decode_block = max(1, min(DECODE_BLOCK, decode_steps // 2))
@@ -389,8 +404,10 @@ def bench(config, steps: int, block: int, depth_check: bool, baseline: str | Non
             f"blocks of {decode_block}...")
         decoders = {label: decode_runner(variant["program"], jnp.asarray(prompt), config.seq_len)
                     for label, variant in variants.items()}
-        decode_times = {label: statistics.median(seconds) for label, seconds in
-                        time_interleaved(decoders, decode_steps, decode_block).items()}
+        decode_samples = time_interleaved(decoders, decode_steps, decode_block)
+    decode_times = {label: statistics.median(seconds) for label, seconds in decode_samples.items()}
+    ratio = functools.partial(paired_ratio, times, block=block)
+    decode_ratio = functools.partial(paired_ratio, decode_samples, block=decode_block)
     step_time = medians["framework"]
     reference_time = medians.get("reference")
     peak = measure_matmul_peak()
@@ -404,7 +421,7 @@ def bench(config, steps: int, block: int, depth_check: bool, baseline: str | Non
         "argument_bytes": getattr(memory, "argument_size_in_bytes", None),
         "output_bytes": getattr(memory, "output_size_in_bytes", None),
         "reference_step_time_s": reference_time,
-        "vs_reference": step_time / reference_time if reference_time else None,
+        "vs_reference": ratio("framework", "reference") if reference_time else None,
         "flops_per_token": flops, "devices": jax.device_count(), "steps": steps,
     }
     if decode:
@@ -417,26 +434,24 @@ def bench(config, steps: int, block: int, depth_check: bool, baseline: str | Non
     if baseline:
         result.update(
             baseline_step_time_s=medians["baseline"],
-            step_time_vs_baseline=step_time / medians["baseline"],
+            step_time_vs_baseline=ratio("framework", "baseline"),
             baseline_temp_bytes=temp["baseline"],
             temp_bytes_vs_baseline=temp["framework"] / max(temp["baseline"], 1))
         if decode:
             result.update(baseline_decode_time_s=decode_times["baseline"],
-                          decode_time_vs_baseline=decode_times["framework"]
-                          / decode_times["baseline"])
+                          decode_time_vs_baseline=decode_ratio("framework", "baseline"))
     if compare:
         result["compare"] = {}
         for label in parse_compare(compare):
-            entry = {"step_time_s": medians[label], "step_time_vs_config": medians[label]
-                     / step_time, "temp_bytes": temp[label],
+            entry = {"step_time_s": medians[label],
+                     "step_time_vs_config": ratio(label, "framework"), "temp_bytes": temp[label],
                      "temp_bytes_vs_config": temp[label] / max(temp["framework"], 1)}
             if (sent := variants[label].get("stage_transfer_bytes")) is not None:
                 entry.update(stage_transfer_bytes=sent, stage_transfer_bytes_vs_config=sent
                              / main.get("stage_transfer_bytes", math.nan))
             if decode:
                 entry.update(decode_time_s=decode_times[label],
-                             decode_time_vs_config=decode_times[label]
-                             / decode_times["framework"])
+                             decode_time_vs_config=decode_ratio(label, "framework"))
             result["compare"][label] = entry
     if depths is not None:
         result.update(depth_memory(pristine, depths))

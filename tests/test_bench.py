@@ -1,11 +1,16 @@
-"""scripts/bench.py end to end: one tiny run as a subprocess, every reported figure checked."""
+"""scripts/bench.py end to end (one tiny run as a subprocess, every reported figure checked) and
+its paired ratio of step times."""
 
 import json
 import math
+import statistics
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from scripts.bench import paired_ratio
 from tests.helpers import one_device_env
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,10 +44,21 @@ def test_bench_json_with_baseline_compare_decode_and_depth_memory():
     for key in COMPARE:
         assert math.isfinite(variant[key]) and variant[key] > 0, (key, variant.get(key))
     assert variant["temp_bytes_vs_config"] == variant["temp_bytes"] / result["temp_bytes"]
-    assert variant["decode_time_vs_config"] == variant["decode_time_s"] / result["decode_time_s"]
     assert 0 < result["mfu"] < 10  # loose: a noisy shared CPU can beat its measured "peak"
     assert result["devices"] == 1
     assert "compile_24_over_4" not in result  # the depth check is opt-in
     assert result["temp_bytes_layers_2"] == result["temp_bytes"]  # same program at 2 layers
     ratio = result["temp_bytes_layers_2"] / result["temp_bytes_layers_1"]
     assert result["temp_bytes_depth_ratio"] == ratio
+
+
+def test_paired_ratio_cancels_a_change_of_machine_speed_between_rounds():
+    # One step per block, ABBA order: config, variant | variant, config | config, variant | ...
+    # The machine halves its speed after round 1's variant step; the variant takes 1.1x.
+    times = {"config": [1.0, 2.0, 2.0, 2.0], "variant": [1.1, 1.1, 2.2, 2.2]}
+    overall = statistics.median(times["variant"]) / statistics.median(times["config"])
+    assert overall == pytest.approx(0.825)  # the unpaired ratio mixes the two speeds
+    assert paired_ratio(times, "variant", "config", block=1) == pytest.approx(1.1)
+    # Blocks of two: rounds of 1.1, 1.1, and one that straddles the change (0.825).
+    times = {"config": [1.0, 1.0, 2.0, 2.0, 2.0, 2.0], "variant": [1.1, 1.1, 2.2, 2.2, 1.1, 2.2]}
+    assert paired_ratio(times, "variant", "config", block=2) == pytest.approx(1.1)
