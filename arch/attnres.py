@@ -51,7 +51,7 @@ slicing (strided copies), phase 1's source cotangent unrolled over the S reads, 
 one stacked reduction in the merge. XLA:CPU copies both layers' sliced weights at the start of the
 loop body; forcing each unit's slices after the previous unit (an artificial data dependency) gained
 only ~1%.
-A one-token decode step (batch 1, `--decode`) measured 1.03–1.10× the plain sum's (median 1.06 over
+A one-token decode step (batch 1, `--decode`) measured 1.03–1.18× the plain sum's (median 1.06 over
 a dozen runs of 200–400 steps at 1.2–1.4 ms), and 0.85–0.95× in runs where the machine takes 2.5–3
 ms per step (per-iteration costs then dominate, and the block scan has half the plain scan's
 iterations). Each unit's KV cache is written in place into the scan's stacked output (stacked per
