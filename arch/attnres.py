@@ -35,16 +35,17 @@ work for Block AttnRes), O(n) for Full. The one-head softmax read has a hand-wri
 (`softmax_read`); writes pass the buffer's cotangent through untouched.
 
 Cost (CPU, the issue's benchmark, `scripts/bench.py` with --compare: d = 192, 16 blocks, 16×128
-tokens, 8 AttnRes blocks of S = 4, two-phase): a train step measured 1.04–1.13× the plain Pre-Norm
-sum's (median 1.09 over a dozen runs; 1.18× with autodiff of the block scan, 1.28× with naive
-reads), with 1.14× its temporary memory; 1.02–1.03× at d = 512 (16 heads, four runs; 1.08–1.09×
-before the block scan wrote its outputs in place). Where the ~80 ms over a ~0.9 s step go, by a
-per-op profile (`jax.profiler` op times, attributed to source lines through the compiled program's
-stack frames): phase 1's backward pass ~30 ms and the accumulation of its buffer cotangent ~6 ms
-(passes over the B×T×(N+1)×D buffer, 14 MB, each near memory bandwidth), the merges ~20 ms, saving
-and reloading the merges' residuals (c and p, six B×T×D arrays per block that the plain sum does not
-have) ~20 ms, phase 1's forward pass ~7 ms. The scan steps one block, 2 layers, at a time; the plain
-sum stepped 2 layers at a time (`model.scan_unroll=2`) measured 1.01–1.05× its one-layer scan.
+tokens, 8 AttnRes blocks of S = 4, two-phase): a train step measured 1.06–1.07× the plain Pre-Norm
+sum's (three paired runs; 1.08–1.09× before each merge and its norm were rematerialized, 1.18× with
+autodiff of the block scan, 1.28× with naive reads), with 1.12× its temporary memory; 1.02–1.03× at
+d = 512 (16 heads, four runs; 1.08–1.09× before the block scan wrote its outputs in place). Where
+the ~80 ms over a ~0.9 s step go, by a per-op profile (`jax.profiler` op times, attributed to source
+lines through the compiled program's stack frames): phase 1's backward pass ~30 ms and the
+accumulation of its buffer cotangent ~6 ms (passes over the B×T×(N+1)×D buffer, 14 MB, each near
+memory bandwidth), the merges ~20 ms, saving and reloading the merges' residuals (c and p, six B×T×D
+arrays per block that the plain sum does not have) ~20 ms, phase 1's forward pass ~7 ms. The scan
+steps one block, 2 layers, at a time; the plain sum stepped 2 layers at a time
+(`model.scan_unroll=2`) measured 1.01–1.05× its one-layer scan.
 Measured slower: AttnRes stepped one layer at a time (phase 1 per layer, the partial sum kept in its
 slot: 1.18×, phase 1's buffer-wide work then runs twice per block), pruning the empty slots by
 slicing (strided copies), phase 1's source cotangent unrolled over the S reads, and w·p with p·p as
@@ -876,8 +877,13 @@ class AttentionResidual(nnx.Module):
               "model.attnres_window", window, "must be an integer ≥ 0 (0: every source)")
 
     def read(self, state: dict) -> jax.Array:
+        if "phase" in state:  # only this read's inputs: the remat saves them
+            inputs = {key: state[key] for key in ("sublayer", "pseudo_queries", "partial", "fresh")
+                      if key in state}
+            return nnx.remat(_merged_read, prevent_cse=False, graph=False)(self, dict(
+                inputs, phase=state["phase"][:1]))
         mixed = _read(self.layout, state, self.query_projection, self)
-        return self.norm(mixed.astype(state["partial" if "phase" in state else "sources"].dtype))
+        return self.norm(mixed.astype(state["sources"].dtype))
 
     def write(self, state: dict, update_BxTxD) -> dict:
         """Add the output to its block's slot (in place), or, inside an opened block, to the
@@ -898,6 +904,15 @@ class AttentionResidual(nnx.Module):
                 state["inverse_rms"], inverse_rms(_slot(state["sources"], slot, width),
                                                   layout.heads, layout.eps), slot, layout.heads)
         return state
+
+
+def _merged_read(residual: AttentionResidual, state: dict) -> jax.Array:
+    """norm(the two-phase merge) of a read in an opened block, rematerialized (`nnx.remat`): the
+    backward pass recomputes both from the phase-1 result and the partial sum, which are saved
+    anyway, instead of saving the merged read and the norm's arrays (three or four D-wide arrays
+    per read, written and read back from memory)."""
+    mixed = _read(residual.layout, state, None, residual)
+    return residual.norm(mixed.astype(state["partial"].dtype))
 
 
 @RESIDUALS.register("block_attnres")

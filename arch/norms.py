@@ -19,6 +19,27 @@ from arch.registry import Registry
 NORMS = Registry("norm")
 
 
+def rematerialized(norm):
+    """A norm function f(x, *params) whose backward pass recomputes the statistics from x:
+    autodiff saves x, 2x, x·r and g·x·r (r = the inverse scale) for every call; this saves x."""
+    return jax.checkpoint(norm, prevent_cse=False)
+
+
+@rematerialized
+def _rms_norm(x, scale, eps):
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32**2, axis=-1, keepdims=True) + eps)
+    return (y * scale).astype(x.dtype)
+
+
+@rematerialized
+def _layer_norm(x, scale, bias, eps):
+    x32 = x.astype(jnp.float32)
+    centered = x32 - jnp.mean(x32, axis=-1, keepdims=True)
+    y = centered * jax.lax.rsqrt(jnp.mean(centered**2, axis=-1, keepdims=True) + eps)
+    return (y * scale + bias).astype(x.dtype)
+
+
 @NORMS.register("rmsnorm")
 class RMSNorm(nnx.Module):
     """RMSNorm (Zhang & Sennrich 2019, eq. 4): y = g ⊙ x / sqrt(mean(x²) + ε).
@@ -31,9 +52,7 @@ class RMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        y = x32 * jax.lax.rsqrt(jnp.mean(x32**2, axis=-1, keepdims=True) + self.eps)
-        return (y * self.scale[...]).astype(x.dtype)
+        return _rms_norm(x, self.scale[...], self.eps)
 
 
 @NORMS.register("layernorm")
@@ -49,10 +68,7 @@ class LayerNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        centered = x32 - jnp.mean(x32, axis=-1, keepdims=True)
-        y = centered * jax.lax.rsqrt(jnp.mean(centered**2, axis=-1, keepdims=True) + self.eps)
-        return (y * self.scale[...] + self.bias[...]).astype(x.dtype)
+        return _layer_norm(x, self.scale[...], self.bias[...], self.eps)
 
 
 @NORMS.register("none")

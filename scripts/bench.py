@@ -104,12 +104,12 @@ step_time_vs_config ≤ 1.05 and decode_time_vs_config ≤ 1.05; the others are 
     --config.model.residual=prenorm --decode --compare "model.residual=block_attnres,
     model.attnres_block_size=4;model.residual=attnres;model.residual=hc;model.residual=mhc;
     model.residual=gated_residual"
-(one argument, no spaces or line breaks inside the quotes). Their residual I/O, history memory
-and added parameters come from `arch.accounting.residual_accounting(config.model)`. Measured
-here at d = 192: block_attnres 1.04–1.13× (median 1.09), decode 1.03–1.18× (median 1.06;
-0.85–0.95× in runs where the machine takes 2.5–3 ms per decode step instead of 1.2–1.4); with
---config.model.d_model=512 --config.model.num_heads=16: 1.02–1.03×, decode 0.99–1.30× (median
-~1.05; a step mostly moves the weights); where the rest goes: `arch/attnres.py`'s docstring.
+(one argument, no spaces or line breaks inside the quotes). Their residual I/O, history memory and
+added parameters come from `arch.accounting.residual_accounting(config.model)`. Measured here at d =
+192: block_attnres 1.06–1.07× (1.08–1.09× before its reads were rematerialized), decode 1.03–1.18×
+(median 1.06; 0.85–0.95× in runs where the machine takes 2.5–3 ms per decode step instead of
+1.2–1.4); with --config.model.d_model=512 --config.model.num_heads=16: 1.02–1.03×, decode 0.99–1.30×
+(median ~1.05; a step mostly moves the weights); where the rest goes: `arch/attnres.py`'s docstring.
 The plain sum stepped two layers per loop iteration, as the AttnRes block scan is (`--compare
 "...;model.scan_unroll=2"`), measured 1.01–1.05× in the same run.
 

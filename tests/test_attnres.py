@@ -162,6 +162,28 @@ def test_two_phase_reads_and_their_gradients_equal_the_naive_reads(key_norm, hea
         np.testing.assert_allclose(got, expected, atol=5e-5, rtol=1e-4)
 
 
+def test_a_read_in_an_opened_block_keeps_only_its_inputs_for_the_backward_pass():
+    """The merge and the norm after it are recomputed in the backward pass: of the B×T×D
+    arrays, the read's VJP keeps only the phase-1 read c and the partial sum p (autodiff kept
+    the merged read and three arrays of the norm as well)."""
+    config = tiny_config(residual="block_attnres", attnres_block_size=2)
+    validate(config, 1)
+    graphdef, params = nnx.split(BlockAttentionResidual(config.model, rngs=nnx.Rngs(0)))
+    shape = (2, 5, config.model.d_model)
+    keys = jax.random.split(jax.random.key(0), 3)
+    queries = jax.random.normal(keys[0], (5, shape[-1]))
+    lse = jax.random.normal(keys[1], (*shape[:2], 1))
+    read, partial = jax.random.normal(keys[2], (2, *shape))
+
+    def merged(read, partial):
+        state = AttnResStream.unit_state(queries, ((lse, read),), jnp.int32(1), partial, False)
+        return nnx.merge(graphdef, params).read(state)
+
+    _, vjp = jax.vjp(merged, read, partial)
+    kept = [leaf for leaf in jax.tree.leaves(vjp) if leaf.shape == shape]
+    assert len(kept) == 2 and all(any(leaf is x for x in (read, partial)) for leaf in kept)
+
+
 @pytest.mark.parametrize("query_shape", [(16,), (2, 5, 16)], ids=["static", "input"])
 def test_hand_written_read_gradient_equals_autodiff(query_shape):
     rng = np.random.default_rng(1)

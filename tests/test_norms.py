@@ -13,7 +13,16 @@ from flax import nnx
 
 from arch.config import ConfigError
 from arch.layers import Embedding
-from arch.norms import NORMS, DynamicTanh, GatedNorm, Identity, RMSNorm, ScaleNorm, make_norm
+from arch.norms import (
+    NORMS,
+    DynamicTanh,
+    GatedNorm,
+    Identity,
+    LayerNorm,
+    RMSNorm,
+    ScaleNorm,
+    make_norm,
+)
 from sharding.rules import LOGICAL_RULES
 from tests.helpers import random_tokens, tiny_config, tiny_model
 from train.config import validate
@@ -42,6 +51,37 @@ def randomize(module: nnx.Module, seed: int = 7) -> None:
 def params_of(module: nnx.Module) -> dict:
     return {".".join(map(str, path)): np.asarray(v[...], np.float64)
             for path, v in nnx.to_flat_state(nnx.state(module, nnx.Param))}
+
+
+# RMSNorm and LayerNorm: rematerialized ------------------------------------------------------------
+
+@pytest.mark.parametrize("norm", [RMSNorm, LayerNorm], ids=["rmsnorm", "layernorm"])
+def test_statistical_norm_gradients_equal_the_formula_and_keep_only_the_input(norm):
+    """RMSNorm (eq. 4 of Zhang & Sennrich 2019) and LayerNorm recompute their statistics in the
+    backward pass: gradients equal autodiff of the plain formula, and of the B×T×D arrays the VJP
+    keeps only x (autodiff of the formula keeps more)."""
+    module = norm(D, eps=1e-5, rngs=nnx.Rngs(0))
+    randomize(module)
+    graphdef, params = nnx.split(module)
+    x, probe = inputs(1), inputs(2)
+
+    def formula(params, x):
+        p = {name: value[...] for name, value in params.items()}
+        if norm is LayerNorm:
+            x = x - x.mean(-1, keepdims=True)
+        y = x / jnp.sqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-5) * p["scale"]
+        return y + p["bias"] if norm is LayerNorm else y
+
+    def module_call(params, x):
+        return nnx.merge(graphdef, params)(x)
+
+    (_, vjp), (_, formula_vjp) = jax.vjp(module_call, params, x), jax.vjp(formula, params, x)
+    for got, expected in zip(jax.tree.leaves(vjp(probe)), jax.tree.leaves(formula_vjp(probe)),
+                             strict=True):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+    kept = [leaf for leaf in jax.tree.leaves(vjp) if leaf.shape == x.shape]
+    assert len(kept) == 1 and kept[0] is x
+    assert sum(leaf.shape == x.shape for leaf in jax.tree.leaves(formula_vjp)) >= 2
 
 
 # ScaleNorm ----------------------------------------------------------------------------------------
