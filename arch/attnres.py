@@ -35,31 +35,38 @@ work for Block AttnRes), O(n) for Full. The one-head softmax read has a hand-wri
 (`softmax_read`); writes pass the buffer's cotangent through untouched.
 
 Cost (CPU, the issue's benchmark, `scripts/bench.py` with --compare: d = 192, 16 blocks, 16×128
-tokens, 8 AttnRes blocks of S = 4, two-phase): a train step measured 1.06–1.07× the plain Pre-Norm
-sum's (three paired runs; 1.08–1.09× before each merge and its norm were rematerialized, 1.18× with
-autodiff of the block scan, 1.28× with naive reads), with 1.12× its temporary memory; 1.02–1.03× at
-d = 512 (16 heads, four runs; 1.08–1.09× before the block scan wrote its outputs in place). Where
-the ~80 ms over a ~0.9 s step go, by a per-op profile (`jax.profiler` op times, attributed to source
-lines through the compiled program's stack frames): phase 1's backward pass ~30 ms and the
-accumulation of its buffer cotangent ~6 ms (passes over the B×T×(N+1)×D buffer, 14 MB, each near
-memory bandwidth), the merges ~20 ms, saving and reloading the merges' residuals (c and p, six B×T×D
-arrays per block that the plain sum does not have) ~20 ms, phase 1's forward pass ~7 ms. The scan
-steps one block, 2 layers, at a time; the plain sum stepped 2 layers at a time
-(`model.scan_unroll=2`) measured 1.01–1.05× its one-layer scan.
-Measured slower: AttnRes stepped one layer at a time (phase 1 per layer, the partial sum kept in its
-slot: 1.18×, phase 1's buffer-wide work then runs twice per block), pruning the empty slots by
-slicing (strided copies), phase 1's source cotangent unrolled over the S reads, and w·p with p·p as
-one stacked reduction in the merge. XLA:CPU copies both layers' sliced weights at the start of the
-loop body; forcing each unit's slices after the previous unit (an artificial data dependency) gained
-only ~1%.
+tokens, 8 AttnRes blocks of S = 4, two-phase): a train step measured 1.046–1.07× the plain Pre-Norm
+sum's (eight paired runs, median ~1.054; 1.08–1.09× before the reads below were rematerialized,
+1.18× with autodiff of the block scan, 1.28× with naive reads), with 1.12× its temporary memory;
+1.03× at d = 512 (16 heads). A read in an opened block is rematerialized (`_merged_read`): the
+backward pass recomputes the merge and the norm after it from c and p, which are saved anyway,
+instead of saving the merged read and the norm's arrays (four B×T×D arrays per read, written to
+memory and read back); every model's norms are rematerialized the same way
+(`arch.norms.rematerialized`, which made the plain sum ~3% faster). Where the ~50 ms over a ~0.85 s
+step go, by a per-op profile (`jax.profiler` op times, attributed to source lines through the
+compiled program's stack frames): phase 1's backward pass ~28 ms and the accumulation of its buffer
+cotangent ~5 ms (per-token contractions of the S read cotangents with the N + 1 slots, which XLA:CPU
+runs well below memory bandwidth, and passes over the B×T×(N+1)×D buffer, 14 MB), the merges with
+their recomputation ~24 ms, phase 1's forward pass ~6 ms; the scan saves three more B×T×D arrays per
+block than the plain scan (the reads c), ~8 ms. The scan steps one block, 2 layers, at a time; the
+plain sum stepped 2 layers at a time (`model.scan_unroll=2`) measured 1.01–1.05× its one-layer scan.
+Measured slower or no faster: AttnRes stepped one layer at a time (phase 1 per layer, the partial
+sum kept in its slot: 1.18×, phase 1's buffer-wide work then runs twice per block), pruning the
+empty slots by slicing (strided copies), phase 1 on the completed slots only (a `lax.switch` over
+their count: no change, the slicing copies cost what the masked slots did), recomputing phase 1 in
+the backward pass instead of saving the reads c (~1.5% slower), phase 1's source cotangent unrolled
+over the S reads, other orders of its backward contractions (within noise), and w·p with p·p as one
+stacked reduction in the merge. XLA:CPU copies both layers' sliced weights at the start of the loop
+body; forcing each unit's slices after the previous unit (an artificial data dependency) gained only
+~1%.
 A one-token decode step (batch 1, `--decode`) measured 1.03–1.18× the plain sum's (median 1.06 over
-a dozen runs of 200–400 steps at 1.2–1.4 ms), and 0.85–0.95× in runs where the machine takes 2.5–3
+a dozen runs of 200–400 steps at 1.2–1.4 ms), and 0.85–0.98× in runs where the machine takes 2.3–3
 ms per step (per-iteration costs then dominate, and the block scan has half the plain scan's
 iterations). Each unit's KV cache is written in place into the scan's stacked output (stacked per
 block and interleaved after, the whole cache was copied every step: 1.18×); the rest is op count,
 per block ~9 small ops for phase 1 and the close and ~6 per merge (two reductions, split in two
 stages each by XLA:CPU), against ~48 per layer. At d = 512 a decode step (8–18 ms) mostly copies and
-reads the weights, and the ratio varied from 0.99 to 1.30 between runs (median ~1.05).
+reads the weights, and the ratio varied from 0.91 to 1.30 between runs (median ~1.05).
 
 Variants (config fields):
 - `attnres_query="input"`: w_l + W_l k̂_cur, with W_l ∈ R^{d×d} zero-initialized and the
