@@ -916,8 +916,8 @@ class AttentionResidual(nnx.Module):
 def _merged_read(residual: AttentionResidual, state: dict) -> jax.Array:
     """norm(the two-phase merge) of a read in an opened block, rematerialized (`nnx.remat`): the
     backward pass recomputes both from the phase-1 result and the partial sum, which are saved
-    anyway, instead of saving the merged read and the norm's arrays (three or four D-wide arrays
-    per read, written and read back from memory)."""
+    anyway, instead of saving the merged read and three D-wide arrays of the norm per read
+    (written to memory and read back)."""
     mixed = _read(residual.layout, state, None, residual)
     return residual.norm(mixed.astype(state["partial"].dtype))
 
