@@ -35,8 +35,8 @@ work for Block AttnRes), O(n) for Full. The one-head softmax read has a hand-wri
 (`softmax_read`); writes pass the buffer's cotangent through untouched.
 
 Cost (CPU, the issue's benchmark, `scripts/bench.py` with --compare: d = 192, 16 blocks, 16×128
-tokens, 8 AttnRes blocks of S = 4, two-phase): a train step measured 1.046–1.07× the plain Pre-Norm
-sum's (eight paired runs, median ~1.054; 1.08–1.09× before the reads below were rematerialized,
+tokens, 8 AttnRes blocks of S = 4, two-phase): a train step measured 1.037–1.073× the plain Pre-Norm
+sum's (about twenty paired runs, median 1.05; 1.08–1.09× before the reads below were rematerialized,
 1.18× with autodiff of the block scan, 1.28× with naive reads), with 1.12× its temporary memory;
 1.03× at d = 512 (16 heads). A read in an opened block is rematerialized (`_merged_read`): the
 backward pass recomputes the merge and the norm after it from c and p, which are saved anyway,

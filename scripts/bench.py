@@ -106,7 +106,7 @@ step_time_vs_config ≤ 1.05 and decode_time_vs_config ≤ 1.05; the others are 
     model.residual=gated_residual"
 (one argument, no spaces or line breaks inside the quotes). Their residual I/O, history memory and
 added parameters come from `arch.accounting.residual_accounting(config.model)`. Measured here at d =
-192: block_attnres 1.046–1.07× (median ~1.054; 1.08–1.09× before its reads were rematerialized),
+192: block_attnres 1.037–1.073× (median 1.05; 1.08–1.09× before its reads were rematerialized),
 decode 1.03–1.18× (median 1.06; 0.85–0.98× in runs where the machine takes 2.3–3 ms per decode step
 instead of 1.2–1.4); with --config.model.d_model=512 --config.model.num_heads=16: 1.03×, decode
 0.91–1.30× (median ~1.05; a step mostly moves the weights); where the rest goes: `arch/attnres.py`'s
