@@ -54,11 +54,12 @@ Measured slower or no faster: AttnRes stepped one layer at a time (phase 1 per l
 sum kept in its slot: 1.18×, phase 1's buffer-wide work then runs twice per block), pruning the
 empty slots by slicing (strided copies), phase 1 on the completed slots only (a `lax.switch` over
 their count: no change, the slicing copies cost what the masked slots did), recomputing phase 1 in
-the backward pass instead of saving the reads c (~1.5% slower), phase 1's source cotangent unrolled
-over the S reads, other orders of its backward contractions (within noise), and w·p with p·p as one
-stacked reduction in the merge. XLA:CPU copies both layers' sliced weights at the start of the loop
-body; forcing each unit's slices after the previous unit (an artificial data dependency) gained only
-~1%.
+the backward pass instead of saving the reads c (~1.5% slower), one hand-written VJP for the merge
+and an RMSNorm after it (keeping per-token scalars rather than recomputing the reductions: ~1.5%
+slower than the rematerialization), phase 1's source cotangent unrolled over the S reads, other
+orders of its backward contractions (within noise), and w·p with p·p as one stacked reduction in the
+merge. XLA:CPU copies both layers' sliced weights at the start of the loop body; forcing each unit's
+slices after the previous unit (an artificial data dependency) gained only ~1%.
 A one-token decode step (batch 1, `--decode`) measured 1.03–1.18× the plain sum's (median 1.06 over
 a dozen runs of 200–400 steps at 1.2–1.4 ms), and 0.85–0.98× in runs where the machine takes 2.3–3
 ms per step (per-iteration costs then dominate, and the block scan has half the plain scan's
