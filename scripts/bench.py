@@ -106,13 +106,13 @@ step_time_vs_config ≤ 1.05 and decode_time_vs_config ≤ 1.05; the others are 
     model.residual=gated_residual"
 (one argument, no spaces or line breaks inside the quotes). Their residual I/O, history memory and
 added parameters come from `arch.accounting.residual_accounting(config.model)`. Measured here at d =
-192: block_attnres 1.037–1.073× (median 1.05; 1.08–1.09× before its reads were rematerialized),
-decode 1.03–1.18× (median 1.06; 0.85–0.98× in runs where the machine takes 2.3–3 ms per decode step
-instead of 1.2–1.4); with --config.model.d_model=512 --config.model.num_heads=16: 1.03×, decode
-0.91–1.30× (median ~1.05; a step mostly moves the weights); where the rest goes: `arch/attnres.py`'s
+192: block_attnres 1.029–1.035× (six runs; 1.08–1.09× before its reads were rematerialized), decode
+1.03–1.18× (median 1.06; 0.85–0.98× in runs where the machine takes 2.3–3 ms per decode step instead
+of 1.2–1.4); with --config.model.d_model=512 --config.model.num_heads=16: 1.02–1.03×, decode
+0.89–1.30× (median ~1.05; a step mostly moves the weights); where the rest goes: `arch/attnres.py`'s
 docstring.
 The plain sum stepped two layers per loop iteration, as the AttnRes block scan is (`--compare
-"...;model.scan_unroll=2"`), measured 1.01–1.05× in the same run.
+"...;model.scan_unroll=2"`), measured 0.99–1.05× in the same run.
 
 On CPU (jaxlib 0.10.2), XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type=dot, an experimental
 XLA:CPU option (YNNPACK dot fusions), made the 16-block quickstart train step 1.2–1.3× faster
