@@ -62,14 +62,16 @@ slower than the rematerialization), phase 1's source cotangent unrolled over the
 orders of its backward contractions (within noise), and w·p with p·p as one stacked reduction in the
 merge. XLA:CPU copies both layers' sliced weights at the start of the loop body; forcing each unit's
 slices after the previous unit (an artificial data dependency) gained only ~1%.
-A one-token decode step (batch 1, `--decode`) measured 1.03–1.18× the plain sum's (median 1.06 over
-a dozen runs of 200–400 steps at 1.2–1.4 ms), and 0.85–0.98× in runs where the machine takes 2.3–3
-ms per step (per-iteration costs then dominate, and the block scan has half the plain scan's
-iterations). Each unit's KV cache is written in place into the scan's stacked output (stacked per
-block and interleaved after, the whole cache was copied every step: 1.18×); the rest is op count,
-per block ~9 small ops for phase 1 and the close and ~6 per merge (two reductions, split in two
-stages each by XLA:CPU), against ~48 per layer. At d = 512 a decode step (8–18 ms) mostly copies and
-reads the weights, and the ratio varied from 0.89 to 1.30 between runs (median ~1.05).
+A one-token decode step (batch 1, `--decode`) measured 0.83–0.98× the plain sum's with the current
+code, in runs where the machine takes 2.3–2.9 ms per step (per-iteration costs then dominate, and
+the block scan has half the plain scan's iterations), and 0.92–0.93× pinned to one core (`taskset`,
+1.8 ms per step); before the two changes above, in a session where the machine took 1.2–1.4 ms per
+step, 1.03–1.18× (median 1.06 over a dozen runs). Each unit's KV cache is written in place into the
+scan's stacked output (stacked per block and interleaved after, the whole cache was copied every
+step: 1.18×); the rest is op count, per block ~9 small ops for phase 1 and the close and ~6 per
+merge (two reductions, split in two stages each by XLA:CPU), against ~48 per layer. At d = 512 a
+decode step (8–18 ms) mostly copies and reads the weights, and the ratio varied from 0.89 to 1.30
+between runs (median ~1.05).
 
 Variants (config fields):
 - `attnres_query="input"`: w_l + W_l k̂_cur, with W_l ∈ R^{d×d} zero-initialized and the

@@ -107,10 +107,10 @@ step_time_vs_config ≤ 1.05 and decode_time_vs_config ≤ 1.05; the others are 
 (one argument, no spaces or line breaks inside the quotes). Their residual I/O, history memory and
 added parameters come from `arch.accounting.residual_accounting(config.model)`. Measured here at d =
 192: block_attnres 1.029–1.035× (six runs; 1.08–1.09× before its reads were rematerialized), decode
-1.03–1.18× (median 1.06; 0.85–0.98× in runs where the machine takes 2.3–3 ms per decode step instead
-of 1.2–1.4); with --config.model.d_model=512 --config.model.num_heads=16: 1.02–1.03×, decode
-0.89–1.30× (median ~1.05; a step mostly moves the weights); where the rest goes: `arch/attnres.py`'s
-docstring.
+0.83–0.98× at 2.3–2.9 ms per decode step (1.03–1.18×, median 1.06, in an earlier session with
+earlier code, at 1.2–1.4 ms per step); with --config.model.d_model=512 --config.model.num_heads=16:
+1.02–1.03×, decode 0.89–1.30× (median ~1.05; a step mostly moves the weights); where the rest goes:
+`arch/attnres.py`'s docstring.
 The plain sum stepped two layers per loop iteration, as the AttnRes block scan is (`--compare
 "...;model.scan_unroll=2"`), measured 0.99–1.05× in the same run.
 
