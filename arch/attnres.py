@@ -867,7 +867,7 @@ class AttentionResidual(nnx.Module):
 
     @staticmethod
     def resolve(cfg) -> None:
-        from arch.config import check
+        from config import check
 
         block = cfg.attnres_block_size
         check(isinstance(block, int) and not isinstance(block, bool) and block >= 1,

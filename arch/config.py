@@ -5,22 +5,16 @@ from __future__ import annotations
 from arch.attention import ATTENTION
 from arch.ffn import ACTIVATIONS, FFN_WIDTHS, FFNS, hidden_width
 from arch.heads import HEADS
-from arch.init import GROUPS as INIT_GROUPS
 from arch.init import INITS
 from arch.norms import NORMS
 from arch.positions import POSITIONS
 from arch.registry import Registry
 from arch.residual import RESIDUALS
+from config import ConfigError, check
+from config.defaults import INIT_GROUPS
 from sharding.sequence import SEQUENCE_ATTENTIONS
 
-
-class ConfigError(ValueError):
-    """A user error in the config: one line naming the field, the bad value and what is valid."""
-
-
-def check(condition: bool, field: str, value, valid: str) -> None:
-    if not condition:
-        raise ConfigError(f"{field}={value!r} is invalid: {valid}")
+__all__ = ["ConfigError", "check", "resolve_model"]
 
 
 def _divisors(n: int) -> list[int]:

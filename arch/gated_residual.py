@@ -239,7 +239,7 @@ class GatedResidual(nnx.Module):
 
     @staticmethod
     def resolve(cfg) -> None:
-        from arch.config import check
+        from config import check
 
         check(isinstance(cfg.residual_streams, int) and cfg.residual_streams >= 2,
               "model.residual_streams", cfg.residual_streams,

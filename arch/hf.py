@@ -104,7 +104,7 @@ from safetensors import safe_open
 from arch.accounting import abstract_model
 from arch.config import resolve_model
 from arch.model import TransformerLM
-from experiments.common import model_config
+from config.defaults import model_config
 
 LLAMA_FAMILY = ("llama", "mistral")
 MODEL_TYPES = (*LLAMA_FAMILY, "gpt2")

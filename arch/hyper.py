@@ -49,7 +49,7 @@ class StreamState(NamedTuple):
 
 
 def _resolve_streams(cfg) -> None:
-    from arch.config import check
+    from config import check
 
     check(isinstance(cfg.residual_streams, int) and cfg.residual_streams >= 1,
           "model.residual_streams", cfg.residual_streams,
@@ -57,7 +57,7 @@ def _resolve_streams(cfg) -> None:
 
 
 def _resolve_hyper(cfg) -> None:
-    from arch.config import check
+    from config import check
 
     _resolve_streams(cfg)
     check(isinstance(cfg.residual_dynamic, bool), "model.residual_dynamic", cfg.residual_dynamic,
@@ -292,7 +292,7 @@ class ManifoldHyperConnection(nnx.Module):
 
     @staticmethod
     def resolve(cfg) -> None:
-        from arch.config import check
+        from config import check
 
         _resolve_hyper(cfg)
         check(isinstance(cfg.mhc_sinkhorn_iters, int) and cfg.mhc_sinkhorn_iters >= 1,

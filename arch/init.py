@@ -21,10 +21,10 @@ import functools
 import jax
 
 from arch.registry import Registry
+from config.defaults import INIT_GROUPS
 
 INITS = Registry("init")
-GROUPS = ("embedding", "query", "key", "value", "attention_output", "ffn_input", "ffn_output",
-          "head")
+GROUPS = INIT_GROUPS  # config.defaults: the names a config may set
 
 
 # Standard deviation of a unit normal truncated to [−2, 2]: dividing by it makes the truncated

@@ -118,7 +118,7 @@ def main(argv: list[str]) -> None:
     if _CONFIG.value is None and not names:
         raise app.UsageError("give --config PATH and/or --shape NAME (or --shape all)")
     from arch.accounting import books
-    from arch.config import ConfigError
+    from config import ConfigError
     from sharding.rules import MESH_AXES
     from train.config import validate
 

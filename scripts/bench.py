@@ -488,7 +488,7 @@ def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     absl_logging.set_verbosity(absl_logging.WARNING)  # Orbax and absl log at INFO
-    from arch.config import ConfigError
+    from config import ConfigError
 
     try:
         depths = None

@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq_len", type=int, default=None, help="default: the run's seq_len")
     args = parser.parse_args(argv)
-    from arch.config import ConfigError
+    from config import ConfigError
     from train.loop import restore_for_analysis
 
     try:

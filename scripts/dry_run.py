@@ -53,7 +53,7 @@ from absl import logging as absl_logging
 from flax import nnx
 from ml_collections import config_flags
 
-from arch.config import ConfigError
+from config import ConfigError
 from sharding.mesh import AUTO_AXES, ici_dcn_shapes, make_mesh
 from sharding.rules import MESH_AXES
 from train.config import validate

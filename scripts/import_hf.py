@@ -44,7 +44,7 @@ def import_checkpoint(checkpoint: str | Path, workdir: str | Path,
     from flax import nnx
 
     from arch.hf import load_hf_checkpoint, read_hf_config
-    from experiments.common import base_config
+    from config.defaults import base_config
     from train.checkpoint import Checkpointer
     from train.loop import build_program
 

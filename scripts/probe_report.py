@@ -51,7 +51,7 @@ def measure(workdir: str, batch: int, seq_len: int | None, prune: int,
     import jax
 
     from arch import accounting, bottleneck, probes
-    from arch.config import ConfigError
+    from config import ConfigError
     from train.loop import restore_for_analysis
 
     program, step, model, tokens_BxT1 = restore_for_analysis(workdir, batch, seq_len)
@@ -331,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="default: min(vocab − 1, 2(d + 1)), enough to test the bound")
     parser.add_argument("--sparsity_threshold", type=float, default=1e-2)
     args = parser.parse_args(argv)
-    from arch.config import ConfigError
+    from config import ConfigError
 
     try:
         report = measure(args.workdir, args.batch, args.seq_len, args.prune,

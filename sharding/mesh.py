@@ -23,7 +23,7 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType
 
-from arch.config import ConfigError
+from config import ConfigError
 from sharding.rules import MESH_AXES
 
 AUTO_AXES = (AxisType.Auto,) * len(MESH_AXES)

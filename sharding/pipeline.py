@@ -84,7 +84,7 @@ def layer_units(model_cfg) -> int:
 
 def validate_pipeline(config, mesh: dict[str, int]) -> None:
     """Pipeline fields against the resolved mesh; ConfigError (one line) on the first problem."""
-    from arch.config import check
+    from config import check
 
     model = config.model
     check(model.pipeline_schedule in SCHEDULES, "model.pipeline_schedule",

@@ -36,7 +36,7 @@ def _config_path_error(argv: list[str]) -> str | None:
 def main(argv) -> int:
     del argv
     absl_logging.set_verbosity(absl_logging.WARNING)  # Orbax logs every save at INFO
-    from arch.config import ConfigError
+    from config import ConfigError
     from train.loop import NonFiniteLoss, train
 
     if not _WORKDIR.value:

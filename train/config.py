@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from arch.config import check, resolve_model
+from arch.config import resolve_model
+from config import check
 from sharding.mesh import ici_dcn_shapes, mesh_shape
 from sharding.pipeline import validate_pipeline
 

@@ -24,8 +24,8 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from arch.accounting import flops_per_token
-from arch.config import ConfigError
-from experiments.common import base_config
+from config import ConfigError
+from config.defaults import base_config
 from sharding.mesh import make_mesh, maybe_initialize_distributed, slice_count
 from sharding.pipeline import bubble_fraction
 from train import data

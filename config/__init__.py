@@ -1,0 +1,15 @@
+"""The config schema's leaf: its defaults (`config.defaults`), its error type and the check
+helper. Nothing in this package imports JAX, so errors in a config are reported in a fraction of a
+second; every other package may import it, and it imports none of them."""
+
+from __future__ import annotations
+
+
+class ConfigError(ValueError):
+    """A user error in the config: one line naming the field, the bad value and what is valid."""
+
+
+def check(condition: bool, field: str, value, valid: str) -> None:
+    """Raise `ConfigError` "`field`=`value` is invalid: `valid`" unless `condition`."""
+    if not condition:
+        raise ConfigError(f"{field}={value!r} is invalid: {valid}")
