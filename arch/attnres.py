@@ -34,44 +34,15 @@ slot is written, so no read recomputes a norm. Training therefore costs O(N) per
 work for Block AttnRes), O(n) for Full. The one-head softmax read has a hand-written gradient
 (`softmax_read`); writes pass the buffer's cotangent through untouched.
 
-Cost (CPU, the issue's benchmark, `scripts/bench.py` with --compare: d = 192, 16 blocks, 16×128
-tokens, 8 AttnRes blocks of S = 4, two-phase): a train step measured 1.029–1.035× the plain Pre-Norm
-sum's (six paired runs; 1.037–1.073×, median 1.05 over about twenty, before phase 1's reads were one
-reduction; 1.08–1.09× before the reads below were rematerialized, 1.18× with autodiff of the block
-scan, 1.28× with naive reads), with 1.12× its temporary memory; 1.02× at d = 512 (16 heads). A read
-in an opened block is rematerialized (`_merged_read`): the backward pass recomputes the merge and
-the norm after it from c and p, which are saved anyway, instead of saving the merged read and the
-norm's arrays (four B×T×D arrays per read, written to memory and read back); every model's norms are
-rematerialized the same way (`arch.norms.rematerialized`, which made the plain sum ~3% faster).
-Phase 1 sums its S reads as one reduction over the slot axis (`_phase_one_forward`). Where the ~50
-ms over a ~0.85 s step went before that last change, by a per-op profile (`jax.profiler` op times,
-attributed to source lines through the compiled program's stack frames): phase 1's backward pass ~28
-ms and the accumulation of its buffer cotangent ~5 ms (per-token contractions of the S read
-cotangents with the N + 1 slots, which XLA:CPU runs well below memory bandwidth, and passes over the
-B×T×(N+1)×D buffer, 14 MB), the merges with their recomputation ~24 ms, phase 1's forward pass ~6
-ms; the scan saves three more B×T×D arrays per block than the plain scan (the reads c), ~8 ms. The
-scan steps one block, 2 layers, at a time; the plain sum stepped 2 layers at a time
-(`model.scan_unroll=2`) measured 0.99–1.05× its one-layer scan.
-Measured slower or no faster: AttnRes stepped one layer at a time (phase 1 per layer, the partial
-sum kept in its slot: 1.18×, phase 1's buffer-wide work then runs twice per block), pruning the
-empty slots by slicing (strided copies), phase 1 on the completed slots only (a `lax.switch` over
-their count: no change, the slicing copies cost what the masked slots did), recomputing phase 1 in
-the backward pass instead of saving the reads c (~1.5% slower), one hand-written VJP for the merge
-and an RMSNorm after it (keeping per-token scalars rather than recomputing the reductions: ~1.5%
-slower than the rematerialization), phase 1's source cotangent unrolled over the S reads, other
-orders of its backward contractions (within noise), and w·p with p·p as one stacked reduction in the
-merge. XLA:CPU copies both layers' sliced weights at the start of the loop body; forcing each unit's
-slices after the previous unit (an artificial data dependency) gained only ~1%.
-A one-token decode step (batch 1, `--decode`) measured 0.83–0.98× the plain sum's with the current
-code, in runs where the machine takes 2.3–2.9 ms per step (per-iteration costs then dominate, and
-the block scan has half the plain scan's iterations), and 0.92–0.93× pinned to one core (`taskset`,
-1.8 ms per step); before the two changes above, in a session where the machine took 1.2–1.4 ms per
-step, 1.03–1.18× (median 1.06 over a dozen runs). Each unit's KV cache is written in place into the
-scan's stacked output (stacked per block and interleaved after, the whole cache was copied every
-step: 1.18×); the rest is op count, per block ~9 small ops for phase 1 and the close and ~6 per
-merge (two reductions, split in two stages each by XLA:CPU), against ~48 per layer. At d = 512 a
-decode step (8–18 ms) mostly copies and reads the weights, and the ratio varied from 0.89 to 1.30
-between runs (median ~1.05).
+Cost and memory: the buffer adds (N + 1)·D values and (N + 1)·H float32 inverse norms per token
+(N = n for Full AttnRes, so O(n·D) per token); a naive read is O(N·D) per token, a two-phase read
+(below) O(D) after its block's phase 1, O(S·N·D). Residual I/O per sublayer and history:
+`arch.accounting.residual_accounting`. In training, a read in an opened block is rematerialized
+(`_merged_read`): the backward pass recomputes the merge and the norm after it from c and p,
+which are saved anyway, instead of saving the merged read and the norm's arrays. Phase 1 computes
+its S reads as one reduction over the slot axis (`_phase_one_forward`). Each scan unit's outputs
+(KV cache, layer states; parameter cotangents in the backward pass) are written in place into
+the scan's unit-major buffers. Measured: docs/performance.md#block-attnres.
 
 Variants (config fields):
 - `attnres_query="input"`: w_l + W_l k̂_cur, with W_l ∈ R^{d×d} zero-initialized and the

@@ -1,7 +1,9 @@
 """Normalizations, token-local over the d features. Registry: `NORMS[name](dim, eps=..., rngs=...)`.
 
 Statistics are computed in float32 whatever the compute dtype; the result is cast back. RMSNorm and
-LayerNorm are rematerialized (`rematerialized`): a call keeps only its input for the backward pass.
+LayerNorm are rematerialized (`rematerialized`): a call keeps only its input for the backward pass
+(one B×T×D array instead of four), at the cost of recomputing its statistics there; measured:
+docs/performance.md#norms-rematerialized-statistics.
 A norm with options beyond `eps` declares them in `config_fields` (constructor argument → config
 field) and keeps a default for each; `make_norm(cfg, rngs=...)` builds the configured norm with
 them.

@@ -20,8 +20,8 @@ batch_size × (seq_len + 1), and reports, in one run:
                          Framework and reference steps run in alternating blocks of --block steps
                          (ABBA order), so machine noise hits both alike. null (and not timed) for
                          variants the reference does not implement.
-  compile_24_over_4      only with --depth_check (off by default: it compiles four more programs,
-                         ~15 s for the quickstart): cold compile time at num_layers=24 over
+  compile_24_over_4      only with --depth_check (off by default: it compiles four more
+                         programs): cold compile time at num_layers=24 over
                          num_layers=4, the rest of the config as given, best of two fresh compiles
                          each; target ≤ 1.5 (the layer scan keeps compile time flat in depth).
   baseline_step_time_s   only with --baseline FIELD=VALUE[,FIELD=VALUE...] (e.g.
@@ -44,9 +44,9 @@ batch_size × (seq_len + 1), and reports, in one run:
                          decode step (evaluation mode, greedy, cache donated) of --decode_batch
                          sequences (default 1) after a prefill of seq_len / 2 tokens into a
                          cache of seq_len positions (train/generate.py's decode path): the
-                         median of --decode_steps steps (default 400; a step takes about a
-                         millisecond, so far more steps than --steps are needed against machine
-                         noise), timed in ABBA blocks of 20 over the config, the baseline and the
+                         median of --decode_steps steps (default 400: a decode step is short,
+                         so far more steps than --steps are needed against machine noise),
+                         timed in ABBA blocks of 20 over the config, the baseline and the
                          --compare variants; with --baseline also baseline_decode_time_s and
                          decode_time_vs_baseline.
   bubble_fraction        only when the config's mesh.stage = P > 1 (pipeline parallelism,
@@ -56,8 +56,7 @@ batch_size × (seq_len + 1), and reports, in one run:
                          devices, pass e.g. `--baseline mesh.stage=1,mesh.data=-1`:
                          step_time_vs_baseline is then the pipelined step over the unpipelined
                          one. Simulated CPU devices share the host's cores, so there it measures
-                         overhead only (the example below: 1.59 with bubble_fraction 0.27 on 2
-                         cores); stages overlap only on real accelerators.
+                         overhead only; stages overlap only on real accelerators.
   stage_transfer_bytes   also when mesh.stage > 1: bytes each device sends to the next stage in
                          one train step, forward and backward, counted in the compiled program
                          (`sharding.pipeline.stage_transfer_bytes`: the stage-to-stage
@@ -72,10 +71,10 @@ batch_size × (seq_len + 1), and reports, in one run:
 
 Each ratio of two timed programs' step times (vs_reference, *_time_vs_*) is paired: the median,
 over the ABBA rounds, of the ratio of the two programs' median step times in that round. They ran
-back to back, so a change of machine speed between rounds (this CPU's one-token decode step
-alternates between ~1.3 and ~3 ms for minutes at a time) cancels, where the ratio of the two
-overall medians can mix states; it may therefore differ a little from the quotient of the
-reported medians.
+back to back, so a change of machine speed between rounds (on a shared CPU, one can last
+minutes) cancels, where the ratio of the two overall medians can mix states; it may therefore
+differ a little from the quotient of the reported medians.
+Why: docs/performance.md#method-paired-abba-ratios.
 
 Targets are reported, never asserted. `--json` prints exactly one JSON object on stdout; progress
 goes to stderr. Example: python scripts/bench.py --config experiments/quickstart.py --depth_check
@@ -105,27 +104,12 @@ step_time_vs_config ≤ 1.05 and decode_time_vs_config ≤ 1.05; the others are 
     model.attnres_block_size=4;model.residual=attnres;model.residual=hc;model.residual=mhc;
     model.residual=gated_residual"
 (one argument, no spaces or line breaks inside the quotes). Their residual I/O, history memory and
-added parameters come from `arch.accounting.residual_accounting(config.model)`. Measured here at d =
-192: block_attnres 1.029–1.035× (six runs; 1.08–1.09× before its reads were rematerialized), decode
-0.83–0.98× at 2.3–2.9 ms per decode step (1.03–1.18×, median 1.06, in an earlier session with
-earlier code, at 1.2–1.4 ms per step); with --config.model.d_model=512 --config.model.num_heads=16:
-1.02–1.03×, decode 0.89–1.30× (median ~1.05; a step mostly moves the weights); where the rest goes:
-`arch/attnres.py`'s docstring.
-The plain sum stepped two layers per loop iteration, as the AttnRes block scan is (`--compare
-"...;model.scan_unroll=2"`), measured 0.99–1.05× in the same run.
+added parameters come from `arch.accounting.residual_accounting(config.model)`. Add
+`;model.scan_unroll=2` to --compare to time the plain sum stepped two layers per loop iteration,
+as the AttnRes block scan is. Measured: docs/performance.md#block-attnres.
 
-On CPU (jaxlib 0.10.2), XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type=dot, an experimental
-XLA:CPU option (YNNPACK dot fusions), made the 16-block quickstart train step 1.2–1.3× faster
-(0.88–0.94 s → 0.73 s, the plain sum and Block AttnRes alike, their ratio unchanged): in a
-profile, the transposing copies of the gated FFN's backward pass, ~0.2 s of the default step,
-were gone. The framework does not set it (experimental; process-wide).
-
-On Linux, XLA:CPU mallocs each step's temporary buffer (`temp_bytes`, 1.07 GB for the 16-block
-plain sum) and frees it after, and glibc maps it afresh: ~260 thousand page faults and ~0.2 s of
-system time per step (`resource.getrusage`), a cost that grows with the compiled temporary memory.
-GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (set before Python starts) backs it with transparent huge
-pages: the 16-block train step went from ~0.91 to ~0.80 s (the quickstart's 4-block one from 0.24
-to 0.20 s), and the Block AttnRes ratio stayed at 1.05–1.06 (three paired runs).
+CPU settings outside the framework that change step times (huge pages for XLA:CPU's per-step
+temporary buffer, experimental YNN dot fusions): docs/performance.md#xla-on-cpu.
 """
 
 from __future__ import annotations
