@@ -6,27 +6,27 @@ bottleneck and compiled memory, as a Markdown report with PNG plots and a JSON f
 
 Restores the newest checkpoint of the run in --workdir (a trained run, or a Hugging Face import
 from scripts/import_hf.py) and measures it on the first validation batch of --batch sequences
-(`train.loop.restore_for_analysis`; --seq_len defaults to the run's). Writes into --out (default
+(`train.restore.restore_for_analysis`; --seq_len defaults to the run's). Writes into --out (default
 WORKDIR/report):
 
   report.md         the tables below and the plots, with the step, batch and definitions
   report.json       every number (NaN written as null)
   depth.png         hidden-state RMS, gradient RMS, branch RMS, update-to-stream ratio, Block
-                    Influence and distance from rank 1, by depth (`arch.probes.depth_profile`)
+                    Influence and distance from rank 1, by depth (`probes.depth_profile`)
   heads.png         head ablation (loss change when each head is zeroed, L × H) and head
                     similarity (mean cosine of a head's attention rows to the other heads')
   spectrum.png      singular values of the log-odds matrix with the numerical-rank threshold
                     and the d (+ 1) bound of a single softmax (`arch.bottleneck`)
 
 Sections: accounting (`arch.accounting.books` at the batch's length); compiled train-step
-memory per device (`arch.probes.train_step_memory`, the run's batch size); per-depth table and
+memory per device (`probes.train_step_memory`, the run's batch size); per-depth table and
 normalization statistics; ShortGPT pruning of the --prune lowest-influence blocks, loss before
 and after (0 skips it); head ablation; the bottleneck diagnostic. Per-depth probes cover every
 residual mechanism but the reversible stack (multi-stream ones through the readout h_i of their
-state, `arch/probes.py`); where the probes or the pruning are not defined (the reversible stack;
-pruning deepnorm, MoE groups, or width/block_attnres blocks whose removal would move write
-targets or AttnRes blocks) the report says why and keeps the rest. Progress goes to stderr; exit
-status 2 on bad input.
+state, `train/instruments/probes.py`); where the probes or the pruning are not defined (the
+reversible stack; pruning deepnorm, MoE groups, or width/block_attnres blocks whose removal would
+move write targets or AttnRes blocks) the report says why and keeps the rest. Progress goes to
+stderr; exit status 2 on bad input.
 """
 
 from __future__ import annotations
@@ -37,7 +37,13 @@ import math
 import sys
 from pathlib import Path
 
+import jax
 import numpy as np
+
+from arch import accounting, bottleneck
+from config import ConfigError
+from train.instruments import probes
+from train.restore import restore_for_analysis
 
 
 def log(message: str) -> None:
@@ -48,12 +54,6 @@ def measure(workdir: str, batch: int, seq_len: int | None, prune: int,
             bottleneck_tokens: int | None,
             sparsity_threshold: float) -> dict:
     """Every measurement of the report, as a nested dict of numpy arrays and numbers."""
-    import jax
-
-    from arch import accounting, bottleneck, probes
-    from config import ConfigError
-    from train.loop import restore_for_analysis
-
     program, step, model, tokens_BxT1 = restore_for_analysis(workdir, batch, seq_len)
     cfg = program.config.model
     layers = cfg.num_layers
@@ -110,7 +110,7 @@ def _plain(value):
 
 
 def _pyplot():
-    import matplotlib
+    import matplotlib  # imported on first plot: heavy, and only the plots need it
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -222,7 +222,8 @@ def markdown(report: dict) -> str:
     parts = [f"# Probe report: {report['workdir']}", "",
              f"Step {report['step']}, `model.residual={report['residual']}`; measured on the "
              f"first validation batch: {report['batch']} sequences × {report['seq_len']} "
-             "tokens. Definitions: `arch/accounting.py`, `arch/probes.py`, `arch/bottleneck.py`.",
+             "tokens. Definitions: `arch/accounting.py`, `train/instruments/probes.py`, "
+             "`arch/bottleneck.py`.",
              "", "## Accounting", "",
              _table(["quantity", "value"],
                     [[f"parameters: {k}", v] for k, v in books["parameters"].items()]
@@ -235,17 +236,15 @@ def markdown(report: dict) -> str:
              "", "## Compiled train-step memory (per device)", "",
              _table(["quantity", "bytes"], [[k, v] for k, v in memory.items()]), ""]
     if "depth" in report:
-        from arch.probes import SINGLE_STREAM
-
         depth = report["depth"]
         layers = len(depth["block_influence"])
         definition = ("Hidden state h_i = x_i, block i's input; the gradient is ∂loss/∂x_i."
-                      if report["residual"] in SINGLE_STREAM else
+                      if report["residual"] in probes.SINGLE_STREAM else
                       "Hidden state h_i is the readout of the residual state at block i's input "
                       "(what the final norm would read there); the gradient is ∂loss/∂u_i, u_i "
                       "the embedding or the last update written before block i; the update ratio "
                       "divides by the sublayer's input before its norm (definitions by mechanism "
-                      "in `arch/probes.py`).")
+                      "in `train/instruments/probes.py`).")
         parts += ["## Per-depth probes", "", f"Batch loss {depth['loss']:.4f} nats. {definition}",
                   "",
                   "![depth](depth.png)", "",
@@ -331,8 +330,6 @@ def main(argv: list[str] | None = None) -> int:
                         help="default: min(vocab − 1, 2(d + 1)), enough to test the bound")
     parser.add_argument("--sparsity_threshold", type=float, default=1e-2)
     args = parser.parse_args(argv)
-    from config import ConfigError
-
     try:
         report = measure(args.workdir, args.batch, args.seq_len, args.prune,
                          args.bottleneck_tokens, args.sparsity_threshold)

@@ -4,11 +4,12 @@
 
 DIR holds config.json and model.safetensors (or a sharded model.safetensors.index.json) of a
 Llama-family (model_type "llama", or "mistral" without a binding sliding window) or GPT-2 model;
-`arch.hf.load_hf_checkpoint` converts it (what maps to what, and what raises: its docstring).
-Nothing is downloaded. OUT must not hold a run yet. The script writes
+`train.instruments.hf.load_hf_checkpoint` converts it (what maps to what, and what raises: its
+docstring and `arch.hf_config`'s). Nothing is downloaded. OUT must not hold a run yet. The script
+writes
 
   OUT/config.json      the full training config, as `python -m train` writes it:
-                       `experiments.common.base_config()` with the imported model section. Its
+                       `config.defaults.base_config()` with the imported model section. Its
                        seq_len is the model's context (max_position_embeddings / n_positions)
                        capped at 1024, or --seq_len; data is base_config's (the embedded King
                        James Bible as bytes): NOT the model's tokenizer, so losses and samples on
@@ -18,7 +19,7 @@ Nothing is downloaded. OUT must not hold a run yet. The script writes
                        freshly initialized (zero) optimizer state, the train state a run holds.
   OUT/hf_source.json   provenance: the absolute checkpoint path and its config.json.
 
-so that `train.loop.restore_run(OUT)` restores the model and every script that reads a run
+so that `train.restore.restore_run(OUT)` restores the model and every script that reads a run
 (`python -m train.generate`, scripts/depth_mixing.py, ...) works on it unchanged. Memory: about
 four copies of the float32 parameters at peak (tensors read, parameters, two optimizer moments).
 Exit status: 0 done, 2 bad arguments or a checkpoint that cannot be imported exactly.
@@ -31,6 +32,15 @@ import json
 import sys
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from config.defaults import base_config
+from train.checkpoint import Checkpointer
+from train.instruments.hf import load_hf_checkpoint, read_hf_config
+from train.step import build_program
+
 DEFAULT_MAX_SEQ_LEN = 1024  # cap on the run's seq_len when --seq_len is not given
 
 
@@ -39,15 +49,6 @@ def import_checkpoint(checkpoint: str | Path, workdir: str | Path,
     """Convert `checkpoint` and write the run directory `workdir` (see the module docstring);
     returns the config path. Raises FileNotFoundError / ValueError (incl. ConfigError) with a
     one-line message."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from arch.hf import load_hf_checkpoint, read_hf_config
-    from config.defaults import base_config
-    from train.checkpoint import Checkpointer
-    from train.loop import build_program
-
     workdir = Path(workdir)
     if (workdir / "config.json").exists() or (workdir / "checkpoints").exists():
         raise ValueError(f"--workdir={workdir} already holds a run; import into a new directory")

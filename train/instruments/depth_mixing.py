@@ -2,7 +2,7 @@
 
     python scripts/depth_mixing.py --workdir runs/X [--out mixing.png] [--batch 4] [--seq_len 128]
 
-Restores the newest checkpoint of the run in --workdir (`train.loop.restore_run`, as
+Restores the newest checkpoint of the run in --workdir (`train.restore.restore_run`, as
 `python -m train.generate` does), runs the model on the first batch of the run's validation data
 under `nnx.capture(model, nnx.Intermediate)`, and plots every quantity the residual mechanism
 recorded with `arch.residual.record` (depth_weights, read_weights, write_strengths,
@@ -31,6 +31,9 @@ from pathlib import Path
 import jax
 import numpy as np
 from flax import nnx
+
+from config import ConfigError
+from train.restore import restore_for_analysis
 
 RESIDUAL_MODULES = ("attention_residual", "ffn_residual")
 STREAM_MODULE = "residual_stream"
@@ -122,7 +125,7 @@ def _columns(shape: tuple[int, ...]) -> str:
 
 def plot_mixing(quantities: dict[str, dict], png_path: str | Path, title: str) -> None:
     """One heatmap per quantity (rows = sublayers), stacked vertically, written as a PNG."""
-    import matplotlib
+    import matplotlib  # imported on first plot: heavy, and only the plots need it
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -159,9 +162,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq_len", type=int, default=None, help="default: the run's seq_len")
     args = parser.parse_args(argv)
-    from config import ConfigError
-    from train.loop import restore_for_analysis
-
     try:
         program, step, model, tokens_BxT1 = restore_for_analysis(args.workdir, args.batch,
                                                                  args.seq_len)
