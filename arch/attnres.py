@@ -99,6 +99,7 @@ from flax import nnx
 from arch.layers import Dense, param
 from arch.norms import make_norm
 from arch.residual import RESIDUALS, constrain_state, record
+from config import check
 
 WEIGHTS = ("softmax", "sigmoid", "static")
 QUERIES = ("static", "input")
@@ -838,8 +839,6 @@ class AttentionResidual(nnx.Module):
 
     @staticmethod
     def resolve(cfg) -> None:
-        from config import check
-
         block = cfg.attnres_block_size
         check(isinstance(block, int) and not isinstance(block, bool) and block >= 1,
               "model.attnres_block_size", block, "must be an integer ≥ 1 (sublayers per block)")

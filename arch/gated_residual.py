@@ -82,6 +82,7 @@ from flax import nnx
 
 from arch.layers import Dense, param
 from arch.residual import RESIDUALS, record
+from config import check
 
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = float(jnp.finfo(FP8).max)  # 448
@@ -239,8 +240,6 @@ class GatedResidual(nnx.Module):
 
     @staticmethod
     def resolve(cfg) -> None:
-        from config import check
-
         check(isinstance(cfg.residual_streams, int) and cfg.residual_streams >= 2,
               "model.residual_streams", cfg.residual_streams,
               "gated_residual needs an integer n ≥ 2 branches (one branch: use "

@@ -35,6 +35,7 @@ from flax import nnx
 from arch.layers import param
 from arch.norms import make_norm
 from arch.residual import RESIDUALS, record
+from config import check
 
 # mhc: the logit that makes a sigmoid read ≈ one-hot and Sinkhorn's mixing ≈ identity at
 # initialization: σ(4) = 0.982, σ(−4) = 0.018; diagonal of Sinkhorn(exp(4·I)) = e⁴/(e⁴ + n − 1).
@@ -49,16 +50,12 @@ class StreamState(NamedTuple):
 
 
 def _resolve_streams(cfg) -> None:
-    from config import check
-
     check(isinstance(cfg.residual_streams, int) and cfg.residual_streams >= 1,
           "model.residual_streams", cfg.residual_streams,
           "must be a positive integer (the number of residual streams n)")
 
 
 def _resolve_hyper(cfg) -> None:
-    from config import check
-
     _resolve_streams(cfg)
     check(isinstance(cfg.residual_dynamic, bool), "model.residual_dynamic", cfg.residual_dynamic,
           "must be True (static + input-dependent weights) or False (static only)")
@@ -292,8 +289,6 @@ class ManifoldHyperConnection(nnx.Module):
 
     @staticmethod
     def resolve(cfg) -> None:
-        from config import check
-
         _resolve_hyper(cfg)
         check(isinstance(cfg.mhc_sinkhorn_iters, int) and cfg.mhc_sinkhorn_iters >= 1,
               "model.mhc_sinkhorn_iters", cfg.mhc_sinkhorn_iters,

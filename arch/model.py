@@ -31,6 +31,7 @@ from arch.norms import make_norm
 from arch.positions import POSITIONS
 from arch.residual import RESIDUALS, constrain_state
 from arch.reversible import run_reversible
+from config.derived import interleaves_moe
 from sharding import pipeline
 from sharding.rules import STREAM, constrain
 
@@ -77,10 +78,6 @@ class BlockGroup(nnx.Module):
             stream, layer_cache = block(stream, positions_BxT, rotate, layer_cache)
             caches.append(layer_cache)
         return stream, None if cache is None else jax.tree.map(lambda *c: jnp.stack(c), *caches)
-
-
-def interleaves_moe(cfg) -> bool:
-    return cfg.use_ffn and cfg.ffn == "moe" and cfg.moe_every > 1
 
 
 class TransformerLM(nnx.Module):

@@ -2,16 +2,20 @@
 configurations of well-known open models, with the parameter counts they must reproduce.
 
 Open models are built from their public Hugging Face `config.json` (the fields below, copied from
-the released files) through `arch.hf.model_config_from_hf`, the importer's own mapping, and counted
-by `arch.accounting` with `jax.eval_shape` (nothing allocated). `PUBLISHED_PARAMETERS` holds the
-exact tensor totals of the released checkpoints (the model cards round them: GPT-2 "124M",
-GPT-2 medium "355M", Llama 2 7B "6.74B" (7B), Llama 3 8B "8.03B", Mistral 7B v0.3 "7.25B").
+the released files) through `arch.hf_config.model_config_from_hf`, the importer's own mapping,
+and counted by `arch.accounting` with `jax.eval_shape` (nothing allocated).
+`PUBLISHED_PARAMETERS` holds the exact tensor totals of the released checkpoints (the model cards
+round them: GPT-2 "124M", GPT-2 medium "355M", Llama 2 7B "6.74B" (7B), Llama 3 8B "8.03B",
+Mistral 7B v0.3 "7.25B").
 """
 
 from __future__ import annotations
 
 import ml_collections
 
+from arch.accounting import parameter_breakdown
+from arch.config import resolve_model
+from arch.hf_config import model_config_from_hf
 from config.defaults import model_config
 
 _GPT2 = dict(model_type="gpt2", vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12,
@@ -48,16 +52,12 @@ PUBLISHED_PARAMETERS = {
 
 def open_model(name: str) -> ml_collections.ConfigDict:
     """The resolved model config of a public open model in `PUBLIC_CONFIGS`."""
-    from arch.hf import model_config_from_hf
-
     if name not in PUBLIC_CONFIGS:
         raise ValueError(f"unknown open model {name!r}; known: {', '.join(PUBLIC_CONFIGS)}")
     return model_config_from_hf(PUBLIC_CONFIGS[name])
 
 
 def _resolved(**fields) -> ml_collections.ConfigDict:
-    from arch.config import resolve_model
-
     cfg = model_config()
     cfg.update(fields)
     if cfg.max_seq_len is None:
@@ -84,8 +84,6 @@ def transformer_base_parameters() -> dict[str, int]:
     cross-attention + its LayerNorm; one embedding table shared by encoder input, decoder input
     and the output projection. Returns the totals and `ffn_share_of_block` (FFN weights over a
     block's weight matrices, biases excluded: 2·d·d_ff / (4d² + 2·d·d_ff) = 2/3)."""
-    from arch.accounting import parameter_breakdown
-
     cfg = transformer_base_block()
     parts = parameter_breakdown(cfg)
     layers, d, d_ff = cfg.num_layers, cfg.d_model, cfg.d_ff

@@ -2,98 +2,13 @@
 
     python scripts/import_hf.py --checkpoint DIR --workdir OUT [--seq_len N]
 
-DIR holds config.json and model.safetensors (or a sharded model.safetensors.index.json) of a
-Llama-family (model_type "llama", or "mistral" without a binding sliding window) or GPT-2 model;
-`arch.hf.load_hf_checkpoint` converts it (what maps to what, and what raises: its docstring).
-Nothing is downloaded. OUT must not hold a run yet. The script writes
-
-  OUT/config.json      the full training config, as `python -m train` writes it:
-                       `experiments.common.base_config()` with the imported model section. Its
-                       seq_len is the model's context (max_position_embeddings / n_positions)
-                       capped at 1024, or --seq_len; data is base_config's (the embedded King
-                       James Bible as bytes): NOT the model's tokenizer, so losses and samples on
-                       it mean little for a BPE model, while probes of the network's internals
-                       run unchanged.
-  OUT/checkpoints/0    an Orbax checkpoint at step 0: the imported parameters (float32) and a
-                       freshly initialized (zero) optimizer state, the train state a run holds.
-  OUT/hf_source.json   provenance: the absolute checkpoint path and its config.json.
-
-so that `train.loop.restore_run(OUT)` restores the model and every script that reads a run
-(`python -m train.generate`, scripts/depth_mixing.py, ...) works on it unchanged. Memory: about
-four copies of the float32 parameters at peak (tensors read, parameters, two optimizer moments).
-Exit status: 0 done, 2 bad arguments or a checkpoint that cannot be imported exactly.
+A thin command line over `train/instruments/import_hf.py` (the same as
+`python -m train.instruments.import_hf`), whose docstring says what it reads and writes.
 """
 
-from __future__ import annotations
-
-import argparse
-import json
 import sys
-from pathlib import Path
 
-DEFAULT_MAX_SEQ_LEN = 1024  # cap on the run's seq_len when --seq_len is not given
-
-
-def import_checkpoint(checkpoint: str | Path, workdir: str | Path,
-                      seq_len: int | None = None) -> Path:
-    """Convert `checkpoint` and write the run directory `workdir` (see the module docstring);
-    returns the config path. Raises FileNotFoundError / ValueError (incl. ConfigError) with a
-    one-line message."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from arch.hf import load_hf_checkpoint, read_hf_config
-    from config.defaults import base_config
-    from train.checkpoint import Checkpointer
-    from train.loop import build_program
-
-    workdir = Path(workdir)
-    if (workdir / "config.json").exists() or (workdir / "checkpoints").exists():
-        raise ValueError(f"--workdir={workdir} already holds a run; import into a new directory")
-    model_cfg, model = load_hf_checkpoint(checkpoint)
-    config = base_config()
-    config.model = model_cfg
-    config.seq_len = seq_len if seq_len is not None else min(model_cfg.max_seq_len,
-                                                             DEFAULT_MAX_SEQ_LEN)
-    program = build_program(config)  # validates (seq_len ≤ max_seq_len, mesh) before writing
-    params, model_state = nnx.state(model, nnx.Param), nnx.state(model, nnx.Not(nnx.Param))
-
-    def initial_state(params, model_state):  # the structure TrainProgram.init gives, step 0
-        return {"step": jnp.zeros((), jnp.int32), "params": params, "model_state": model_state,
-                "opt_state": program.optimizer.init(params)}
-
-    with jax.set_mesh(program.mesh):
-        state = jax.jit(initial_state, out_shardings=program.state_shardings)(params,
-                                                                               model_state)
-    workdir.mkdir(parents=True, exist_ok=True)
-    with Checkpointer(workdir, config.keep_checkpoints) as checkpointer:
-        checkpointer.save(0, state, {"next_step": 0, "seed": config.seed}, force=True)
-    source = {"checkpoint": str(Path(checkpoint).absolute()),
-              "hf_config": read_hf_config(checkpoint)}
-    (workdir / "hf_source.json").write_text(json.dumps(source, indent=2) + "\n")
-    config_path = workdir / "config.json"
-    config_path.write_text(config.to_json_best_effort(indent=2) + "\n")
-    return config_path
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python scripts/import_hf.py",
-                                     description=__doc__.split("\n")[0])
-    parser.add_argument("--checkpoint", required=True, help="local Hugging Face checkpoint dir")
-    parser.add_argument("--workdir", required=True, help="run directory to create")
-    parser.add_argument("--seq_len", type=int, default=None,
-                        help=f"the run's seq_len; default min(model context, "
-                             f"{DEFAULT_MAX_SEQ_LEN})")
-    args = parser.parse_args(argv)
-    try:
-        config_path = import_checkpoint(args.checkpoint, args.workdir, args.seq_len)
-    except (FileNotFoundError, ValueError) as error:  # ConfigError is a ValueError
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    print(f"wrote {config_path} and a step-0 checkpoint in {Path(args.workdir) / 'checkpoints'}")
-    return 0
-
+from train.instruments.import_hf import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -51,6 +51,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from config import check
+from config.derived import interleaves_moe
+
 SCHEDULES = ("gpipe", "circular")
 TRANSFERS = ("cached", "full")
 TRANSFER_SCOPE = "stage_transfer"  # names the stage-to-stage ppermutes in the compiled program
@@ -77,15 +80,11 @@ def bubble_fraction(stages: int, virtual_stages: int, microbatches: int) -> floa
 
 def layer_units(model_cfg) -> int:
     """G, the number of layer-scan units: blocks, or block groups with interleaved MoE."""
-    from arch.model import interleaves_moe
-
     return model_cfg.num_layers // (model_cfg.moe_every if interleaves_moe(model_cfg) else 1)
 
 
 def validate_pipeline(config, mesh: dict[str, int]) -> None:
     """Pipeline fields against the resolved mesh; ConfigError (one line) on the first problem."""
-    from config import check
-
     model = config.model
     check(model.pipeline_schedule in SCHEDULES, "model.pipeline_schedule",
           model.pipeline_schedule, f"valid schedules: {', '.join(SCHEDULES)}")

@@ -1,11 +1,11 @@
-"""Hugging Face import (arch/hf.py, scripts/import_hf.py): tiny random Llama, Mistral and GPT-2
-models built with `transformers`, saved as safetensors, imported, and their float32 logits
-compared with transformers' own; BF16 and prefix-less checkpoints; the exact errors for an
-unsupported config field and for missing/unexpected tensors; the run-directory round trip."""
+"""Hugging Face import (arch/hf_config.py, train/instruments/hf.py and import_hf.py): tiny random
+Llama, Mistral and GPT-2 models built with `transformers`, saved as safetensors, imported, and
+their float32 logits compared with transformers' own; BF16 and prefix-less checkpoints; the exact
+errors for an unsupported config field and for missing/unexpected tensors; the run-directory
+round trip."""
 
 import json
 import re
-import sys
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -17,18 +17,16 @@ import transformers
 from flax import nnx
 
 from arch.config import ConfigError, resolve_model
-from arch.hf import (
+from arch.hf_config import model_config_from_hf
+from experiments.common import model_config
+from train.instruments import import_hf
+from train.instruments.hf import (
     load_hf_checkpoint,
-    model_config_from_hf,
     params_from_hf,
     read_hf_config,
     read_safetensors,
 )
-from experiments.common import model_config
-from train.loop import restore_run
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-import import_hf  # noqa: E402
+from train.restore import restore_run
 
 VOCAB = 97
 TOKENS_BxT = np.random.default_rng(0).integers(0, VOCAB, (2, 16))

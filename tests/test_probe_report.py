@@ -1,21 +1,17 @@
-"""scripts/probe_report.py end to end on a run directory: files, numbers against the library
-functions on the same batch, and bad input."""
+"""The probe report (train/instruments/probe_report.py, behind scripts/probe_report.py) end to end
+on a run directory: files, numbers against the library functions on the same batch, and bad
+input."""
 
 import json
 import re
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from arch import probes
 from arch.accounting import parameter_count
 from tests.helpers import tiny_config, write_run
-from train.loop import restore_for_analysis
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-import probe_report  # noqa: E402
+from train.instruments import probe_report, probes
+from train.restore import restore_for_analysis
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

@@ -1,5 +1,6 @@
-"""Per-depth probes (arch/probes.py) on hand-built tiny models whose answers are known, checked
-against the model's own forward captured by a different route (`nnx.capture` of method outputs)."""
+"""Per-depth probes (train/instruments/probes.py) on hand-built tiny models whose answers are known,
+checked against the model's own forward captured by a different route (`nnx.capture` of method
+outputs)."""
 
 import jax
 import jax.numpy as jnp
@@ -7,11 +8,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from arch import probes
 from arch.accounting import abstract_model
 from tests.helpers import random_tokens, tiny_config, tiny_model
 from tests.test_hyper import perturb_mixing
 from train.config import validate
+from train.instruments import probes
 from train.step import next_token_loss
 
 GAIN = np.linspace(0.5, 1.5, 32)
@@ -148,7 +149,7 @@ def test_identity_block_has_no_influence_and_pruning_it_keeps_the_logits(edited)
 def test_unsupported_models_give_one_clear_line():
     config = tiny_config(reversible=True)
     validate(config, 1)
-    with pytest.raises(ValueError, match="model.reversible=True: arch.probes walks the residual"):
+    with pytest.raises(ValueError, match="model.reversible=True: the probes walk the residual"):
         probes.depth_profile(abstract_model(config.model), random_tokens((2, 17)))
     config = tiny_config(residual="deepnorm")
     validate(config, 1)

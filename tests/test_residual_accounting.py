@@ -2,8 +2,6 @@
 
 import contextlib
 import json
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -24,10 +22,8 @@ from arch.model import TransformerLM
 from arch.residual import RESIDUALS, PreNormSum, SumStream, record
 from tests.helpers import random_tokens, tiny_config, tiny_model, write_run
 from train.config import validate
-from train.loop import restore_run
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-import depth_mixing  # noqa: E402
+from train.instruments import depth_mixing
+from train.restore import restore_run
 
 
 def resolved(**model):
@@ -213,7 +209,7 @@ def test_depth_mixing_script_plots_and_writes_the_captured_numbers(tmp_path, cap
         program, step, state = restore_run(tmp_path)
         model = nnx.merge(program.graphdef, state["params"], state["model_state"])
         from train import data
-        from train.loop import VALIDATION_SEED
+        from train.data import VALIDATION_SEED
         tokens = data.load(config.data, "validation").batch(0, 8, 16, VALIDATION_SEED)[:, :-1]
         _, captured = nnx.capture(model, nnx.Intermediate)(tokens)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -36,6 +36,7 @@ import tensorflow_datasets as tfds
 VOCAB_SIZE = 256  # byte-level tokenizer
 SPLITS = ("train", "validation")
 DEFAULT_DATA_DIR = "~/.cache/blockbench/tfds"
+VALIDATION_SEED = 0  # the same validation batches for every run, whatever its training seed
 
 
 def encode(text: str) -> np.ndarray:

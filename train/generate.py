@@ -9,6 +9,7 @@ is sampled and decoded against the cache, all inside one jitted `lax.scan`.
 
 from __future__ import annotations
 
+import argparse
 import functools
 import sys
 
@@ -18,6 +19,7 @@ import numpy as np
 from flax import nnx
 
 from train import data
+from train.restore import restore_run
 
 
 def sample(logits_BxV, key, temperature: float, top_k: int):
@@ -73,10 +75,6 @@ def generate_text(program, state, prompt: str, num_tokens: int, *, temperature: 
 
 
 def main(argv=None) -> int:
-    import argparse
-
-    from train.loop import restore_run  # train.loop imports this module
-
     parser = argparse.ArgumentParser(prog="python -m train.generate", description=__doc__.split(
         "\n")[0])
     parser.add_argument("--workdir", required=True)

@@ -10,7 +10,6 @@ anything bad is saved.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import signal
@@ -20,76 +19,23 @@ from pathlib import Path
 import jax
 import numpy as np
 import tqdm
-from flax import nnx
 from jax.experimental import multihost_utils
 
 from arch.accounting import flops_per_token
 from config import ConfigError
-from config.defaults import base_config
-from sharding.mesh import make_mesh, maybe_initialize_distributed, slice_count
 from sharding.pipeline import bubble_fraction
 from train import data
 from train.checkpoint import Checkpointer
-from train.config import validate
+from train.data import VALIDATION_SEED
 from train.generate import generate_text
 from train.metrics import MetricsWriter, measure_matmul_peak
-from train.step import TrainProgram
+from train.step import TrainProgram, build_program
 
 log = logging.getLogger(__name__)
-VALIDATION_SEED = 0  # the same validation batches for every run, whatever its training seed
 
 
 class NonFiniteLoss(RuntimeError):
     pass
-
-
-def build_program(config) -> TrainProgram:
-    """Validate the config against this machine's devices, then build mesh and program."""
-    maybe_initialize_distributed()
-    validate(config, jax.device_count(), slice_count(jax.devices()))
-    return TrainProgram(config, make_mesh(config.mesh))
-
-
-def restore_run(workdir: str | Path):
-    """(program, step, train state) of the newest restorable checkpoint of the training run in
-    `workdir`, rebuilt from its config.json (over `base_config()`'s defaults) onto all local
-    devices along the data axis (for generation and analysis). Raises FileNotFoundError with a
-    one-line message when there is no config or checkpoint."""
-    config_path = Path(workdir) / "config.json"
-    if not config_path.exists():
-        raise FileNotFoundError(f"--workdir={workdir} holds no config.json; train a model there "
-                                "first with python -m train")
-    config = base_config()  # fields added since the run was saved keep their defaults
-    config.update(json.loads(config_path.read_text()))
-    config.mesh = dict(data=-1, fsdp=1, tensor=1, sequence=1, stage=1, expert=1)
-    program = build_program(config)
-    with Checkpointer(workdir) as checkpointer:
-        restored = checkpointer.restore_latest(program.abstract_state())
-    if restored is None:
-        raise FileNotFoundError(f"--workdir={workdir} holds no restorable checkpoint")
-    step, state, _ = restored
-    return program, step, state
-
-
-def restore_for_analysis(workdir: str | Path, batch: int, seq_len: int | None = None):
-    """(program, step, model in evaluation mode, validation tokens B×(T+1)) for the scripts that
-    analyse a run: `restore_run`, then the first validation batch of `batch` rows of
-    `seq_len` + 1 tokens (default the run's seq_len), the same batch for every run of a config.
-    Raises FileNotFoundError (no run) or ConfigError (a bad batch or length) in one line."""
-    program, step, state = restore_run(workdir)
-    config = program.config
-    seq_len = seq_len or config.seq_len
-    data_shards = program.mesh.shape["data"]
-    if batch <= 0 or batch % data_shards:
-        raise ConfigError(f"--batch={batch} is invalid: must be a positive multiple of the "
-                          f"{data_shards} devices of the mesh's data axis")
-    if not 2 <= seq_len <= config.model.max_seq_len:
-        raise ConfigError(f"--seq_len={seq_len} is invalid: must be in [2, "
-                          f"{config.model.max_seq_len}] (the model's max_seq_len)")
-    tokens_BxT1 = data.load(config.data, "validation").batch(0, batch, seq_len, VALIDATION_SEED)
-    model = nnx.merge(program.graphdef, state["params"], state["model_state"])
-    model.eval()
-    return program, step, model, jax.device_put(tokens_BxT1, program.batch_sharding)
 
 
 def load_splits(data_config) -> tuple[data.Dataset, data.Dataset]:

@@ -25,8 +25,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from arch.model import TransformerLM
 from arch.moe import AuxLoss, DroppedFraction
+from sharding.mesh import make_mesh, maybe_initialize_distributed, slice_count
 from sharding.rules import named_sharding
 from sharding.sequence import stripe_batch
+from train.config import validate
 from train.optim import make_optimizer, schedule
 
 
@@ -160,6 +162,13 @@ class TrainProgram:
         """The rows of the global batch this process loads: those its devices hold."""
         global_shape = (self.config.batch_size, self.config.seq_len + 1)
         return rows_held(self.batch_sharding, global_shape, self.batch_sharding.addressable_devices)
+
+
+def build_program(config) -> TrainProgram:
+    """Validate the config against this machine's devices, then build mesh and program."""
+    maybe_initialize_distributed()
+    validate(config, jax.device_count(), slice_count(jax.devices()))
+    return TrainProgram(config, make_mesh(config.mesh))
 
 
 def rows_held(sharding: jax.sharding.Sharding, global_shape: tuple[int, ...],

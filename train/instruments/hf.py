@@ -6,40 +6,7 @@
 The imported model's float32 logits equal the `transformers` implementation's on the same weights
 (tests/test_hf_import.py). Nothing is downloaded, and neither torch nor transformers is used:
 tensors are read with `safetensors`' numpy API (BF16 through `ml_dtypes`) and cast to float32.
-
-Architecture (`model_config_from_hf`: config.json → `experiments.common.model_config()` fields):
-
-    ours             llama / mistral                          gpt2
-    vocab_size       vocab_size                               vocab_size
-    d_model          hidden_size                              n_embd
-    num_layers       num_hidden_layers                        n_layer
-    num_heads        num_attention_heads                      n_head
-    num_kv_heads     num_key_value_heads (default: heads)     n_head
-    head_dim         head_dim (default: hidden/heads; h·p ≠ d sets attention_width)  n_embd/n_head
-    d_ff             intermediate_size                        n_inner (default: 4·n_embd)
-    norm_eps         rms_norm_eps                             layer_norm_epsilon
-    rope_base        rope_theta or rope_parameters.rope_theta —
-    max_seq_len      max_position_embeddings                  n_positions
-    head             tie_word_embeddings (default false)      tie_word_embeddings (default true)
-                     → "tied" / "untied"
-    ffn              hidden_act silu, swish / relu / sigmoid  "mlp"
-                     / gelu_new, gelu_pytorch_tanh
-                     → swiglu / reglu / glu / geglu
-    activation       —                                        activation_function gelu_new,
-                                                              gelu_pytorch_tanh / relu / silu,
-                                                              swish / tanh / sigmoid → gelu /
-                                                              relu / silu / tanh / sigmoid
-    norm, position   "rmsnorm", "rope"                        "layernorm", "learned"
-    linear_bias      False                                    True
-
-Both: attention="mha", residual="prenorm", final_norm=True, head_bias=False, dtype float32.
-Our "gelu" is the tanh approximation, which is HF's gelu_new / gelu_pytorch_tanh (HF's "gelu" is
-the erf form and raises). What the framework cannot represent raises ValueError naming the field
-and value, never a silently different model: any `rope_scaling` (or `rope_parameters` other than
-plain {rope_type: default, rope_theta}); llama `attention_bias` / `mlp_bias` true; mistral
-`sliding_window` shorter than max_position_embeddings; gpt2 `scale_attn_weights` false,
-`scale_attn_by_inverse_layer_idx` true, `add_cross_attention` true; an activation without an
-exact counterpart; any other model_type.
+The architecture (config.json → our model config, and what raises) is `arch.hf_config`'s.
 
 Weights (`params_from_hf`). Names are those `save_pretrained` writes for *ForCausalLM; the base
 prefix ("model." / "transformer.") may be absent (e.g. openai-community/gpt2). Our Dense kernels
@@ -102,18 +69,9 @@ from flax import nnx
 from safetensors import safe_open
 
 from arch.accounting import abstract_model
-from arch.config import resolve_model
+from arch.hf_config import LLAMA_GATED_FFN, model_config_from_hf
 from arch.model import TransformerLM
-from config.defaults import model_config
 
-LLAMA_FAMILY = ("llama", "mistral")
-MODEL_TYPES = (*LLAMA_FAMILY, "gpt2")
-# Hugging Face activation name → our gated FFN (Llama: φ(x W_gate) ⊙ x W_up) and our activation
-# (GPT-2 MLP). Only exact counterparts: our "gelu" is the tanh approximation (HF gelu_new).
-LLAMA_GATED_FFN = {"silu": "swiglu", "swish": "swiglu", "relu": "reglu", "sigmoid": "glu",
-                   "gelu_new": "geglu", "gelu_pytorch_tanh": "geglu"}
-GPT2_ACTIVATION = {"gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "relu": "relu",
-                   "silu": "silu", "swish": "silu", "tanh": "tanh", "sigmoid": "sigmoid"}
 BASE_PREFIX = {"llama": "model.", "gpt2": "transformer."}
 IGNORED_SUFFIXES = {"llama": (".rotary_emb.inv_freq",), "gpt2": (".attn.bias", ".attn.masked_bias")}
 # Components each weight layout fills; `params_from_hf` refuses a config outside them.
@@ -125,107 +83,6 @@ LAYOUTS = {
 }
 COMMON_LAYOUT = dict(head=("tied", "untied"), head_bias=False, final_norm=True, use_ffn=True,
                      fixnorm=False, reversible=False)
-
-
-def _unsupported(field: str, value, why: str) -> ValueError:
-    return ValueError(f"config.json {field}={value!r} is not supported: {why}")
-
-
-def _required(hf_config: Mapping, field: str):
-    if hf_config.get(field) is None:
-        raise ValueError(f"config.json has no {field!r}, which a model_type="
-                         f"{hf_config.get('model_type')!r} checkpoint must give")
-    return hf_config[field]
-
-
-def _rope_base(hf_config: Mapping) -> float:
-    """θ of plain RoPE; any frequency scaling raises (ours has none). Reads both the
-    transformers ≥ 5 form (`rope_parameters`) and the older `rope_theta` + `rope_scaling`."""
-    if hf_config.get("rope_scaling") is not None:
-        raise _unsupported("rope_scaling", hf_config["rope_scaling"],
-                           "blockbench's RoPE has no frequency scaling; only rope_scaling=null "
-                           "imports exactly")
-    parameters = hf_config.get("rope_parameters")
-    if parameters is None:
-        return float(hf_config.get("rope_theta", 10_000.0))
-    kind = parameters.get("rope_type", parameters.get("type", "default"))
-    if kind != "default" or set(parameters) - {"rope_type", "type", "rope_theta"}:
-        raise _unsupported("rope_parameters", parameters,
-                           "blockbench's RoPE has no frequency scaling; only {'rope_type': "
-                           "'default', 'rope_theta': θ} imports exactly")
-    return float(parameters.get("rope_theta", hf_config.get("rope_theta", 10_000.0)))
-
-
-def _llama_fields(hf: Mapping) -> dict:
-    model_type = hf["model_type"]
-    if model_type == "llama":
-        for field in ("attention_bias", "mlp_bias"):
-            if hf.get(field):
-                raise _unsupported(field, hf[field], "blockbench's Llama layout has no biases "
-                                   "(model.linear_bias puts them on attention and FFN together)")
-    max_positions = int(_required(hf, "max_position_embeddings"))
-    window = hf.get("sliding_window")
-    if model_type == "mistral" and window is not None and window < max_positions:
-        raise _unsupported("sliding_window", window, "blockbench attention is fully causal; "
-                           "only sliding_window=null (or ≥ max_position_embeddings="
-                           f"{max_positions}) imports exactly")
-    hidden_act = hf.get("hidden_act", "silu")
-    if hidden_act not in LLAMA_GATED_FFN:
-        raise _unsupported("hidden_act", hidden_act, "supported: "
-                           f"{', '.join(sorted(LLAMA_GATED_FFN))} (gated FFN φ(x W_gate) ⊙ x W_up)")
-    d, heads = int(_required(hf, "hidden_size")), int(_required(hf, "num_attention_heads"))
-    head_dim = int(hf.get("head_dim") or d // heads)
-    return dict(
-        vocab_size=int(_required(hf, "vocab_size")), d_model=d,
-        num_layers=int(_required(hf, "num_hidden_layers")), num_heads=heads,
-        num_kv_heads=int(hf.get("num_key_value_heads") or heads), head_dim=head_dim,
-        attention_width=None if heads * head_dim == d else heads * head_dim,
-        d_ff=int(_required(hf, "intermediate_size")), norm="rmsnorm",
-        norm_eps=float(_required(hf, "rms_norm_eps")), position="rope",
-        rope_base=_rope_base(hf), max_seq_len=max_positions, ffn=LLAMA_GATED_FFN[hidden_act],
-        linear_bias=False, head="tied" if hf.get("tie_word_embeddings", False) else "untied")
-
-
-def _gpt2_fields(hf: Mapping) -> dict:
-    for field, exact in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
-                         ("add_cross_attention", False)):
-        if hf.get(field, exact) != exact:
-            raise _unsupported(field, hf[field], f"only {field}={str(exact).lower()} imports "
-                               "exactly (blockbench scales attention scores by 1/√P in every "
-                               "layer and has no cross-attention)")
-    activation = hf.get("activation_function", "gelu_new")
-    if activation not in GPT2_ACTIVATION:
-        raise _unsupported("activation_function", activation,
-                           f"supported: {', '.join(sorted(GPT2_ACTIVATION))} (blockbench's "
-                           "'gelu' is the tanh approximation, HF's gelu_new; HF's 'gelu' is the "
-                           "erf form)")
-    d = int(_required(hf, "n_embd"))
-    return dict(
-        vocab_size=int(_required(hf, "vocab_size")), d_model=d,
-        num_layers=int(_required(hf, "n_layer")), num_heads=int(_required(hf, "n_head")),
-        num_kv_heads=int(_required(hf, "n_head")), d_ff=int(hf.get("n_inner") or 4 * d),
-        norm="layernorm", norm_eps=float(_required(hf, "layer_norm_epsilon")),
-        position="learned", max_seq_len=int(_required(hf, "n_positions")), ffn="mlp",
-        activation=GPT2_ACTIVATION[activation], linear_bias=True,
-        head="tied" if hf.get("tie_word_embeddings", True) else "untied")
-
-
-def model_config_from_hf(hf_config: Mapping) -> ml_collections.ConfigDict:
-    """Our (resolved) model config for a Hugging Face config.json dict: model_type "llama",
-    "mistral" (Llama with a sliding window, accepted when the window never binds) or "gpt2".
-    Raises ValueError naming the field and value for anything not represented exactly."""
-    model_type = hf_config.get("model_type")
-    if model_type in LLAMA_FAMILY:
-        fields = _llama_fields(hf_config)
-    elif model_type == "gpt2":
-        fields = _gpt2_fields(hf_config)
-    else:
-        raise _unsupported("model_type", model_type, f"supported: {', '.join(MODEL_TYPES)}")
-    cfg = model_config()
-    cfg.update(fields, attention="mha", residual="prenorm", final_norm=True, head_bias=False,
-               dtype="float32")
-    resolve_model(cfg)
-    return cfg
 
 
 # Weights ------------------------------------------------------------------------------------------

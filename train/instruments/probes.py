@@ -78,7 +78,7 @@ from arch.hyper import MHC_INIT_LOGIT
 from arch.layers import Dense
 from arch.model import TransformerLM, interleaves_moe
 from sharding.rules import STREAM, constrain
-from train.step import compile_train_step, next_token_loss
+from train.step import build_program, compile_train_step, next_token_loss
 
 SUBLAYERS = ("attention", "ffn")
 SINGLE_STREAM = ("prenorm", "postnorm", "deepnorm", "noskip")
@@ -90,7 +90,7 @@ NORM_STATISTICS = ("input_mean", "input_variance", "input_rms", "gain_mean", "ga
 def require_probeable(cfg) -> None:
     """ValueError for the reversible stack, whose two coupled streams the probes do not walk."""
     if cfg.reversible:
-        raise ValueError("model.reversible=True: arch.probes walks the residual mechanisms of "
+        raise ValueError("model.reversible=True: the probes walk the residual mechanisms of "
                          "arch/residual.py, not the reversible stack; probe the model with "
                          "model.reversible=False")
 
@@ -606,8 +606,6 @@ def train_step_memory(config) -> dict:
                              other scratch);
       parameter_count        `arch.accounting.parameter_count`;  devices, the mesh size.
     """
-    from train.loop import build_program
-
     program = build_program(config)
     _, compiled = compile_train_step(program)
     memory = compiled.memory_analysis()

@@ -1,0 +1,99 @@
+"""The import graph runs one way: config (leaf) → sharding → arch → train → train.instruments,
+and no library package imports experiments/ (the import-linter contracts in pyproject.toml). A
+back-edge breaks the contract it crosses; no function-local import hides one; the config leaf
+loads without JAX."""
+
+import ast
+import os
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("config", "sharding", "arch", "train", "experiments")
+LIBRARY = ("config", "sharding", "arch", "train")  # the packages the contracts order
+CONTRACTS = {contract["id"]: contract["name"] for contract in tomllib.loads(
+    (ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]}
+
+
+def lint_imports(root: Path) -> tuple[int, str]:
+    """(exit status, output with whitespace collapsed) of lint-imports run on the tree at `root`
+    (its packages, not those of this checkout: the tree is first on the path)."""
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    done = subprocess.run(
+        [sys.executable, "-c", "from importlinter.cli import lint_imports_command as lint; "
+         "lint()", "--no-cache"], cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    return done.returncode, " ".join((done.stdout + done.stderr).split())
+
+
+def test_the_repository_keeps_every_contract():
+    assert set(CONTRACTS) == {"layers", "instruments", "experiments"}
+    status, output = lint_imports(ROOT)
+    assert status == 0, output
+    for name in CONTRACTS.values():
+        assert f"{name} KEPT" in output, output
+
+
+# (file, line appended to it, the contract it breaks)
+BACK_EDGES = [
+    ("sharding/rules.py", "import train.loop", "layers"),
+    ("arch/model.py", "import train.step", "layers"),
+    ("config/derived.py", "import arch.model", "layers"),
+    ("train/loop.py", "from train.instruments import probes", "instruments"),
+    ("arch/norms.py", "import experiments.common", "experiments"),
+]
+
+
+@pytest.mark.parametrize("path, line, broken", BACK_EDGES,
+                         ids=[f"{path}:{line}" for path, line, _ in BACK_EDGES])
+def test_a_back_edge_breaks_its_contract(tmp_path, path, line, broken):
+    for package in PACKAGES:
+        shutil.copytree(ROOT / package, tmp_path / package,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path)
+    with open(tmp_path / path, "a") as file:
+        file.write(f"\n{line}  # a back-edge\n")
+    status, output = lint_imports(tmp_path)
+    assert status != 0, output
+    assert f"{CONTRACTS[broken]} BROKEN" in output, output
+    for kept in set(CONTRACTS) - {broken}:
+        assert f"{CONTRACTS[kept]} KEPT" in output, output
+
+
+def _imports_in_functions(tree: ast.Module):
+    for function in ast.walk(tree):
+        if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for node in ast.walk(function):
+                if isinstance(node, ast.Import):
+                    yield node, [alias.name for alias in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                    yield node, [node.module]
+
+
+def test_no_function_local_import_of_a_project_package():
+    """A function-local import of the project's own packages is how a cycle hides from the import
+    graph; the library has none. Entry-point modules (`__main__.py`, imported by nothing) may
+    defer heavy imports until their flags are parsed. Third-party imports (matplotlib, loaded on
+    the first plot) may be local."""
+    found = []
+    for package in LIBRARY:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            if path.name == "__main__.py":
+                continue
+            for node, modules in _imports_in_functions(ast.parse(path.read_text())):
+                if any(module.split(".")[0] in PACKAGES for module in modules):
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno} {', '.join(modules)}")
+    assert not found, "function-local imports of project packages:\n" + "\n".join(found)
+
+
+def test_the_config_leaf_imports_no_jax():
+    probe = ("import sys, config, config.defaults, config.derived; "
+             "print(sorted(m for m in ('jax', 'flax', 'optax') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

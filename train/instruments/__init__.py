@@ -1,0 +1,7 @@
+"""Instruments that run a model: per-depth probes, pruning and head ablation (`probes`), the
+probe report of a run (`probe_report`), depth-mixing heatmaps (`depth_mixing`) and Hugging Face
+checkpoint import (`hf`, `import_hf`).
+
+They sit above the trainer: an instrument may import anything in `train`, `arch`, `sharding` and
+`config`; nothing outside this package imports it (the import-linter contracts in
+pyproject.toml). The scripts in scripts/ are thin command lines over these modules."""

@@ -1,0 +1,190 @@
+"""Depth-mixing heatmaps of a trained run: which sources each sublayer reads, how it writes.
+
+    python scripts/depth_mixing.py --workdir runs/X [--out mixing.png] [--batch 4] [--seq_len 128]
+
+Restores the newest checkpoint of the run in --workdir (`train.restore.restore_run`, as
+`python -m train.generate` does), runs the model on the first batch of the run's validation data
+under `nnx.capture(model, nnx.Intermediate)`, and plots every quantity the residual mechanism
+recorded with `arch.residual.record` (depth_weights, read_weights, write_strengths,
+mixing_matrix, read_gates, ...), one heatmap per quantity:
+
+  rows     the sublayers in order (layer 0 attention, layer 0 ffn, layer 1 attention, ...), plus
+           a last row "output" when the model-level stream records the same quantity for the
+           final read (e.g. Full AttnRes's output pseudo-query);
+  columns  what the quantity ranges over (sources, streams, n×n matrix entries row-major),
+           averaged over the batch and positions (a value whose leading axes are B×T) and over
+           channels (a trailing axis of length d_model, e.g. channel-wise read gates).
+
+The numbers are written as JSON beside the PNG (same name, .json): for each quantity its row
+labels, the per-row shape after averaging and the per-row values. Plain sums record nothing: the
+script then exits with status 1 and one line saying so. --seq_len defaults to the run's seq_len;
+--batch must be divisible by the mesh's data axis (all local devices, as in generation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+from flax import nnx
+
+from config import ConfigError
+from train.restore import restore_for_analysis
+
+RESIDUAL_MODULES = ("attention_residual", "ffn_residual")
+STREAM_MODULE = "residual_stream"
+
+
+def _per_row(value: np.ndarray, batch: int, seq_len: int, d_model: int) -> np.ndarray:
+    """One sublayer's recorded value averaged over batch and positions (leading B×T axes) and
+    over channels (a trailing d_model axis), trailing size-1 axes dropped."""
+    if value.ndim >= 2 and value.shape[:2] == (batch, seq_len):
+        value = value.mean(axis=(0, 1))
+    if value.ndim >= 1 and value.shape[-1] == d_model:
+        value = value.mean(axis=-1)
+    while value.ndim >= 2 and value.shape[-1] == 1:  # e.g. scalar (not channel-wise) gates
+        value = value[..., 0]
+    return value
+
+
+def _sublayer_label(block: int, module: str) -> str:
+    return f"layer {block} {module.removesuffix('_residual')}"
+
+
+def mixing_quantities(intermediates: nnx.State, *, batch: int, seq_len: int,
+                      d_model: int) -> dict[str, dict]:
+    """The recorded quantities of a captured State, one entry per name:
+    {"rows": [labels], "values": [per-row arrays]}, rows in network order.
+
+    Paths are ("blocks", module, name) with a leading layers axis, ("blocks", "block_j",
+    module, name) with a leading groups axis when MoE blocks are interleaved (block g·k + j), and
+    ("residual_stream", name) for the model-level read. A name sown k > 1 times per call becomes
+    k quantities "name[i]"."""
+    per_sublayer: dict[str, dict[tuple[int, int], np.ndarray]] = {}
+    output: dict[str, np.ndarray] = {}
+    group_size = 1
+    for path, variable in nnx.to_flat_state(intermediates):
+        path = tuple(str(p) for p in path)
+        sown = variable.get_value() if hasattr(variable, "get_value") else variable.value
+        for index, value in enumerate(sown):
+            name = path[-1] if len(sown) == 1 else f"{path[-1]}[{index}]"
+            value = np.asarray(jax.device_get(value), dtype=np.float32)
+            if path[0] == STREAM_MODULE:
+                output[name] = _per_row(value, batch, seq_len, d_model)
+                continue
+            if path[0] != "blocks" or path[-2] not in RESIDUAL_MODULES:
+                continue
+            grouped = path[1].startswith("block_")  # arch.model.BlockGroup member j
+            member = int(path[1].removeprefix("block_")) if grouped else 0
+            if grouped:
+                group_size = max(group_size, member + 1)
+            order = RESIDUAL_MODULES.index(path[-2])
+            for stacked, row in enumerate(value):
+                per_sublayer.setdefault(name, {})[(stacked, member, order)] = _per_row(
+                    row, batch, seq_len, d_model)
+    quantities = {}
+    for name, rows in per_sublayer.items():
+        keys = sorted(rows)  # (stacked index, member of the group, attention before ffn)
+        quantities[name] = {
+            "rows": [_sublayer_label(g * group_size + j, RESIDUAL_MODULES[o]) for g, j, o in keys],
+            "values": [rows[key] for key in keys]}
+        if name in output and output[name].shape == quantities[name]["values"][0].shape:
+            quantities[name]["rows"].append("output")
+            quantities[name]["values"].append(output.pop(name))
+    for name, value in output.items():
+        quantities[f"{name} (output)"] = {"rows": ["output"], "values": [value]}
+    return quantities
+
+
+def capture_mixing(model, tokens_BxT) -> dict[str, dict]:
+    """Run `model` on the tokens under `nnx.capture` and return `mixing_quantities`."""
+    _, intermediates = nnx.capture(model, nnx.Intermediate)(tokens_BxT)
+    batch, seq_len = tokens_BxT.shape
+    return mixing_quantities(intermediates, batch=batch, seq_len=seq_len,
+                             d_model=model.cfg.d_model)
+
+
+def _matrix(values: list[np.ndarray]) -> np.ndarray:
+    """Rows flattened (row-major) and padded with NaN to a common width."""
+    flat = [np.ravel(v) for v in values]
+    width = max(len(f) for f in flat)
+    return np.stack([np.pad(f, (0, width - len(f)), constant_values=np.nan) for f in flat])
+
+
+def _columns(shape: tuple[int, ...]) -> str:
+    if len(shape) == 0:
+        return "scalar"
+    if len(shape) == 1:
+        return f"column = index 0..{shape[0] - 1}"
+    return f"columns = {'×'.join(map(str, shape))} entries, row-major"
+
+
+def plot_mixing(quantities: dict[str, dict], png_path: str | Path, title: str) -> None:
+    """One heatmap per quantity (rows = sublayers), stacked vertically, written as a PNG."""
+    import matplotlib  # imported on first plot: heavy, and only the plots need it
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    heights = [max(2.0, 0.22 * len(q["rows"]) + 1.2) for q in quantities.values()]
+    figure, axes = plt.subplots(len(quantities), 1, figsize=(9, sum(heights)),
+                                gridspec_kw={"height_ratios": heights}, squeeze=False)
+    for axis, (name, quantity) in zip(axes[:, 0], quantities.items(), strict=True):
+        matrix = _matrix(quantity["values"])
+        image = axis.imshow(matrix, aspect="auto", interpolation="nearest", cmap="viridis")
+        axis.set_yticks(range(len(quantity["rows"])), quantity["rows"], fontsize=6)
+        if matrix.shape[1] <= 32:
+            axis.set_xticks(range(matrix.shape[1]))
+        axis.set_title(f"{name} ({_columns(np.shape(quantity['values'][0]))})", fontsize=9)
+        figure.colorbar(image, ax=axis)
+    figure.suptitle(title)
+    figure.tight_layout()
+    figure.savefig(png_path, dpi=120)
+    plt.close(figure)
+
+
+def to_json(quantities: dict[str, dict], **header) -> dict:
+    return {**header, "quantities": {
+        name: {"rows": q["rows"], "shape": list(np.shape(q["values"][0])),
+               "values": [np.asarray(v).tolist() for v in q["values"]]}
+        for name, q in quantities.items()}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python scripts/depth_mixing.py",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("--workdir", required=True)
+    parser.add_argument("--out", default=None, help="PNG path; default WORKDIR/mixing.png")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq_len", type=int, default=None, help="default: the run's seq_len")
+    args = parser.parse_args(argv)
+    try:
+        program, step, model, tokens_BxT1 = restore_for_analysis(args.workdir, args.batch,
+                                                                 args.seq_len)
+    except (FileNotFoundError, ConfigError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    config, seq_len = program.config, tokens_BxT1.shape[1] - 1
+    with jax.set_mesh(program.mesh):
+        quantities = capture_mixing(model, tokens_BxT1[:, :-1])
+    mechanism = config.model.residual
+    if not quantities:
+        print(f"model.residual={mechanism!r} records no mixing weights (a plain sum has "
+              "none); nothing to plot", file=sys.stderr)
+        return 1
+    png_path = Path(args.out) if args.out else Path(args.workdir) / "mixing.png"
+    png_path.parent.mkdir(parents=True, exist_ok=True)
+    plot_mixing(quantities, png_path, f"{mechanism}, step {step}")
+    json_path = png_path.with_suffix(".json")
+    json_path.write_text(json.dumps(to_json(quantities, mechanism=mechanism, step=step,
+                                            batch=args.batch, seq_len=seq_len)) + "\n")
+    print(f"wrote {png_path} and {json_path}: {', '.join(quantities)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""Restoring a training run from its directory: for generation, for the instruments that analyse
+a run, and for anything else that reads one back (`python -m train.generate`,
+`train.instruments`, scripts/).
+
+A run directory holds the config.json that `python -m train` wrote and its Orbax checkpoints
+(`train.checkpoint`). The config is read over `base_config()`'s defaults, so a field added since
+the run was saved keeps its default, and the model is rebuilt onto all local devices along the
+data axis whatever mesh it was trained on.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+from flax import nnx
+
+from config import ConfigError
+from config.defaults import base_config
+from train import data
+from train.checkpoint import Checkpointer
+from train.data import VALIDATION_SEED
+from train.step import build_program
+
+
+def restore_run(workdir: str | Path):
+    """(program, step, train state) of the newest restorable checkpoint of the training run in
+    `workdir`, rebuilt from its config.json (over `base_config()`'s defaults) onto all local
+    devices along the data axis (for generation and analysis). Raises FileNotFoundError with a
+    one-line message when there is no config or checkpoint."""
+    config_path = Path(workdir) / "config.json"
+    if not config_path.exists():
+        raise FileNotFoundError(f"--workdir={workdir} holds no config.json; train a model there "
+                                "first with python -m train")
+    config = base_config()  # fields added since the run was saved keep their defaults
+    config.update(json.loads(config_path.read_text()))
+    config.mesh = dict(data=-1, fsdp=1, tensor=1, sequence=1, stage=1, expert=1)
+    program = build_program(config)
+    with Checkpointer(workdir) as checkpointer:
+        restored = checkpointer.restore_latest(program.abstract_state())
+    if restored is None:
+        raise FileNotFoundError(f"--workdir={workdir} holds no restorable checkpoint")
+    step, state, _ = restored
+    return program, step, state
+
+
+def restore_for_analysis(workdir: str | Path, batch: int, seq_len: int | None = None):
+    """(program, step, model in evaluation mode, validation tokens B×(T+1)) for the scripts that
+    analyse a run: `restore_run`, then the first validation batch of `batch` rows of
+    `seq_len` + 1 tokens (default the run's seq_len), the same batch for every run of a config.
+    Raises FileNotFoundError (no run) or ConfigError (a bad batch or length) in one line."""
+    program, step, state = restore_run(workdir)
+    config = program.config
+    seq_len = seq_len or config.seq_len
+    data_shards = program.mesh.shape["data"]
+    if batch <= 0 or batch % data_shards:
+        raise ConfigError(f"--batch={batch} is invalid: must be a positive multiple of the "
+                          f"{data_shards} devices of the mesh's data axis")
+    if not 2 <= seq_len <= config.model.max_seq_len:
+        raise ConfigError(f"--seq_len={seq_len} is invalid: must be in [2, "
+                          f"{config.model.max_seq_len}] (the model's max_seq_len)")
+    tokens_BxT1 = data.load(config.data, "validation").batch(0, batch, seq_len, VALIDATION_SEED)
+    model = nnx.merge(program.graphdef, state["params"], state["model_state"])
+    model.eval()
+    return program, step, model, jax.device_put(tokens_BxT1, program.batch_sharding)
