@@ -77,7 +77,7 @@ def test_checkpoint_restores_onto_another_mesh_and_skips_a_corrupted_latest(tmp_
         program = build_program(config)
         with Checkpointer(tmp_path) as checkpointer:
             step, state, position = checkpointer.restore_latest(program.abstract_state())
-        assert step == 3 and position == {"next_step": 3, "seed": 0}
+        assert step == 3 and position == {"next_step": 3, "seed": 0, "skipped_steps": 0}
         restored[mesh] = jax.device_get(state["params"])
         leaves = jax.tree.leaves(state)
         assert all(x.sharding.mesh.shape == program.mesh.shape for x in leaves)
