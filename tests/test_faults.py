@@ -147,6 +147,20 @@ def test_a_truncated_newest_checkpoint_is_moved_aside_and_the_run_completes(
     assert metric_steps(workdir) == [1, 2, 3, 4]
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # orbax's loop
+def test_when_no_checkpoint_restores_nothing_is_moved(trained_run, tmp_path):
+    workdir = copy_run(trained_run, tmp_path / "run")
+    for step in (2, 3, 4):
+        for item in (workdir / "checkpoints" / str(step) / "state").iterdir():
+            if item.is_dir():  # the array data
+                shutil.rmtree(item)
+    before = snapshot(workdir)
+    with pytest.raises(rundir.WorkdirError, match=r"no checkpoint restores \(step 4: .*\); "
+                       "nothing was moved or deleted"):
+        train(run_config(), workdir)
+    assert snapshot(workdir) == before
+
+
 def read_events(path: Path):
     """The Event protos of a TensorBoard event file (TFRecord framing)."""
     from tensorboardX.proto import event_pb2

@@ -132,7 +132,19 @@ def main(argv: list[str]) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     absl_logging.set_verbosity(absl_logging.WARNING)  # Orbax logs every save at INFO
-    from train.loop import NonFiniteLoss, train  # JAX loads here, after every cheap check
+    # JAX loads here, after every cheap check: the model and mesh checks need it.
+    import jax
+
+    from sharding.mesh import maybe_initialize_distributed, slice_count
+    from train.config import validate
+
+    try:
+        maybe_initialize_distributed()
+        validate(config, jax.device_count(), slice_count(jax.devices()))  # before Orbax, tfds
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    from train.loop import NonFiniteLoss, train
 
     try:
         result = train(config, workdir)

@@ -53,8 +53,10 @@ class Checkpointer:
                 restored = self.manager.restore(step, args=ocp.args.Composite(
                     state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
             except Exception as error:  # noqa: BLE001 -- any failure means "not usable"
-                message = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}" \
-                    if str(error) else type(error).__name__
+                reason = str(error).splitlines()[0].split(" See full TensorStore details")[0] \
+                    if str(error) else ""
+                message = f"{type(error).__name__}: {reason[:200]}" if reason \
+                    else type(error).__name__
                 self.restore_errors[step] = message
                 log.warning("checkpoint at step %d cannot be restored (%s); trying an earlier "
                             "one", step, message)
