@@ -25,6 +25,7 @@ from ml_collections import config_flags
 from config import ConfigError
 from config.defaults import base_config
 from config.validate import check_fields
+from sharding.launch import multiprocess_launch
 from train import rundir
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment file, PATH[:ARG].",
@@ -116,7 +117,8 @@ def parse(argv: list[str]) -> tuple[ml_collections.ConfigDict, str]:
         raise UsageError("--workdir is required, e.g. --workdir runs/quickstart")
     check_fields(config)
     rundir.check_workdir(workdir)
-    rundir.check_not_locked(workdir)
+    if not multiprocess_launch(os.environ):  # several processes: process 0 locks, in train()
+        rundir.check_not_locked(workdir)
     defaults = base_config().to_dict()
     rundir.check_resume(workdir, config.to_dict(), defaults, resolved=False)
     return config, workdir
