@@ -1,7 +1,9 @@
 """The config checks that need no JAX: every training, optimizer, data and sampling field, and the
 arguments of generation. `python -m train` runs them before it imports JAX, so a bad field is
-reported in a fraction of a second; `train.config.validate` runs them first too, then the checks
-that need the component registries and the devices.
+reported in a fraction of a second. `check_fields` is also the first part of
+`train.config.validate` (then come the checks that need the component registries and the
+devices); `check_training` (vocabulary, data, final sample) is run by the CLI and by
+`train.loop.train`, not for a run that is only restored.
 
 Imports only the standard library and `config`.
 """
@@ -44,11 +46,7 @@ def check_fields(config) -> None:
     if model.max_seq_len is not None:
         check(model.max_seq_len >= config.seq_len, "model.max_seq_len", model.max_seq_len,
               f"must be at least seq_len={config.seq_len}")
-    check(_is_int(model.vocab_size) and model.vocab_size >= TOKENIZER_VOCAB_SIZE,
-          "model.vocab_size", model.vocab_size,
-          f"must be at least the tokenizer's {TOKENIZER_VOCAB_SIZE} tokens (bytes)")
     _check_optimizer(config.optimizer, config.steps)
-    _check_data(config.data, config.seq_len)
     check(config.resume_mode in RESUME_MODES, "resume_mode", config.resume_mode,
           f"valid modes: {', '.join(RESUME_MODES)}")
     if config.resume_mode == "finetune":
@@ -56,6 +54,18 @@ def check_fields(config) -> None:
               "resume_mode='finetune' needs the run directory whose weights to start from")
     check(config.nonfinite_policy in NONFINITE_POLICIES, "nonfinite_policy",
           config.nonfinite_policy, f"valid policies: {', '.join(NONFINITE_POLICIES)}")
+
+
+def check_training(config) -> None:
+    """Check what only training needs (after `check_fields`): a vocabulary that covers the
+    tokenizer's, data that can be split into windows, and the final sample's arguments. Not
+    part of `train.config.validate`, which also serves runs that are only restored (e.g. an
+    imported checkpoint with its own vocabulary, or a run whose text files have moved)."""
+    model = config.model
+    check(_is_int(model.vocab_size) and model.vocab_size >= TOKENIZER_VOCAB_SIZE,
+          "model.vocab_size", model.vocab_size,
+          f"must be at least the tokenizer's {TOKENIZER_VOCAB_SIZE} tokens (bytes)")
+    _check_data(config.data, config.seq_len)
     check(_is_int(config.sample_tokens) and config.sample_tokens >= 0, "sample_tokens",
           config.sample_tokens, "must be a non-negative integer (0 skips the final sample)")
     if config.sample_tokens:

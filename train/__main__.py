@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
+import json
 import os
 import sys
 
@@ -24,7 +25,7 @@ from ml_collections import config_flags
 
 from config import ConfigError
 from config.defaults import base_config
-from config.validate import check_fields
+from config.validate import check_fields, check_training
 from sharding.launch import multiprocess_launch
 from train import rundir
 
@@ -116,11 +117,12 @@ def parse(argv: list[str]) -> tuple[ml_collections.ConfigDict, str]:
     if not workdir:
         raise UsageError("--workdir is required, e.g. --workdir runs/quickstart")
     check_fields(config)
+    check_training(config)
     rundir.check_workdir(workdir)
     if not multiprocess_launch(os.environ):  # several processes: process 0 locks, in train()
         rundir.check_not_locked(workdir)
-    defaults = base_config().to_dict()
-    rundir.check_resume(workdir, config.to_dict(), defaults, resolved=False)
+    as_json = lambda config: json.loads(config.to_json_best_effort())  # as config.json holds it
+    rundir.check_resume(workdir, as_json(config), as_json(base_config()), resolved=False)
     return config, workdir
 
 

@@ -29,6 +29,7 @@ from jax.experimental import multihost_utils
 from arch.accounting import flops_per_token
 from config import ConfigError
 from config.defaults import base_config
+from config.validate import check_training
 from sharding.mesh import make_mesh, maybe_initialize_distributed, slice_count
 from sharding.pipeline import bubble_fraction
 from train import data, rundir
@@ -217,6 +218,7 @@ def train(config, workdir: str | Path) -> dict:
     """
     workdir = Path(workdir)
     program = build_program(config)  # every config error surfaces here, before compiling
+    check_training(config)
     rundir.check_workdir(workdir)
     with contextlib.ExitStack() as run:
         if jax.process_index() == 0:  # one lock per run, also on a shared filesystem
