@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
-import json
 import os
 import sys
 
@@ -24,7 +23,6 @@ from absl import logging as absl_logging
 from ml_collections import config_flags
 
 from config import ConfigError
-from config.defaults import base_config
 from config.validate import check_fields, check_training
 from sharding.launch import multiprocess_launch
 from train import rundir
@@ -121,8 +119,7 @@ def parse(argv: list[str]) -> tuple[ml_collections.ConfigDict, str]:
     rundir.check_workdir(workdir)
     if not multiprocess_launch(os.environ):  # several processes: process 0 locks, in train()
         rundir.check_not_locked(workdir)
-    as_json = lambda config: json.loads(config.to_json_best_effort())  # as config.json holds it
-    rundir.check_resume(workdir, as_json(config), as_json(base_config()), resolved=False)
+    rundir.check_resume(workdir, config, resolved=False)
     return config, workdir
 
 

@@ -223,8 +223,7 @@ def train(config, workdir: str | Path) -> dict:
     with contextlib.ExitStack() as run:
         if jax.process_index() == 0:  # one lock per run, also on a shared filesystem
             run.enter_context(rundir.WorkdirLock(workdir))
-            rundir.check_resume(workdir, json.loads(config.to_json_best_effort()),
-                                json.loads(base_config().to_json_best_effort()), resolved=True)
+            rundir.check_resume(workdir, config, resolved=True)
         return _train_locked(program, config, workdir)
 
 

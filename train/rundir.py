@@ -3,7 +3,8 @@ on resume and metrics.jsonl on resume. `python -m train` runs them before it imp
 one-line refusal) and `train.loop.train` runs them again for every caller.
 
 A run directory holds config.json, checkpoints/<step>/, metrics.jsonl, tensorboard/ and the
-lock file `lock` (docs/runs.md). Imports only the standard library and `config`.
+lock file `lock` (docs/runs.md). Imports only the standard library and `config` (and so
+ml_collections).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import time
 from pathlib import Path
 
 from config import ConfigError
+from config.defaults import base_config
 
 log = logging.getLogger(__name__)
 
@@ -253,13 +255,18 @@ def saved_config(workdir: str | Path, defaults: dict) -> dict | None:
     return merge(defaults, saved)
 
 
-def check_resume(workdir: str | Path, config_json: dict, defaults: dict, *,
-                 resolved: bool) -> None:
-    """Refuse (`WorkdirError`) to resume the checkpoints in `workdir` with a config (JSON data)
-    that differs from the run's config.json in a field that defines the model, the optimizer
-    state, the data or the batch order (every field not in `MAY_CHANGE_ON_RESUME`); refuse a
-    fine-tune into its own source directory. A fine-tune's own checkpoints resume like any
-    run's."""
+def _as_json(config) -> dict:
+    """A ConfigDict as config.json holds it (tuples as lists, references resolved)."""
+    return json.loads(config.to_json_best_effort())
+
+
+def check_resume(workdir: str | Path, config, *, resolved: bool) -> None:
+    """Refuse (`WorkdirError`) to resume the checkpoints in `workdir` with `config` (a
+    ConfigDict; `resolved`: its derived model fields are filled in) if it differs from the run's
+    config.json in a field that defines the model, the optimizer state, the data or the batch
+    order (every field not in `MAY_CHANGE_ON_RESUME`); refuse a fine-tune into its own source
+    directory. A fine-tune's own checkpoints resume like any run's."""
+    config_json, defaults = _as_json(config), _as_json(base_config())
     source = config_json.get("finetune_from")
     if config_json.get("resume_mode") == "finetune" and source and \
             Path(source).resolve() == Path(workdir).resolve():
