@@ -189,16 +189,13 @@ def test_a_resumed_run_logs_each_step_once(trained_run, tmp_path):
 
 # 3. keep_checkpoints ≥ 1, and 6-8: one line and exit 2 for every bad input, before JAX --------
 
-EMPTY_TEXT = "/tmp/blockbench-test-empty.txt"
-
-
 @pytest.mark.parametrize("args,message", [
     (["--config.keep_checkpoints=0"], "keep_checkpoints=0 is invalid: must be a positive integer"),
     (["--config.top_k=300"], "top_k=300 is invalid: must be in [0, model.vocab_size=256]"),
     (["--config.data.name=text", "--config.data.path=README.md",
       "--config.data.validation_fraction=0"], "data.validation_fraction=0.0 is invalid"),
-    (["--config.data.name=text", f"--config.data.path={EMPTY_TEXT}"],
-     f"data.path='{EMPTY_TEXT}' is invalid: holds 0 bytes of text"),
+    (["--config.data.name=text", "--config.data.path={empty}"],
+     "data.path='{empty}' is invalid: holds 0 bytes of text"),
     (["--config.optimizer.learning_rate=-0.001"], "optimizer.learning_rate=-0.001 is invalid"),
     (["--config.optimizer.learning_rate=nan"], "optimizer.learning_rate=nan is invalid"),
     (["--config.model.vocab_size=100"], "model.vocab_size=100 is invalid: must be at least"),
@@ -210,9 +207,11 @@ EMPTY_TEXT = "/tmp/blockbench-test-empty.txt"
 ], ids=["keep-0", "top-k", "validation-0", "empty-text", "lr-negative", "lr-nan", "vocab",
         "steps-eq-warmup", "temperature", "learned-context", "unknown-field", "type"])
 def test_bad_field_is_one_line_before_jax(tmp_path, args, message):
-    Path(EMPTY_TEXT).write_text("")
-    run = cli("--config", "experiments/quickstart.py", "--workdir", str(tmp_path / "w"), *args)
-    assert_one_line(run, message)
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    run = cli("--config", "experiments/quickstart.py", "--workdir", str(tmp_path / "w"),
+              *(arg.replace("{empty}", str(empty)) for arg in args))
+    assert_one_line(run, message.replace("{empty}", str(empty)))
     assert not (tmp_path / "w").exists()  # nothing created, let alone a checkpoint
 
 

@@ -220,6 +220,7 @@ def train(config, workdir: str | Path) -> dict:
     program = build_program(config)  # every config error surfaces here, before compiling
     check_training(config)
     rundir.check_workdir(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)  # on every host (per-host disks)
     with contextlib.ExitStack() as run:
         if jax.process_index() == 0:  # one lock per run, also on a shared filesystem
             run.enter_context(rundir.WorkdirLock(workdir))
