@@ -113,7 +113,12 @@ def base_config() -> ml_collections.ConfigDict:
         eval_every=200,
         eval_batches=8,
         checkpoint_every=200,
-        keep_checkpoints=3,
+        keep_checkpoints=3,       # newest checkpoints kept (≥ 1); older ones of this run rotate out
+        resume_mode="resume",     # "resume": continue the run in --workdir (same model, data and
+                                  # batch order); "finetune": start a new run from finetune_from
+        finetune_from="",         # resume_mode="finetune": the run directory to start from
+        nonfinite_policy="stop",  # non-finite loss or state: "stop" (exit 1, nothing bad saved) or
+                                  # "skip" (keep the previous state, count it in skipped_steps)
         sample_tokens=200,        # length of the sample printed at the end ("" prompt: 0 to skip)
         sample_prompt="And God said",
         temperature=0.8,

@@ -24,6 +24,7 @@ from jax.experimental import mesh_utils
 from jax.sharding import AxisType
 
 from config import ConfigError
+from sharding.launch import multiprocess_launch  # noqa: F401 -- also this module's API
 from sharding.rules import MESH_AXES
 
 AUTO_AXES = (AxisType.Auto,) * len(MESH_AXES)
@@ -111,28 +112,6 @@ def make_mesh(mesh_cfg, devices=None) -> jax.sharding.Mesh:
                              axis_types=AUTO_AXES, devices=devices)
     return jax.sharding.Mesh(hybrid_device_grid(ici, dcn, devices), MESH_AXES,
                              axis_types=AUTO_AXES)
-
-
-def multiprocess_launch(environ: Mapping[str, str]) -> bool:
-    """Whether the environment says this process is one of several of one job.
-
-    - `BLOCKBENCH_MULTIPROCESS=1` (set by scripts/launch_tpu_pod.sh: a TPU VM's worker list lives
-      in its metadata server, not in the environment), or `JAX_COORDINATOR_ADDRESS` set;
-    - SLURM: inside an `srun` step of more than one task, i.e. JAX's own SLURM detection
-      variables present (`SLURM_JOB_ID, SLURM_STEP_NODELIST, SLURM_PROCID, SLURM_LOCALID`) and
-      `SLURM_NTASKS` > 1. An `sbatch` script or `salloc` shell has SLURM_NTASKS but no step node
-      list: a plain `python -m train` there is one process;
-    - Open MPI: `OMPI_COMM_WORLD_SIZE` > 1; GKE TPU pods: several `TPU_WORKER_HOSTNAMES`.
-    """
-    if environ.get("BLOCKBENCH_MULTIPROCESS") == "1" or environ.get("JAX_COORDINATOR_ADDRESS"):
-        return True
-    slurm_step = all(name in environ for name in (
-        "SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_PROCID", "SLURM_LOCALID"))
-    if slurm_step and int(environ.get("SLURM_NTASKS", "1")) > 1:
-        return True
-    if int(environ.get("OMPI_COMM_WORLD_SIZE", "1")) > 1:
-        return True
-    return "," in environ.get("TPU_WORKER_HOSTNAMES", "")
 
 
 def maybe_initialize_distributed() -> None:

@@ -4,35 +4,24 @@ from __future__ import annotations
 
 from arch.config import resolve_model
 from config import check
+from config.validate import check_fields
 from sharding.mesh import ici_dcn_shapes, mesh_shape
 from sharding.pipeline import validate_pipeline
-
-SCHEDULES = ("cosine", "wsd")
 
 
 def validate(config, device_count: int, slice_count: int = 1) -> dict[str, int]:
     """Check `config` in place (filling derived model fields) for `device_count` devices in
-    `slice_count` TPU slices; return the resolved mesh shape (total size of each axis).
+    `slice_count` TPU slices; return the resolved mesh shape (total size of each axis). The
+    JAX-free field checks (`config.validate.check_fields`) run first, then the model against
+    the component registries, then the mesh.
 
     Raises `arch.config.ConfigError`: one line naming the field, the value and what is valid.
     """
+    check_fields(config)  # everything that needs no JAX (also run by the CLI before JAX loads)
     model = config.model
     if model.max_seq_len is None:
         model.max_seq_len = config.seq_len
     resolve_model(model)
-    for field in ("steps", "batch_size", "seq_len", "log_every", "eval_every", "checkpoint_every",
-                  "eval_batches"):
-        check(isinstance(config[field], int) and config[field] > 0, field, config[field],
-              "must be a positive integer")
-    check(model.max_seq_len >= config.seq_len, "model.max_seq_len", model.max_seq_len,
-          f"must be at least seq_len={config.seq_len}")
-    opt = config.optimizer
-    check(opt.schedule in SCHEDULES, "optimizer.schedule", opt.schedule,
-          f"valid schedules: {', '.join(SCHEDULES)}")
-    check(0 <= opt.warmup_steps <= config.steps, "optimizer.warmup_steps", opt.warmup_steps,
-          f"must be between 0 and steps={config.steps}")
-    check(0 < opt.decay_fraction <= 1, "optimizer.decay_fraction", opt.decay_fraction,
-          "must be in (0, 1]")
 
     mesh = mesh_shape(config.mesh, device_count)
     ici_dcn_shapes(config.mesh, mesh, slice_count)

@@ -20,7 +20,6 @@ so a batch is a pure function of ``(seed, step)`` whatever the number of consume
 from __future__ import annotations
 
 import dataclasses
-import glob
 import importlib.util
 import itertools
 import json
@@ -33,7 +32,9 @@ import grain
 import numpy as np
 import tensorflow_datasets as tfds
 
-VOCAB_SIZE = 256  # byte-level tokenizer
+from config.validate import TOKENIZER_VOCAB_SIZE, text_files, text_split_sizes
+
+VOCAB_SIZE = TOKENIZER_VOCAB_SIZE  # byte-level tokenizer: 256
 SPLITS = ("train", "validation")
 DEFAULT_DATA_DIR = "~/.cache/blockbench/tfds"
 VALIDATION_SEED = 0  # the same validation batches for every run, whatever its training seed
@@ -202,8 +203,7 @@ def _load_tfds(name: str, split: str, data_dir: str, text_key: str | None) -> np
 
 def _load_text(path: str, validation_fraction: float, split: str) -> np.ndarray:
     """Tokens of local text files (sorted, each a document); the tail is validation."""
-    patterns = [os.path.expanduser(p.strip()) for p in path.split(",") if p.strip()]
-    files = sorted({f for p in patterns for f in glob.glob(p, recursive=True) if os.path.isfile(f)})
+    files = text_files(path)
     if not files:
         raise ValueError(f"data.path={path!r} matches no file")
     docs = []
@@ -211,7 +211,7 @@ def _load_text(path: str, validation_fraction: float, split: str) -> np.ndarray:
         with open(file, "rb") as f:
             docs.append(f.read())
     tokens = np.frombuffer(b"\n".join(docs), dtype=np.uint8)
-    num_train = len(tokens) - int(len(tokens) * validation_fraction)
+    num_train, _ = text_split_sizes(len(tokens), validation_fraction)
     return tokens[:num_train] if split == "train" else tokens[num_train:]
 
 

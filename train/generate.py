@@ -1,7 +1,11 @@
 """Sampling with a KV cache, and the `python -m train.generate` command.
 
     python -m train.generate --workdir runs/quickstart --prompt "And God said" \
-        [--num_tokens 200] [--temperature 0.8] [--top_k 40] [--seed 0]
+        [--num_tokens 200] [--temperature 0.8] [--top_k 40] [--seed 0] [--allow_extrapolation]
+
+The arguments are checked against the run's config before the model loads: num_tokens ≥ 0 and
+the prompt plus num_tokens within the trained context (model.max_seq_len; beyond it only with
+--allow_extrapolation and positions that extrapolate), temperature ≥ 0, top_k in [0, vocab].
 
 The prompt is run once through the model (prefill), filling the cache; then one token at a time
 is sampled and decoded against the cache, all inside one jitted `lax.scan`.
@@ -11,13 +15,18 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from config import ConfigError
+from config.defaults import base_config
+from config.validate import check_generation
 from train import data
 from train.restore import restore_run
 
@@ -74,6 +83,22 @@ def generate_text(program, state, prompt: str, num_tokens: int, *, temperature: 
     return prompt + data.decode(np.asarray(tokens[0]))
 
 
+def check_arguments(workdir: str, prompt: str, num_tokens, temperature, top_k,
+                    allow_extrapolation: bool) -> None:
+    """Check the generation arguments against the run's config.json before anything loads:
+    one-line ConfigError (or FileNotFoundError when `workdir` holds no run)."""
+    config_path = Path(workdir) / "config.json"
+    if not config_path.exists():
+        raise FileNotFoundError(f"--workdir={workdir} holds no config.json; train a model there "
+                                "first with python -m train")
+    saved = json.loads(config_path.read_text())
+    model = {**base_config().model.to_dict(), **saved.get("model", {})}
+    context = model["max_seq_len"] or saved.get("seq_len") or base_config().seq_len
+    check_generation(model["vocab_size"], model["position"], context,
+                     len(data.encode(prompt or "\n")), num_tokens, temperature, top_k,
+                     allow_extrapolation=allow_extrapolation)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m train.generate", description=__doc__.split(
         "\n")[0])
@@ -83,10 +108,15 @@ def main(argv=None) -> int:
     parser.add_argument("--temperature", type=float, default=0.8)
     parser.add_argument("--top_k", type=int, default=40)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--allow_extrapolation", action="store_true",
+                        help="generate past the trained context (model.max_seq_len) with "
+                             "positions that extrapolate (rope, none)")
     args = parser.parse_args(argv)
     try:
+        check_arguments(args.workdir, args.prompt, args.num_tokens, args.temperature,
+                        args.top_k, args.allow_extrapolation)
         program, step, state = restore_run(args.workdir)
-    except FileNotFoundError as error:
+    except (FileNotFoundError, ConfigError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     print(f"[step {step}]")

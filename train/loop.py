@@ -4,7 +4,9 @@ Nothing is lost on a crash or preemption: checkpoints are saved asynchronously e
 `checkpoint_every` steps and on SIGTERM; re-running with the same workdir resumes from the newest
 checkpoint that restores. Batches are a pure function of (seed, step), so a resumed or re-sharded
 run sees exactly the batches an uninterrupted one would. A non-finite loss stops the run before
-anything bad is saved.
+anything bad is saved: every step checks the loss, the gradients and the whole new state for
+finiteness inside the jitted step, and a checkpoint is saved only after its step passed.
+The workdir lock, config identity on resume and the checkpoint fallback are in docs/runs.md.
 """
 
 from __future__ import annotations
@@ -17,14 +19,16 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import tqdm
 from jax.experimental import multihost_utils
 
 from arch.accounting import flops_per_token
 from config import ConfigError
+from config.validate import check_training
 from sharding.pipeline import bubble_fraction
-from train import data
+from train import data, rundir
 from train.checkpoint import Checkpointer
 from train.data import VALIDATION_SEED
 from train.generate import generate_text
@@ -35,7 +39,7 @@ log = logging.getLogger(__name__)
 
 
 class NonFiniteLoss(RuntimeError):
-    pass
+    """A step made the loss, the gradients or the train state non-finite (exit status 1)."""
 
 
 def load_splits(data_config) -> tuple[data.Dataset, data.Dataset]:
@@ -71,14 +75,66 @@ def evaluate(program: TrainProgram, state, dataset: data.Dataset) -> float:
 
 
 def _check_finite(step: int, metrics, checkpointer: Checkpointer) -> None:
+    """Raise NonFiniteLoss if step `step` made the loss, the gradients or the state non-finite
+    (metrics["finite"], computed inside the step): that state is never saved."""
+    if bool(metrics["finite"]):
+        return
     loss, grad_norm = (float(metrics["loss"]), float(metrics["grad_norm"]))
-    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-        checkpointer.wait()
-        kept = checkpointer.latest_step()
-        raise NonFiniteLoss(
-            f"loss={loss} grad_norm={grad_norm} at step {step}: stopping; the last good "
-            f"checkpoint ({'none' if kept is None else f'step {kept}'}) is kept in "
-            f"{checkpointer.directory}")
+    checkpointer.wait()
+    kept = checkpointer.latest_step()
+    raise NonFiniteLoss(
+        f"non-finite {'loss or gradients' if not math.isfinite(loss + grad_norm) else 'state'}"
+        f" at step {step} (loss={loss}, grad_norm={grad_norm}): stopping without saving it; the "
+        f"last finite checkpoint ({'none' if kept is None else f'step {kept}'}) is kept in "
+        f"{checkpointer.directory}; lower optimizer.learning_rate, or set "
+        "nonfinite_policy='skip' to skip such steps")
+
+
+def _check_splits(config, splits) -> None:
+    """A one-line ConfigError for a split too short for one window (e.g. an empty file)."""
+    for dataset in splits:
+        if dataset.num_windows(config.seq_len) == 0:
+            source = (f"data.path={config.data.path!r}" if config.data.name == "text"
+                      else f"data.name={config.data.name!r}")
+            raise ConfigError(
+                f"{source} is invalid: its {dataset.split} split holds {len(dataset.tokens)} "
+                f"tokens, too few for one window of seq_len + 1 = {config.seq_len + 1}; add "
+                "data or lower seq_len")
+
+
+def _start_state(program: TrainProgram, config, checkpointer: Checkpointer, workdir: Path):
+    """(step, state, data position) to start from: the newest checkpoint of this run that
+    restores (newer ones that do not are moved aside), else a fine-tune's source weights, else
+    a fresh initialization. WorkdirError when checkpoints exist but none restores."""
+    restored = checkpointer.restore_latest(program.abstract_state(), move_aside_corrupt=True)
+    if restored is not None:
+        step, state, position = restored
+        log.warning("resuming from the checkpoint at step %d in %s", step, checkpointer.directory)
+        return step, state, position
+    if checkpointer.restore_errors:
+        newest = max(checkpointer.restore_errors)
+        raise rundir.WorkdirError(
+            f"--workdir={workdir}: no checkpoint restores (step {newest}: "
+            f"{checkpointer.restore_errors[newest]}); nothing was moved or deleted: use a new "
+            "--workdir, or move its checkpoints directory aside to start again")
+    state = program.init(config.seed)
+    if config.resume_mode == "finetune":
+        with Checkpointer(config.finetune_from, read_only=True) as source:
+            from_source = source.restore_latest(program.abstract_state())
+            errors = source.restore_errors
+        if from_source is None:
+            reason = (f"step {max(errors)}: {errors[max(errors)]}" if errors
+                      else "it holds no checkpoint")
+            raise ConfigError(
+                f"finetune_from={config.finetune_from!r} is invalid: no checkpoint there "
+                f"restores into this config's state ({reason}); the model and optimizer "
+                "structure must match")
+        source_step, source_state, _ = from_source
+        state["params"], state["model_state"] = (source_state["params"],
+                                                 source_state["model_state"])
+        log.warning("fine-tuning from the weights of %s at step %d (fresh optimizer state, "
+                    "step 0)", config.finetune_from, source_step)
+    return 0, state, {"next_step": 0, "seed": config.seed, "skipped_steps": 0}
 
 
 class _Preemption:
@@ -99,33 +155,43 @@ class _Preemption:
 
 
 def train(config, workdir: str | Path) -> dict:
-    """Train `config` in `workdir` (resuming if it holds checkpoints).
+    """Train `config` in `workdir` (resuming if it holds checkpoints of the same run).
 
-    Returns {"step", "eval_loss", "sample", "preempted"}.
+    Holds the workdir lock for the whole run; refuses (one-line `ConfigError`) a workdir whose
+    run has a different config. Returns {"step", "eval_loss", "sample", "preempted"}. Raises
+    `NonFiniteLoss` (with nonfinite_policy="stop") when a step makes the loss or state
+    non-finite; that state is never saved.
     """
     workdir = Path(workdir)
     program = build_program(config)  # every config error surfaces here, before compiling
-    workdir.mkdir(parents=True, exist_ok=True)
+    check_training(config)
+    rundir.check_workdir(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)  # on every host (per-host disks)
+    with contextlib.ExitStack() as run:
+        if jax.process_index() == 0:  # one lock per run, also on a shared filesystem
+            run.enter_context(rundir.WorkdirLock(workdir))
+            rundir.check_resume(workdir, config, resolved=True)
+        return _train_locked(program, config, workdir)
+
+
+def _train_locked(program: TrainProgram, config, workdir: Path) -> dict:
     try:
         train_data, validation_data = load_splits(config.data)
     except ValueError as error:  # data errors name their field: report them like config errors
         raise ConfigError(str(error)) from None
+    _check_splits(config, (train_data, validation_data))
+    skip_nonfinite = config.nonfinite_policy == "skip"
     with contextlib.ExitStack() as stack:  # closes (and finishes saving) on any exit
         checkpointer = stack.enter_context(Checkpointer(workdir, config.keep_checkpoints))
-        restored = checkpointer.restore_latest(program.abstract_state())
-        if restored is None:
-            state, step = program.init(config.seed), 0
-        else:
-            step, state, position = restored
-            if position["seed"] != config.seed:  # the batch order is a function of (seed, step)
-                raise ConfigError(
-                    f"seed={config.seed} is invalid: {checkpointer.directory} was trained with "
-                    f"seed={position['seed']}; resume with that seed or use a new --workdir")
-            log.warning("resuming from the checkpoint at step %d in %s", step,
-                        checkpointer.directory)
+        step, state, position = _start_state(program, config, checkpointer, workdir)
+        if position["seed"] != config.seed:  # the batch order is a function of (seed, step)
+            raise ConfigError(
+                f"seed={config.seed} is invalid: {checkpointer.directory} was trained with "
+                f"seed={position['seed']}; resume with that seed or use a new --workdir")
         if jax.process_index() == 0:
             (workdir / "config.json").write_text(config.to_json_best_effort(indent=2) + "\n")
-        writer = stack.enter_context(MetricsWriter(workdir))
+        writer = stack.enter_context(MetricsWriter(workdir, resume_step=step))
+        skipped = jnp.int32(position.get("skipped_steps", 0))  # on device: no sync per step
         progress = stack.enter_context(tqdm.tqdm(
             total=config.steps, initial=step, disable=jax.process_index() != 0,
             dynamic_ncols=True))
@@ -148,7 +214,9 @@ def train(config, workdir: str | Path) -> dict:
                 train_data.batch(step, config.batch_size, config.seq_len, config.seed, rows))
             state, metrics = program.train_step(state, batch)
             step += 1
-            if previous is not None:
+            if skip_nonfinite:
+                skipped = skipped + metrics["skipped"]
+            elif previous is not None:
                 _check_finite(*previous, checkpointer)
             previous = (step, metrics)
             if step == first_step + 1 and step % config.log_every:
@@ -156,7 +224,8 @@ def train(config, workdir: str | Path) -> dict:
                 timer_step, timer = step, time.perf_counter()
             record = {}
             if step % config.log_every == 0 or step == config.steps:
-                _check_finite(step, metrics, checkpointer)
+                if not skip_nonfinite:
+                    _check_finite(step, metrics, checkpointer)
                 elapsed, timer = time.perf_counter() - timer, time.perf_counter()
                 throughput = (step - timer_step) * tokens_per_step / max(elapsed, 1e-9)
                 timer_step = step
@@ -166,6 +235,7 @@ def train(config, workdir: str | Path) -> dict:
                           "tokens_per_sec": throughput,
                           "mfu": throughput / tokens_per_step * model_flops / peak_flops,
                           **static,
+                          **({"skipped_steps": int(skipped)} if skip_nonfinite else {}),
                           **{k: float(metrics[k]) for k in ("aux_loss", "moe_dropped_fraction")
                              if k in metrics}}
                 progress.set_postfix(loss=f"{record['train_loss']:.3f}",
@@ -178,9 +248,10 @@ def train(config, workdir: str | Path) -> dict:
             progress.update(1)
             if (step % config.checkpoint_every == 0 or step == config.steps
                     or preemption.requested):
-                _check_finite(step, metrics, checkpointer)
-                checkpointer.save(step, state, {"next_step": step, "seed": config.seed},
-                                  force=True)
+                if not skip_nonfinite:  # a state that is not finite is never saved
+                    _check_finite(step, metrics, checkpointer)
+                checkpointer.save(step, state, {"next_step": step, "seed": config.seed,
+                                                "skipped_steps": int(skipped)}, force=True)
         preempted = preemption.requested
         if preempted:
             progress.write(f"SIGTERM: saved the checkpoint at step {step}; exiting")

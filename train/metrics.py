@@ -1,5 +1,5 @@
-"""Run outputs: metrics.jsonl, TensorBoard event files (tensorboardX, no TensorFlow), and the
-measured matmul peak used for MFU."""
+"""Run outputs: metrics.jsonl, TensorBoard event files (tensorboardX, no TensorFlow, imported
+when a writer opens), and the measured matmul peak used for MFU."""
 
 from __future__ import annotations
 
@@ -9,18 +9,29 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-from tensorboardX import SummaryWriter
+
+from train.rundir import truncate_metrics
 
 
 class MetricsWriter:
     """Appends one JSON object per logged step to <workdir>/metrics.jsonl and mirrors scalars
-    to TensorBoard. Only process 0 writes."""
+    to TensorBoard. Only process 0 writes.
 
-    def __init__(self, workdir: str | Path):
+    A run resuming from the checkpoint at `resume_step` replays the steps after it, so those
+    records are dropped from metrics.jsonl first (each step is logged once), and TensorBoard
+    opens a new event file with `purge_step=resume_step + 1`: TensorBoard discards the older
+    files' events at steps ≥ that."""
+
+    def __init__(self, workdir: str | Path, resume_step: int = 0):
         self.enabled = jax.process_index() == 0
         if self.enabled:
+            from tensorboardX import SummaryWriter  # slow to import: only when a run writes
+
             self.path = Path(workdir) / "metrics.jsonl"
-            self.tensorboard = SummaryWriter(str(Path(workdir) / "tensorboard"))
+            truncate_metrics(self.path, resume_step)
+            tensorboard = Path(workdir) / "tensorboard"
+            purge_step = resume_step + 1 if tensorboard.exists() else None
+            self.tensorboard = SummaryWriter(str(tensorboard), purge_step=purge_step)
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:

@@ -32,6 +32,15 @@ from train.config import validate
 from train.optim import make_optimizer, schedule
 
 
+def all_finite(tree) -> jax.Array:
+    """Whether every floating-point leaf of `tree` is finite: one boolean, one fused reduction."""
+    leaves = [leaf for leaf in jax.tree.leaves(tree)
+              if jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)]
+    if not leaves:
+        return jnp.bool_(True)
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(leaf)) for leaf in leaves]))
+
+
 def next_token_loss(logits_BxTxV: jax.Array, targets_BxT: jax.Array) -> jax.Array:
     """Mean cross-entropy of the targets (the inputs shifted by one), in float32."""
     return optax.softmax_cross_entropy_with_integer_labels(logits_BxTxV, targets_BxT).mean()
@@ -120,15 +129,28 @@ class TrainProgram:
         return next_token_loss(model(inputs_BxT, positions_BxT), targets_BxT)
 
     def _step(self, state, tokens_BxT1):
+        """One update; metrics["finite"] says whether the loss, the gradient norm and every
+        floating leaf of the new parameters, model state and optimizer state are finite (one
+        fused reduction). With config.nonfinite_policy="skip" a non-finite step keeps the
+        previous parameters, model state and optimizer state (the step counter still advances:
+        the batch is consumed) and metrics["skipped"] is 1."""
         loss, grads, model_state, aux_metrics = self._loss_and_grads(
             state["params"], state["model_state"], tokens_BxT1)
         updates, opt_state = self.optimizer.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
+        grad_norm = optax.tree.norm(grads)
+        updated = {"params": params, "model_state": model_state, "opt_state": opt_state}
+        finite = all_finite((loss, grad_norm, updated))
+        metrics = {"loss": loss, "grad_norm": grad_norm,
                    "update_norm": optax.tree.norm(updates),
-                   "learning_rate": self.learning_rate(state["step"]), **aux_metrics}
-        return {"step": state["step"] + 1, "params": params, "model_state": model_state,
-                "opt_state": opt_state}, metrics
+                   "learning_rate": self.learning_rate(state["step"]), "finite": finite,
+                   **aux_metrics}
+        if self.config.get("nonfinite_policy", "stop") == "skip":
+            previous = {name: state[name] for name in updated}
+            updated = jax.tree.map(lambda new, old: jnp.where(finite, new, old), updated,
+                                   previous)
+            metrics["skipped"] = jnp.logical_not(finite).astype(jnp.int32)
+        return {"step": state["step"] + 1, **updated}, metrics
 
     # entry points (run under the mesh) ---------------------------------------------------------
     def init(self, seed: int):

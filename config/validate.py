@@ -1,0 +1,152 @@
+"""The config checks that need no JAX: every training, optimizer, data and sampling field, and the
+arguments of generation. `python -m train` runs them before it imports JAX, so a bad field is
+reported in a fraction of a second. `check_fields` is also the first part of
+`train.config.validate` (then come the checks that need the component registries and the
+devices); `check_training` (vocabulary, data, final sample) is run by the CLI and by
+`train.loop.train`, not for a run that is only restored.
+
+Imports only the standard library and `config`.
+"""
+
+from __future__ import annotations
+
+import glob
+import math
+import os
+
+from config import ConfigError, check
+
+TOKENIZER_VOCAB_SIZE = 256  # the byte-level tokenizer of train/data.py
+SCHEDULES = ("cosine", "wsd")
+RESUME_MODES = ("resume", "finetune")
+NONFINITE_POLICIES = ("stop", "skip")
+# Positions that are a function of the position index itself, so a sequence may run past the
+# trained context (quality aside); learned positions have a table of max_seq_len rows.
+BOUNDED_POSITIONS = ("learned",)
+POSITIVE_INTEGER_FIELDS = ("steps", "batch_size", "seq_len", "log_every", "eval_every",
+                           "checkpoint_every", "eval_batches", "keep_checkpoints")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def check_fields(config) -> None:
+    """Check every field that needs neither JAX nor the devices (a `base_config()`-shaped
+    ConfigDict, model fields not yet resolved). Raises `ConfigError` in one line."""
+    for field in POSITIVE_INTEGER_FIELDS:
+        check(_is_int(config[field]) and config[field] > 0, field, config[field],
+              "must be a positive integer")
+    check(_is_int(config.seed), "seed", config.seed, "must be an integer")
+    model = config.model
+    if model.max_seq_len is not None:
+        check(model.max_seq_len >= config.seq_len, "model.max_seq_len", model.max_seq_len,
+              f"must be at least seq_len={config.seq_len}")
+    _check_optimizer(config.optimizer, config.steps)
+    check(config.resume_mode in RESUME_MODES, "resume_mode", config.resume_mode,
+          f"valid modes: {', '.join(RESUME_MODES)}")
+    if config.resume_mode == "finetune":
+        check(bool(config.finetune_from), "finetune_from", config.finetune_from,
+              "resume_mode='finetune' needs the run directory whose weights to start from")
+    check(config.nonfinite_policy in NONFINITE_POLICIES, "nonfinite_policy",
+          config.nonfinite_policy, f"valid policies: {', '.join(NONFINITE_POLICIES)}")
+
+
+def check_training(config) -> None:
+    """Check what only training needs (after `check_fields`): a vocabulary that covers the
+    tokenizer's, data that can be split into windows, and the final sample's arguments. Not
+    part of `train.config.validate`, which also serves runs that are only restored (e.g. an
+    imported checkpoint with its own vocabulary, or a run whose text files have moved)."""
+    model = config.model
+    check(_is_int(model.vocab_size) and model.vocab_size >= TOKENIZER_VOCAB_SIZE,
+          "model.vocab_size", model.vocab_size,
+          f"must be at least the tokenizer's {TOKENIZER_VOCAB_SIZE} tokens (bytes)")
+    _check_data(config.data, config.seq_len)
+    check(_is_int(config.sample_tokens) and config.sample_tokens >= 0, "sample_tokens",
+          config.sample_tokens, "must be a non-negative integer (0 skips the final sample)")
+    if config.sample_tokens:
+        prompt_tokens = len((config.sample_prompt or "\n").encode("utf-8"))
+        context = model.max_seq_len if model.max_seq_len is not None else config.seq_len
+        check_generation(model.vocab_size, model.position, context, prompt_tokens,
+                         config.sample_tokens, config.temperature, config.top_k,
+                         allow_extrapolation=True,
+                         names=("sample_tokens", "temperature", "top_k"))
+
+
+def _check_optimizer(opt, steps: int) -> None:
+    check(opt.schedule in SCHEDULES, "optimizer.schedule", opt.schedule,
+          f"valid schedules: {', '.join(SCHEDULES)}")
+    check(_is_number(opt.learning_rate) and math.isfinite(opt.learning_rate)
+          and opt.learning_rate > 0, "optimizer.learning_rate", opt.learning_rate,
+          "must be a finite number > 0")
+    check(_is_int(opt.warmup_steps) and 0 <= opt.warmup_steps < steps, "optimizer.warmup_steps",
+          opt.warmup_steps, f"must be in [0, steps={steps}): the schedule needs steps after "
+          "warmup; raise steps or lower warmup_steps")
+    check(_is_number(opt.decay_fraction) and 0 < opt.decay_fraction <= 1,
+          "optimizer.decay_fraction", opt.decay_fraction, "must be in (0, 1]")
+    check(_is_number(opt.final_lr_fraction) and 0 <= opt.final_lr_fraction <= 1,
+          "optimizer.final_lr_fraction", opt.final_lr_fraction, "must be in [0, 1]")
+    check(_is_number(opt.grad_clip) and opt.grad_clip >= 0, "optimizer.grad_clip", opt.grad_clip,
+          "must be ≥ 0 (0 disables clipping)")
+
+
+def text_files(path: str) -> list[str]:
+    """The files matched by `data.path` (comma-separated globs), sorted: one document each."""
+    patterns = [os.path.expanduser(p.strip()) for p in path.split(",") if p.strip()]
+    return sorted({f for p in patterns for f in glob.glob(p, recursive=True) if os.path.isfile(f)})
+
+
+def text_split_sizes(total_tokens: int, validation_fraction: float) -> tuple[int, int]:
+    """(train, validation) token counts of a `data.name="text"` stream: the tail is validation."""
+    validation = int(total_tokens * validation_fraction)
+    return total_tokens - validation, validation
+
+
+def _check_data(data, seq_len: int) -> None:
+    if data.name != "text":
+        return
+    check(_is_number(data.validation_fraction) and 0 < data.validation_fraction < 1,
+          "data.validation_fraction", data.validation_fraction,
+          "must be in (0, 1): the tail of the text kept for validation")
+    files = text_files(data.path)
+    check(bool(files), "data.path", data.path, "matches no file; pass a glob of text files")
+    total = sum(os.path.getsize(f) for f in files) + len(files) - 1  # documents joined by b"\n"
+    for split, tokens in zip(("train", "validation"),
+                             text_split_sizes(total, data.validation_fraction), strict=True):
+        check(tokens >= seq_len + 1, "data.path", data.path,
+              f"holds {total} bytes of text, leaving {tokens} for the {split} split: too few "
+              f"for one window of seq_len + 1 = {seq_len + 1} tokens; add text, lower seq_len "
+              "or change data.validation_fraction")
+
+
+def check_generation(vocab_size: int, position: str, context: int, prompt_tokens: int,
+                     num_tokens, temperature, top_k, *,
+                     allow_extrapolation: bool,
+                     names: tuple[str, str, str] = ("--num_tokens", "--temperature", "--top_k"),
+                     ) -> None:
+    """Check sampling arguments against a model's `vocab_size`, `position` kind and trained
+    `context` (its max_seq_len): `num_tokens` ≥ 0 and the whole sequence within the context
+    (beyond it only for positions that extrapolate, with `allow_extrapolation`), `temperature`
+    ≥ 0, `top_k` in [0, vocab_size]. `names` are the fields or flags named in errors."""
+    tokens_name, temperature_name, top_k_name = names
+    check(_is_int(num_tokens) and num_tokens >= 0, tokens_name, num_tokens,
+          "must be a non-negative integer")
+    check(_is_number(temperature) and math.isfinite(temperature) and temperature >= 0,
+          temperature_name, temperature, "must be a finite number ≥ 0 (0: greedy)")
+    check(_is_int(top_k) and 0 <= top_k <= vocab_size, top_k_name, top_k,
+          f"must be in [0, model.vocab_size={vocab_size}] (0: no top-k cut)")
+    if prompt_tokens + num_tokens <= context:
+        return
+    length = f"the prompt ({prompt_tokens} tokens) + {tokens_name}={num_tokens}"
+    if position in BOUNDED_POSITIONS:
+        raise ConfigError(f"{tokens_name}={num_tokens} is invalid: {length} exceeds "
+                          f"model.max_seq_len={context}, the length of the learned position "
+                          "table; generate fewer tokens")
+    if not allow_extrapolation:
+        raise ConfigError(f"{tokens_name}={num_tokens} is invalid: {length} exceeds the trained "
+                          f"context model.max_seq_len={context}; generate fewer tokens or pass "
+                          "--allow_extrapolation")

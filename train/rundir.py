@@ -1,0 +1,320 @@
+"""The run directory's guards, without JAX: the workdir checks, the workdir lock, config identity
+on resume and metrics.jsonl on resume. `python -m train` runs them before it imports JAX (a fast,
+one-line refusal) and `train.loop.train` runs them again for every caller.
+
+A run directory holds config.json, checkpoints/<step>/, metrics.jsonl, tensorboard/ and the
+lock file `lock` (docs/runs.md). Imports only the standard library and `config` (and so
+ml_collections).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import logging
+import os
+import socket
+import time
+from pathlib import Path
+
+from config import ConfigError
+from config.defaults import base_config
+
+log = logging.getLogger(__name__)
+
+LOCK_FILE = "lock"
+# Fields that may differ between a run's config.json and the config that resumes it: how long
+# it runs (the learning-rate schedule follows `steps`), its logging, evaluation and checkpoint
+# cadence, the final sample, the mesh, where the data is cached, and the guards themselves.
+# Every other field defines the model, the optimizer state, the data or the batch order.
+MAY_CHANGE_ON_RESUME = ("steps", "log_every", "eval_every", "eval_batches", "checkpoint_every",
+                        "keep_checkpoints", "sample_tokens", "sample_prompt", "temperature",
+                        "top_k", "mesh", "data.data_dir", "resume_mode", "finetune_from",
+                        "nonfinite_policy")
+
+
+class WorkdirError(ConfigError):
+    """A run directory that cannot be used as asked: one line naming it, the problem and the
+    fix (exit status 2, like a config error)."""
+
+
+def check_workdir(workdir: str | Path) -> None:
+    """Raise `WorkdirError` unless `workdir` is, or can be created as, a writable directory."""
+    path = Path(workdir)
+    if path.exists() and not path.is_dir():
+        raise WorkdirError(f"--workdir={workdir} is a file, not a directory; pass a directory "
+                           "(it is created if missing)")
+    existing = path
+    while not existing.exists():  # the nearest existing ancestor is where mkdir will write
+        existing = existing.parent
+    if not existing.is_dir():
+        raise WorkdirError(f"--workdir={workdir} cannot be created: {existing} is a file")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        where = "" if existing == path else f" ({existing} is where it would be created)"
+        raise WorkdirError(f"--workdir={workdir} is not writable{where}; pass a directory you "
+                           "can write to")
+
+
+def checkpoint_steps(workdir: str | Path) -> list[int]:
+    """The steps of `workdir/checkpoints/<step>` directories, ascending (a partial save
+    included: the restore decides what is usable)."""
+    directory = Path(workdir) / "checkpoints"
+    if not directory.is_dir():
+        return []
+    return sorted(int(p.name) for p in directory.iterdir() if p.is_dir() and p.name.isdigit())
+
+
+# ---------------------------------------------------------------------------------------------
+# The workdir lock
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+def _describe(holder: dict) -> str:
+    return (f"pid {holder.get('pid')} on host {holder.get('host')} (since "
+            f"{holder.get('started', '?')})")
+
+
+class WorkdirLock:
+    """An advisory lock on a run directory, held for the whole run: the file `<workdir>/lock`
+    names the holder's host and pid, and an `fcntl.flock` on it is held while the run lives
+    (the kernel releases it when the process dies, however it dies).
+
+    A second trainer finds the lock held (the flock is taken, or the file names a live process
+    on this host or any process on another host) and raises `WorkdirError` naming the holder.
+    A lock whose file names a dead pid on this host is stale: it is taken over with a warning.
+    Releasing empties the file (it is never deleted: a file another trainer has opened must
+    stay the lock). Multi-host runs take it from process 0 only.
+    """
+
+    def __init__(self, workdir: str | Path):
+        self.path = Path(workdir) / LOCK_FILE
+        self.fd: int | None = None
+
+    @staticmethod
+    def read_holder(path: Path) -> dict | None:
+        """The holder named in the lock file, or None if the file is absent, empty or garbled."""
+        try:
+            text = path.read_text()
+        except (FileNotFoundError, IsADirectoryError):
+            return None
+        try:
+            holder = json.loads(text) if text.strip() else None
+        except json.JSONDecodeError:
+            return None
+        return holder if isinstance(holder, dict) else None
+
+    @staticmethod
+    def held_by(holder: dict | None) -> bool:
+        """Whether the process the lock file names may still be running."""
+        if holder is None:
+            return False
+        if holder.get("host") != socket.gethostname():
+            return True  # no way to tell from here: assume alive
+        pid = holder.get("pid")
+        return isinstance(pid, int) and pid != os.getpid() and _pid_alive(pid)
+
+    def _refuse(self, holder: dict | None) -> WorkdirError:
+        who = _describe(holder) if holder else "another process"
+        return WorkdirError(
+            f"--workdir={self.path.parent} is in use by {who} (lock file {self.path}); wait for "
+            "it to finish, stop it, or use another --workdir (if that process is gone, delete "
+            "the lock file)")
+
+    def acquire(self) -> WorkdirLock:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as error:
+            os.close(fd)
+            if error.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise self._refuse(self.read_holder(self.path)) from None
+            raise
+        holder = self.read_holder(self.path)
+        if self.held_by(holder):  # a holder on another host, or where flock does not reach
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+            raise self._refuse(holder)
+        if holder is not None and holder.get("pid") != os.getpid():
+            log.warning("taking over the stale lock of %s in %s (that process is gone)",
+                        _describe(holder), self.path)
+        record = {"host": socket.gethostname(), "pid": os.getpid(),
+                  "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
+        os.fsync(fd)
+        self.fd = fd
+        return self
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
+        with contextlib.suppress(OSError):
+            os.ftruncate(self.fd, 0)
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        os.close(self.fd)
+        self.fd = None
+
+    def __enter__(self) -> WorkdirLock:
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def check_not_locked(workdir: str | Path) -> None:
+    """Raise `WorkdirError` if a live trainer holds `workdir`'s lock (a check only: the lock is
+    taken by `WorkdirLock.acquire`)."""
+    lock = WorkdirLock(workdir)
+    if not lock.path.exists():
+        return
+    try:
+        fd = os.open(lock.path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        raise lock._refuse(lock.read_holder(lock.path)) from None
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+    holder = lock.read_holder(lock.path)
+    if lock.held_by(holder):
+        raise lock._refuse(holder)
+
+
+# ---------------------------------------------------------------------------------------------
+# Config identity
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict[str, object]:
+    flat = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(_flatten(value, name + "."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def _may_change(field: str) -> bool:
+    return any(field == name or field.startswith(name + ".") for name in MAY_CHANGE_ON_RESUME)
+
+
+def identity_differences(saved: dict, new: dict, *, resolved: bool) -> list[tuple]:
+    """The fields, (field, saved value, new value), in which `new` (a config as JSON data) would
+    not resume the run `saved` describes (its config.json over the current defaults). With
+    `resolved` False, a None in `new` is a field not yet derived (e.g. model.head_dim) and
+    matches."""
+    saved_flat, new_flat = _flatten(saved), _flatten(new)
+    differences = []
+    for field in sorted(saved_flat.keys() | new_flat.keys()):
+        if _may_change(field):
+            continue
+        old, value = saved_flat.get(field), new_flat.get(field)
+        if value is None and not resolved:
+            continue
+        if old != value:
+            differences.append((field, old, value))
+    return differences
+
+
+def saved_config(workdir: str | Path, defaults: dict) -> dict | None:
+    """The run's config.json as JSON data over `defaults` (fields added since it was written keep
+    their defaults), or None if there is none. Raises `WorkdirError` if it is unreadable."""
+    path = Path(workdir) / "config.json"
+    if not path.exists():
+        return None
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise WorkdirError(f"--workdir={workdir}: config.json cannot be read ({error}); use a "
+                           "new --workdir") from None
+
+    def merge(base: dict, over: dict) -> dict:
+        merged = dict(base)
+        for key, value in over.items():
+            merged[key] = (merge(base[key], value) if isinstance(value, dict)
+                           and isinstance(base.get(key), dict) else value)
+        return merged
+
+    return merge(defaults, saved)
+
+
+def _as_json(config) -> dict:
+    """A ConfigDict as config.json holds it (tuples as lists, references resolved)."""
+    return json.loads(config.to_json_best_effort())
+
+
+def check_resume(workdir: str | Path, config, *, resolved: bool) -> None:
+    """Refuse (`WorkdirError`) to resume the checkpoints in `workdir` with `config` (a
+    ConfigDict; `resolved`: its derived model fields are filled in) if it differs from the run's
+    config.json in a field that defines the model, the optimizer state, the data or the batch
+    order (every field not in `MAY_CHANGE_ON_RESUME`); refuse a fine-tune into its own source
+    directory. A fine-tune's own checkpoints resume like any run's."""
+    config_json, defaults = _as_json(config), _as_json(base_config())
+    source = config_json.get("finetune_from")
+    if config_json.get("resume_mode") == "finetune" and source and \
+            Path(source).resolve() == Path(workdir).resolve():
+        raise WorkdirError(f"--workdir={workdir} is also finetune_from: a fine-tune starts a new "
+                           "run; pass a new --workdir")
+    steps = checkpoint_steps(workdir)
+    if not steps:
+        return
+    saved = saved_config(workdir, defaults)
+    if saved is None:
+        raise WorkdirError(f"--workdir={workdir} holds checkpoints (steps {steps[0]}..{steps[-1]})"
+                           " but no config.json to check them against; use a new --workdir")
+    differences = identity_differences(saved, config_json, resolved=resolved)
+    if differences:
+        derived = _flatten(defaults)  # fields whose default is None derive from others: last
+        differences.sort(key=lambda difference: derived.get(difference[0], 0) is None)
+        shown = "; ".join(f"{field}: {old!r} → {value!r}" for field, old, value
+                          in differences[:6]) + ("; …" if len(differences) > 6 else "")
+        raise WorkdirError(
+            f"--workdir={workdir} holds a run with a different config ({shown}); its checkpoints "
+            "are kept: use a new --workdir, or start from its weights in a new one with "
+            f"--config.resume_mode=finetune --config.finetune_from={workdir}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Metrics on resume
+
+
+def truncate_metrics(path: str | Path, step: int) -> int:
+    """Drop the records of `path` (metrics.jsonl) after `step`, the step a run resumes from: the
+    steps it replays are logged again, once. Returns the number of records dropped. A torn last
+    line (a crash mid-write) is dropped too."""
+    path = Path(path)
+    if not path.exists():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            dropped += 1
+            continue
+        if isinstance(record, dict) and record.get("step", 0) <= step:
+            kept.append(line)
+        else:
+            dropped += 1
+    if dropped:
+        temporary = path.with_name(path.name + ".tmp")
+        temporary.write_text("".join(line + "\n" for line in kept))
+        os.replace(temporary, path)
+    return dropped
