@@ -48,12 +48,13 @@ class Block(nnx.Module):
         self.use_ffn = cfg.use_ffn
 
     def __call__(self, stream, positions_BxT, rotate, cache=None):
-        update, cache = self.attention(self.attention_residual.read(stream), positions_BxT,
-                                       rotate, cache)
-        stream = self.attention_residual.write(stream, update)
+        h, read = self.attention_residual.read_with_context(stream)
+        update, cache = self.attention(h, positions_BxT, rotate, cache)
+        stream = self.attention_residual.write(stream, update, read)
         if self.use_ffn:
             stream = constrain_state(stream)  # between the two tensor-parallel regions
-            stream = self.ffn_residual.write(stream, self.ffn(self.ffn_residual.read(stream)))
+            h, read = self.ffn_residual.read_with_context(stream)
+            stream = self.ffn_residual.write(stream, self.ffn(h), read)
         return constrain_state(stream), cache
 
 
@@ -153,12 +154,12 @@ class TransformerLM(nnx.Module):
     def _scan(self, stream, positions_BxT, graphdef, layer_params, layer_states, cache):
         """The layer stack as one scan over units (blocks, or MoE block groups),
         `model.scan_unroll` units per loop iteration, or, for a mechanism that runs a group of
-        units at a time (two-phase AttnRes: `units_per_block`), scanned by the mechanism
+        units at a time (`ResidualStream.units_per_block`), scanned by the mechanism
         (`scan`). Returns the final state and the per-unit (non-parameter state, KV cache),
         stacked over units."""
         units, stream_module = self.stack_shape[0], self.residual_stream
         group = None  # under nnx.capture, unit by unit: the naive reads record their weights
-        if hasattr(stream_module, "units_per_block") and not hasattr(self, "__captures__"):
+        if not hasattr(self, "__captures__"):
             group = stream_module.units_per_block(units)
 
         def run_unit(stream, layer):
@@ -200,9 +201,10 @@ class TransformerLM(nnx.Module):
         if cfg.remat:
             run_block = jax.checkpoint(run_block)
         # What crosses a stage boundary: the residual state (positions are in every stage's copy
-        # of the microbatch), or only what the next stage lacks, for mechanisms with a history.
+        # of the microbatch), or what the next stage lacks (`ResidualStream.stage_message`: for a
+        # mechanism with a history, the part written since that stage last held it).
         residual_stream = self.residual_stream
-        if cfg.pipeline_transfer == "cached" and hasattr(residual_stream, "stage_message"):
+        if cfg.pipeline_transfer == "cached":
             sublayers = cfg.num_layers * (2 if cfg.use_ffn else 1)
             lag = (stages - 1) * sublayers // (stages * cfg.pipeline_virtual_stages)
             send = lambda state: residual_stream.stage_message(state, lag)  # noqa: E731

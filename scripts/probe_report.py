@@ -235,12 +235,12 @@ def markdown(report: dict) -> str:
              "", "## Compiled train-step memory (per device)", "",
              _table(["quantity", "bytes"], [[k, v] for k, v in memory.items()]), ""]
     if "depth" in report:
-        from arch.probes import SINGLE_STREAM
+        from arch.residual import RESIDUALS
 
         depth = report["depth"]
         layers = len(depth["block_influence"])
         definition = ("Hidden state h_i = x_i, block i's input; the gradient is ∂loss/∂x_i."
-                      if report["residual"] in SINGLE_STREAM else
+                      if RESIDUALS[report["residual"]].single_stream else
                       "Hidden state h_i is the readout of the residual state at block i's input "
                       "(what the final norm would read there); the gradient is ∂loss/∂u_i, u_i "
                       "the embedding or the last update written before block i; the update ratio "
