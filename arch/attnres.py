@@ -136,6 +136,7 @@ from arch.residual import (
     ResidualStream,
     ResidualTraffic,
     constrain_state,
+    is_capturing,
     record,
     sublayer_count,
     sublayers_per_block,
@@ -506,7 +507,7 @@ def _read(layout: DepthLayout, state: dict, query_projection, module: nnx.Module
         if inverse is not None:
             current = current * inverse[:, :, newest, :, None]
         query = query + query_projection(current.reshape(*current.shape[:-2], -1))
-    if layout.heads == 1 and layout.weights == "softmax" and not hasattr(module, "__captures__"):
+    if layout.heads == 1 and layout.weights == "softmax" and not is_capturing(module):
         ones = jnp.ones(sources.shape[:3], jnp.float32)
         return softmax_read(query, sources, ones if inverse is None else inverse[..., 0], valid)
     mixed, weights = depth_read(query, sources, inverse, valid, layout.heads, layout.weights)
@@ -749,8 +750,11 @@ class AttnResStream(ResidualStream):
         """How many of the model's `units` scan units (blocks, or MoE block groups) make one
         AttnRes block, when the blocks align with them (S a multiple of the sublayers per unit, n
         a multiple of S) and the reads are two-phase: the layer scan is then `scan`, one AttnRes
-        block per step. None otherwise (the naive read, unit by unit)."""
+        block per step. None otherwise (the naive read, unit by unit), and under `nnx.capture`
+        (the naive reads record their depth weights)."""
         layout = self.layout
+        if is_capturing(self):
+            return None
         per_unit = layout.sublayers // units
         if (layout.two_phase and layout.block_size % per_unit == 0
                 and layout.sublayers % layout.block_size == 0):

@@ -29,7 +29,7 @@ from arch.init import group_init
 from arch.layers import Embedding
 from arch.norms import make_norm
 from arch.positions import POSITIONS
-from arch.residual import RESIDUALS, constrain_state
+from arch.residual import RESIDUALS, constrain_state, is_capturing
 from arch.reversible import run_reversible
 from sharding import pipeline
 from sharding.rules import STREAM, constrain
@@ -158,9 +158,7 @@ class TransformerLM(nnx.Module):
         (`scan`). Returns the final state and the per-unit (non-parameter state, KV cache),
         stacked over units."""
         units, stream_module = self.stack_shape[0], self.residual_stream
-        group = None  # under nnx.capture, unit by unit: the naive reads record their weights
-        if not hasattr(self, "__captures__"):
-            group = stream_module.units_per_block(units)
+        group = stream_module.units_per_block(units)
 
         def run_unit(stream, layer):
             params, states, layer_cache = layer
@@ -181,7 +179,7 @@ class TransformerLM(nnx.Module):
         residual state (`begin`/`end` per microbatch), carried with its positions from stage to
         stage. Returns the stack's output, B×T×D."""
         cfg = self.cfg
-        if hasattr(self, "__captures__"):
+        if is_capturing(self):
             raise ValueError("nnx.capture is not supported under pipeline parallelism "
                              f"(mesh.stage={stages}); capture on a mesh with stage=1")
         microbatches = cfg.pipeline_microbatches

@@ -64,6 +64,14 @@ def constrain_state(state):
     return jax.tree.map(leaf, state)
 
 
+def is_capturing(module: nnx.Module) -> bool:
+    """Whether `module` runs under `nnx.capture`. Flax 0.12 has no public query: `nnx.capture`
+    marks every module of the captured graph with `__captures__`, which `Module.sow` reads too;
+    this is the one place the zoo reads that marker (for `record`, and for the mechanisms whose
+    fast paths cannot record: they take their recording path when it is True)."""
+    return hasattr(module, "__captures__")
+
+
 def record(module: nnx.Module, name: str, value, kind: type[nnx.Variable] = nnx.Intermediate,
            ) -> None:
     """Expose a quantity (depth weights, read gates, write strengths) to a caller that runs the
@@ -71,7 +79,7 @@ def record(module: nnx.Module, name: str, value, kind: type[nnx.Variable] = nnx.
     changes. Capture matches the exact type: a subclass `kind` (e.g. the attention probabilities'
     `arch.attention.AttentionWeights`) is collected only by callers that ask for it. Values sown
     inside the layer scan come out stacked over layers."""
-    if hasattr(module, "__captures__"):
+    if is_capturing(module):
         module.sow(kind, name, value)
 
 
