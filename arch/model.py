@@ -17,6 +17,7 @@ keeps the ordinary scan (GSPMD moves the stage-sharded layer parameters).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -48,14 +49,27 @@ class Block(nnx.Module):
         self.use_ffn = cfg.use_ffn
 
     def __call__(self, stream, positions_BxT, rotate, cache=None):
-        h, read = self.attention_residual.read_with_context(stream)
-        update, cache = self.attention(h, positions_BxT, rotate, cache)
-        stream = self.attention_residual.write(stream, update, read)
+        stream, cache = self.sublayer("attention", stream, positions_BxT, rotate, cache)
         if self.use_ffn:
-            stream = constrain_state(stream)  # between the two tensor-parallel regions
-            h, read = self.ffn_residual.read_with_context(stream)
-            stream = self.ffn_residual.write(stream, self.ffn(h), read)
-        return constrain_state(stream), cache
+            stream, _ = self.sublayer("ffn", stream, positions_BxT, rotate)
+        return stream, cache
+
+    def sublayer(self, name: str, stream, positions_BxT, rotate, cache=None,
+                 tap: Callable[[jax.Array], jax.Array] | None = None):
+        """One sublayer ("attention" or "ffn") through its residual mechanism:
+        h = read(state), u = F(h), state = write(state, u), then the state is sharded (between
+        the tensor-parallel regions). `tap(u) -> u'`: the capture point of the instruments (the
+        probes record u there and add their perturbation; None in training). Returns (state,
+        KV cache)."""
+        residual = getattr(self, f"{name}_residual")
+        h, read = residual.read_with_context(stream)
+        if name == "attention":
+            update, cache = self.attention(h, positions_BxT, rotate, cache)
+        else:
+            update = self.ffn(h)
+        if tap is not None:
+            update = tap(update)
+        return constrain_state(residual.write(stream, update, read)), cache
 
 
 class BlockGroup(nnx.Module):

@@ -32,15 +32,16 @@ Conventions shared by every function here:
   that does not exist (the FFN sublayer of a `model.use_ffn=False` block, the gain of a norm
   without one, the hidden activations of an MoE FFN).
 
-How: `depth_profile` runs a probe-only forward that reuses the model's own parts (embedding,
-position, `residual_stream.begin/end`, each block's residual `read`/`write`, attention and FFN,
-`_output`), scanning over the stacked block parameters as `arch/model.py` does, and adds zero
-perturbations at the block boundaries (single stream) or to u_i (the others) so that one
-`jax.value_and_grad` gives the gradient at every depth; readouts h_i off the loss path (i < L)
-are taken from a stop-gradient copy of the state. Inputs of norms and of FFN down projections
-are read by wrapping those modules in the probe's own merged copy of each block; attention
-probabilities are recorded by `arch.attention.dot_product_attention` under `nnx.capture`. The
-training path is untouched.
+How: `depth_profile` runs the model's own parts (embedding, position, `residual_stream.begin` /
+`hidden_state` / `end`, and every sublayer through `Block.sublayer`, the block's own code),
+scanning over the stacked block parameters as `arch/model.py` does, and adds zero perturbations
+at the block boundaries (single stream) or, at `Block.sublayer`'s capture point (`tap`), to u_i
+(the others), so that one `jax.value_and_grad` gives the gradient at every depth; readouts h_i
+off the loss path (i < L) are taken from a stop-gradient copy of the state. The update F is read
+at the same capture point; inputs of norms and of FFN down projections by wrapping those modules
+in the probe's own merged copy of each block; attention probabilities are recorded by
+`arch.attention.dot_product_attention` under `nnx.capture` of the attention module. The training
+path is untouched.
 """
 
 from __future__ import annotations
@@ -147,10 +148,36 @@ def _readout(model: TransformerLM, state) -> jax.Array:
     return model.residual_stream.hidden_state(jax.lax.stop_gradient(state))
 
 
+class _AttentionWeightsTap:
+    """Stands in for a block's attention module: runs it under `nnx.capture` of its attention
+    probabilities (`arch.attention.AttentionWeights`) and keeps them."""
+
+    def __init__(self, attention):
+        self.module, self.weights = attention, []
+
+    def __call__(self, *args):
+        output, captured = nnx.capture(self.module, AttentionWeights)(*args)
+        self.weights.append(captured["attention_weights"][0])
+        return output
+
+
+class _UpdateTap:
+    """The capture point of `Block.sublayer` (its `tap`): keeps the sublayer's update F and
+    hands on F + `perturbation` (None: F unchanged)."""
+
+    def __init__(self, perturbation_BxTxD=None):
+        self.perturbation, self.updates = perturbation_BxTxD, []
+
+    def __call__(self, update_BxTxD):
+        self.updates.append(update_BxTxD)
+        return update_BxTxD if self.perturbation is None else update_BxTxD + self.perturbation
+
+
 def _probe_block(block, state, positions_BxT, rotate, threshold, heads: int, readout=None,
                  output_perturbation_BxTxD=None):
-    """Run one block as `Block.__call__` does, sublayer by sublayer, and measure it: returns
-    (block output state, per-block statistics with a leading sublayer axis of 2). Single stream:
+    """Run one block through the model's own `Block.sublayer`, with taps on its norm, attention
+    and FFN down projection and at the sublayer's capture point, and measure it: returns (block
+    output state, per-block statistics with a leading sublayer axis of 2). Single stream:
     `readout` and `output_perturbation_BxTxD` are None. Otherwise `readout` maps a state to its h
     and the perturbation is added to the update of the block's last sublayer (u_{i+1})."""
     per_sublayer = []
@@ -164,27 +191,23 @@ def _probe_block(block, state, positions_BxT, rotate, threshold, heads: int, rea
         norm = getattr(residual, "norm", None)  # None: `probe_norm` names it, if there is one
         if norm is not None:
             residual.norm = _InputTap(norm)
-        h, read = residual.read_with_context(state)
+        module = getattr(block, name)
         if name == "attention":
-            (update, _), captured = nnx.capture(
-                lambda attention, h: attention(h, positions_BxT, rotate, None),
-                AttentionWeights)(block.attention, h)
-            stats["head_similarity"] = _head_similarity(captured["attention_weights"][0])
-        else:
-            ffn = block.ffn
-            dense = isinstance(getattr(ffn, "down", None), Dense)  # not an MoE
-            if dense:
-                ffn.down = _InputTap(ffn.down)
-            update = ffn(h)
-            if dense:
-                (hidden,), ffn.down = ffn.down.inputs, ffn.down.module
-                hidden = hidden.astype(jnp.float32)
-                stats.update(ffn_sparsity=jnp.mean(jnp.abs(hidden) < threshold),
-                             ffn_mean_abs=jnp.mean(jnp.abs(hidden)),
-                             ffn_rms=jnp.sqrt(jnp.mean(hidden**2)))
-        written = (update + output_perturbation_BxTxD
-                   if output_perturbation_BxTxD is not None and name == last else update)
-        new_state = residual.write(state, written, read)
+            block.attention = _AttentionWeightsTap(module)
+        elif isinstance(getattr(module, "down", None), Dense):  # not an MoE
+            module.down = _InputTap(module.down)
+        tap = _UpdateTap(output_perturbation_BxTxD if name == last else None)
+        new_state, _ = block.sublayer(name, state, positions_BxT, rotate, None, tap)
+        (update,) = tap.updates
+        if name == "attention":
+            (weights,), block.attention = block.attention.weights, module
+            stats["head_similarity"] = _head_similarity(weights)
+        elif isinstance(getattr(module, "down", None), _InputTap):
+            (hidden,), module.down = module.down.inputs, module.down.module
+            hidden = hidden.astype(jnp.float32)
+            stats.update(ffn_sparsity=jnp.mean(jnp.abs(hidden) < threshold),
+                         ffn_mean_abs=jnp.mean(jnp.abs(hidden)),
+                         ffn_rms=jnp.sqrt(jnp.mean(hidden**2)))
         if norm is not None:
             (norm_input,), residual.norm = residual.norm.inputs, norm
             stats["norm"] = _norm_statistics(norm, norm_input)
