@@ -234,8 +234,14 @@ class HyperConnection(ResidualMechanism):
     def stream(cls, cfg, *, rngs: nnx.Rngs) -> nnx.Module:
         return CopiedStreams(cfg.residual_streams)
 
-    residual_io = classmethod(lambda cls, cfg: _hyper_io(cfg))
-    residual_history = classmethod(lambda cls, cfg: cfg.residual_streams)
+    @classmethod
+    def residual_io(cls, cfg) -> ResidualIO:
+        return _hyper_io(cfg)
+
+    @classmethod
+    def residual_history(cls, cfg) -> int:
+        """The n streams."""
+        return cfg.residual_streams
 
     @classmethod
     def prune(cls, cfg, state, kept) -> None:
@@ -350,8 +356,14 @@ class ManifoldHyperConnection(ResidualMechanism):
     def stream(cls, cfg, *, rngs: nnx.Rngs) -> nnx.Module:
         return CopiedStreams(cfg.residual_streams)
 
-    residual_io = classmethod(lambda cls, cfg: _hyper_io(cfg))
-    residual_history = classmethod(lambda cls, cfg: cfg.residual_streams)
+    @classmethod
+    def residual_io(cls, cfg) -> ResidualIO:
+        return _hyper_io(cfg)
+
+    @classmethod
+    def residual_history(cls, cfg) -> int:
+        """The n streams."""
+        return cfg.residual_streams
 
     @classmethod
     def prune(cls, cfg, state, kept) -> None:
@@ -440,7 +452,10 @@ class WidthBaseline(ResidualMechanism):
         return ResidualIO((T("mix the read", n, 1), T("read the sublayer output", 1, 0),
                            T("update the target branch", 1, 1)))
 
-    residual_history = classmethod(lambda cls, cfg: cfg.residual_streams)
+    @classmethod
+    def residual_history(cls, cfg) -> int:
+        """The n branches."""
+        return cfg.residual_streams
 
     @classmethod
     def check_prunable(cls, cfg, kept, drop) -> None:
