@@ -20,7 +20,8 @@ through the same calls; by convention its leaves are x_BxTxD-shaped, stacked n×
 Everything else the framework asks of a mechanism is a hook with a documented default, so that
 accounting, probes, pruning, the pipeline and the optimizer name no mechanism:
 
-    config       `resolve(cfg)`: validate the mechanism's own fields (default: nothing to check)
+    config       `resolve(cfg)`: validate the mechanism's own fields (default: nothing to check);
+                 their defaults live in the schema, `config/defaults.py`
     accounting   `residual_io(cfg)`, `residual_history(cfg)` (default: not modelled, ValueError),
                  `state_itemsize(cfg)` (default: the compute dtype's); added parameters are
                  measured from the built model, with one `model.norm` per sublayer as zero point
@@ -89,6 +90,7 @@ def sublayer_count(cfg) -> int:
 
 
 def sublayers_per_block(cfg) -> int:
+    """Residual sublayers per Transformer block: attention and FFN, or attention only."""
     return 2 if cfg.use_ffn else 1
 
 
