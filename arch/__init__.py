@@ -12,4 +12,5 @@ from arch import (  # noqa: F401
     norms,
     positions,
     residual,
+    rezero,
 )

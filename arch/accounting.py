@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import jax
@@ -13,7 +12,14 @@ from flax import nnx
 from arch.attention import ATTENTION
 from arch.heads import HEADS
 from arch.model import TransformerLM
-from arch.residual import RESIDUALS
+from arch.norms import make_norm
+from arch.residual import (  # noqa: F401  (ResidualTraffic: re-exported with ResidualIO)
+    RESIDUALS,
+    ResidualIO,
+    ResidualMechanism,
+    ResidualTraffic,
+    sublayer_count,
+)
 
 
 def abstract_model(model_cfg) -> TransformerLM:
@@ -74,8 +80,8 @@ def component_of(path: tuple[str, ...]) -> str:
       attention  everything inside a block's `attention` module (MLA's latent norms included)
       ffn        everything inside a block's `ffn` module (MoE router and experts included)
       norms      the sublayer norms of the plain sums (`*_residual/norm`) and `final_norm`
-      residual   the rest of the residual mechanism (`*_residual/...`, the model-level
-                 `residual_stream`: AttnRes pseudo-queries, HC/mHC/GR gates and their norms)
+      residual   the rest of the residual mechanism (`*_residual/...` and the model-level
+                 `residual_stream`: depth-attention queries, stream gates and their norms)
       head       the output head (an untied projection, MoS/MoC mixtures, an output bias)
     """
     keys = [str(key) for key in path]
@@ -143,144 +149,35 @@ def flops_per_token(model_cfg, seq_len: int, training: bool = True) -> float:
     return float(3 * forward if training else forward)
 
 
-# Residual-stream mechanisms (issue 4) ------------------------------------------------------------
+# Residual-stream mechanisms: each declares its own books (`arch.residual.ResidualMechanism`) -----
 
-PLAIN_SUMS = ("prenorm", "postnorm", "deepnorm", "noskip")
-
-
-@dataclasses.dataclass(frozen=True)
-class ResidualTraffic:
-    """One itemized memory access of a residual mechanism, per token per sublayer, in units of d
-    elements. `state` marks traffic of the stored residual state (the branches of
-    gated_residual, stored in `model.gr_state_dtype`); everything else moves `model.dtype`."""
-
-    what: str
-    reads: float
-    writes: float
-    state: bool = False
+def _mechanism(model_cfg, what: str):
+    """The registered class of `model.residual`; ValueError naming the mechanisms that model
+    `what` (a `ResidualMechanism` hook) when it is not registered."""
+    name = model_cfg.residual
+    if name not in RESIDUALS:
+        base = getattr(ResidualMechanism, what).__func__
+        modelled = [key for key, mechanism in RESIDUALS.items()
+                    if getattr(mechanism, what).__func__ is not base]
+        label = {"residual_io": "residual I/O"}.get(what, what.replace("_", " "))
+        raise ValueError(f"no {label} model for {name!r}; modelled: {', '.join(modelled)}")
+    return RESIDUALS[name]
 
 
-@dataclasses.dataclass(frozen=True)
-class ResidualIO:
-    """A mechanism's residual I/O per token per sublayer: the itemized traffic (units of d) and
-    the small per-token scalars it also moves (mHC's n×n mixing matrix and 2n read/write
-    coefficients: `scalars` elements, not multiplied by d and not included in `total`)."""
-
-    items: tuple[ResidualTraffic, ...]
-    scalars: float = 0.0
-
-    @property
-    def reads(self) -> float:
-        return sum(item.reads for item in self.items)
-
-    @property
-    def writes(self) -> float:
-        return sum(item.writes for item in self.items)
-
-    @property
-    def total(self) -> float:
-        """Reads plus writes, in units of d elements."""
-        return self.reads + self.writes
-
-    def state_total(self) -> float:
-        """The part of `total` that is stored-state traffic (see `ResidualTraffic.state`)."""
-        return sum(item.reads + item.writes for item in self.items if item.state)
+def residual_io(model_cfg) -> ResidualIO:
+    """Closed-form residual I/O of `model.residual` per token per sublayer (worst case over the
+    network's sublayers), in units of d elements, itemized: the mechanism's
+    `ResidualMechanism.residual_io` (each gives its formula; e.g. 3 for the plain sums). Per-token
+    scalars (mixing coefficients) are kept apart in `ResidualIO.scalars`. ValueError for a
+    mechanism without an I/O model."""
+    return _mechanism(model_cfg, "residual_io").residual_io(model_cfg)
 
 
-def residual_io(mechanism: str, *, sublayers: int, block_size: int = 1, streams: int = 1,
-                gr_mixing: bool = False) -> ResidualIO:
-    """Closed-form residual I/O per token per sublayer (worst case over the network's sublayers),
-    in units of d elements, itemized. L = `sublayers`, S = `block_size` (sublayers per block or
-    chunk), N = ⌈L/S⌉, n = `streams`. Per-token scalars (mixing coefficients) are kept apart in
-    `ResidualIO.scalars` (only hc/mhc have any worth listing); everything below is in d.
-
-    - plain sums (prenorm, postnorm, deepnorm, noskip): read the stream (1) and the sublayer
-      output (1), write the stream (1) → 3.
-    - block_attnres, two-phase schedule (AttnRes report, "Block AttnRes" inference schedule):
-      phase 1 reads the N block summaries once per block for all S queries → N/S; the phase-1
-      result is written and read back → 2; the partial sum is read once (online-softmax merge and
-      the add), the sublayer output read, the partial sum written → 3. Total N/S + 5
-      (5.5 at L = 128, S = 16).
-    - attnres (Full, "scheduled": the same two-phase schedule over chunks of S sublayers, every
-      output its own source; S = `model.attnres_block_size`): phase 1 reads the (N − 1)·S
-      outputs of earlier chunks once per chunk → N − 1 (= (L − S)/S when S divides L); the
-      phase-1 result written and read back → 2; phase 2 merges up to S − 1 intra-chunk outputs →
-      S − 1; the sublayer's output is stored once as a source (its own write, not counted).
-      Total L/S + S (24 at L = 128, S = 16). `model.attnres_window` is not modelled (an upper
-      bound for windowed depth attention).
-    - hc, mhc with n streams (Xie et al. 2025, "mHC", the I/O table of its efficiency section):
-      compute the coefficients: read nd; apply read weights: read nd, write d; apply write
-      strengths: read d, write nd; apply the mixing matrix: read nd, write nd; merge: read 2nd,
-      write nd → (8n + 2)d (34d at n = 4), plus 2n² + 4n scalars (the n×n matrix and 2n
-      coefficients, read and written).
-    - width (n branches, scalar read mixture, round-robin write): read nd, write d (the mixed
-      read); read d (output) + read d (the target branch), write d → (n + 4)d.
-    - gated_residual (n branches): gates read nd; apply read: read nd, write d; write: read d
-      (output) + read nd (branches), write nd → (4n + 2)d (18d at n = 4); with `gr_mixing` the
-      mixing matrix adds read nd + write nd → (6n + 2)d. Branch traffic is state traffic.
-    """
-    L, S, n = sublayers, max(1, min(block_size, sublayers)), streams
-    N = math.ceil(L / S)
-    T = ResidualTraffic
-    if mechanism in PLAIN_SUMS:
-        items = (T("read the stream", 1, 0), T("read the sublayer output", 1, 0),
-                 T("write the stream", 0, 1))
-        return ResidualIO(items)
-    if mechanism == "block_attnres":
-        items = (T("phase 1: read the N block summaries once per block", N / S, 0),
-                 T("phase 1 result: write, read back", 1, 1),
-                 T("read the partial sum (merge and add)", 1, 0),
-                 T("read the sublayer output", 1, 0), T("write the partial sum", 0, 1))
-        return ResidualIO(items)
-    if mechanism == "attnres":
-        items = (T("phase 1: read the earlier chunks' outputs once per chunk", N - 1, 0),
-                 T("phase 1 result: write, read back", 1, 1),
-                 T("phase 2: merge the intra-chunk outputs", S - 1, 0))
-        return ResidualIO(items)
-    if mechanism in ("hc", "mhc"):
-        items = (T("compute the coefficients", n, 0), T("apply the read weights", n, 1),
-                 T("apply the write strengths", 1, n), T("apply the mixing matrix", n, n),
-                 T("merge", 2 * n, n))
-        return ResidualIO(items, scalars=2 * n * n + 4 * n)
-    if mechanism == "width":
-        items = (T("mix the read", n, 1), T("read the sublayer output", 1, 0),
-                 T("update the target branch", 1, 1))
-        return ResidualIO(items)
-    if mechanism == "gated_residual":
-        items = (T("compute the read gates", n, 0, state=True),
-                 T("apply the read gates: read the branches", n, 0, state=True),
-                 T("apply the read gates: write the read", 0, 1),
-                 T("write: read the sublayer output", 1, 0),
-                 T("write: update the branches", n, n, state=True))
-        if gr_mixing:
-            items += (T("apply the mixing matrix", n, n, state=True),)
-        return ResidualIO(items)
-    known = ", ".join((*PLAIN_SUMS, "attnres", "block_attnres", "hc", "mhc", "width",
-                       "gated_residual"))
-    raise ValueError(f"no residual I/O model for {mechanism!r}; modelled: {known}")
-
-
-def sublayer_count(model_cfg) -> int:
-    """L: residual sublayers in the network (attention and FFN per block, or attention only)."""
-    return model_cfg.num_layers * (2 if model_cfg.use_ffn else 1)
-
-
-def residual_history(mechanism: str, *, sublayers: int, block_size: int = 1,
-                     streams: int = 1) -> int:
-    """Residual state kept per token, in units of d elements: 1 for the plain sums (the stream);
-    L + 1 for Full AttnRes (every sublayer output and the embedding); N + 1 for Block AttnRes
-    with N = ⌈L/S⌉ (the embedding, the N − 1 completed block summaries and the current block's
-    partial sum — at the final read the N summaries and the embedding); n for hc, mhc, width
-    and gated_residual (the streams or branches)."""
-    if mechanism in PLAIN_SUMS:
-        return 1
-    if mechanism == "attnres":
-        return sublayers + 1
-    if mechanism == "block_attnres":
-        return math.ceil(sublayers / max(1, min(block_size, sublayers))) + 1
-    if mechanism in ("hc", "mhc", "width", "gated_residual"):
-        return streams
-    raise ValueError(f"no residual history model for {mechanism!r}")
+def residual_history(model_cfg) -> int:
+    """Residual state kept per token by `model.residual`, in units of d elements (the
+    mechanism's `ResidualMechanism.residual_history`: 1 for the plain sums, the sources of a
+    depth-attention history, the n streams of a multi-stream state)."""
+    return _mechanism(model_cfg, "residual_history").residual_history(model_cfg)
 
 
 def residual_state_elements_per_token(model_cfg) -> int:
@@ -301,11 +198,16 @@ def residual_state_elements_per_token(model_cfg) -> int:
 
 
 def added_parameters(model_cfg) -> int:
-    """Parameters the residual mechanism adds: `parameter_count` minus that of the same config
-    with residual="prenorm" (so the plain sum's per-sublayer norms are the zero point)."""
-    plain = ml_collections.ConfigDict(model_cfg.to_dict())
-    plain.residual = "prenorm"
-    return parameter_count(model_cfg) - parameter_count(plain)
+    """Parameters the residual mechanism adds: those of the per-sublayer mechanism modules
+    (`*_residual`) and of the model-level `residual_stream`, minus one `model.norm` per sublayer
+    (the plain Pre-Norm sum's, so the plain sums are the zero point)."""
+    model = abstract_model(model_cfg)
+    residual = _size(nnx.state(model, lambda path, _: any(
+        str(key).endswith("_residual") or key == "residual_stream" for key in path)))
+    frozen = ml_collections.FrozenConfigDict(model_cfg)
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
+        norm = nnx.eval_shape(lambda: make_norm(frozen, rngs=nnx.Rngs(0)))
+    return residual - sublayer_count(model_cfg) * _size(nnx.state(norm, nnx.Param))
 
 
 def residual_accounting(model_cfg) -> dict:
@@ -313,42 +215,32 @@ def residual_accounting(model_cfg) -> dict:
 
       io_per_token_per_sublayer           residual I/O, units of d (`residual_io`, worst case)
       io_elements_per_token_per_sublayer  the same in elements (× d_model), scalars excluded
-      io_scalars_per_token_per_sublayer   the small per-token coefficients (hc/mhc), elements
-      io_bytes_per_token_per_sublayer     stored-state traffic at `gr_state_dtype`'s itemsize
-                                          (gated_residual; FP8 adds its float32 scale per row
-                                          of d, 4/d bytes per element) and the rest at
-                                          `model.dtype`'s
+      io_scalars_per_token_per_sublayer   the small per-token coefficients, elements
+      io_bytes_per_token_per_sublayer     stored-state traffic at the mechanism's
+                                          `state_itemsize` (e.g. an FP8 state with its scales)
+                                          and the rest at `model.dtype`'s itemsize
       history_elements_per_token          residual state kept (`residual_history` × d)
       state_elements_per_token            measured: what the stream's `begin` carries per token
-                                          (≥ the history: e.g. AttnRes's cached 1/rms per source
-                                          and head, FP8 branch scales)
-      added_parameters                    parameters minus those of the same config with
-                                          residual="prenorm" (the plain sum's per-sublayer norms
-                                          are the zero point)
-      sublayers, block_size, streams      L, S (= model.attnres_block_size), n
+                                          (≥ the history: e.g. cached 1/rms per depth source,
+                                          FP8 branch scales)
+      added_parameters                    `added_parameters` (the plain sums are the zero point)
+      sublayers                           L
     """
-    L, S, n = sublayer_count(model_cfg), model_cfg.attnres_block_size, model_cfg.residual_streams
-    mechanism = model_cfg.residual
-    io = residual_io(mechanism, sublayers=L, block_size=S, streams=n,
-                     gr_mixing=bool(model_cfg.gr_mixing))
+    mechanism = _mechanism(model_cfg, "residual_io")
+    io = mechanism.residual_io(model_cfg)
     d = model_cfg.d_model
     compute_bytes = jnp.dtype(model_cfg.dtype).itemsize
-    state_bytes = compute_bytes
-    if mechanism == "gated_residual":
-        state_bytes = jnp.dtype(model_cfg.gr_state_dtype).itemsize
-        if model_cfg.gr_state_dtype == "float8_e4m3fn":  # + a float32 scale per row of d
-            state_bytes += 4 / d
+    state_bytes = mechanism.state_itemsize(model_cfg)
     return {
         "io_per_token_per_sublayer": float(io.total),
         "io_elements_per_token_per_sublayer": float(io.total * d),
         "io_scalars_per_token_per_sublayer": float(io.scalars),
         "io_bytes_per_token_per_sublayer": float(
             d * (io.state_total() * state_bytes + (io.total - io.state_total()) * compute_bytes)),
-        "history_elements_per_token": residual_history(mechanism, sublayers=L, block_size=S,
-                                                       streams=n) * d,
+        "history_elements_per_token": mechanism.residual_history(model_cfg) * d,
         "state_elements_per_token": residual_state_elements_per_token(model_cfg),
         "added_parameters": added_parameters(model_cfg),
-        "sublayers": L, "block_size": S, "streams": n,
+        "sublayers": sublayer_count(model_cfg),
     }
 
 

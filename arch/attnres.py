@@ -94,11 +94,24 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from arch.layers import Dense, param
 from arch.norms import make_norm
-from arch.residual import RESIDUALS, constrain_state, record
+from arch.residual import (
+    RESIDUALS,
+    MixingParam,
+    ResidualIO,
+    ResidualMechanism,
+    ResidualStream,
+    ResidualTraffic,
+    constrain_state,
+    is_capturing,
+    record,
+    sublayer_count,
+    sublayers_per_block,
+)
 from config import check
 
 WEIGHTS = ("softmax", "sigmoid", "static")
@@ -466,7 +479,7 @@ def _read(layout: DepthLayout, state: dict, query_projection, module: nnx.Module
         if inverse is not None:
             current = current * inverse[:, :, newest, :, None]
         query = query + query_projection(current.reshape(*current.shape[:-2], -1))
-    if layout.heads == 1 and layout.weights == "softmax" and not hasattr(module, "__captures__"):
+    if layout.heads == 1 and layout.weights == "softmax" and not is_capturing(module):
         ones = jnp.ones(sources.shape[:3], jnp.float32)
         return softmax_read(query, sources, ones if inverse is None else inverse[..., 0], valid)
     mixed, weights = depth_read(query, sources, inverse, valid, layout.heads, layout.weights)
@@ -658,7 +671,7 @@ def _query_projection(cfg, rngs: nnx.Rngs) -> Dense:
                  init=lambda fan_in, fan_out: nnx.initializers.zeros)
 
 
-class AttnResStream(nnx.Module):
+class AttnResStream(ResidualStream):
     """Model-level part of AttnRes: the pseudo-query table w_0 … w_n (the last row is the final
     read's), zero-initialized, or the static weight table (1 on every source); `begin` fills the
     source buffer with the embedding, `end` is the final read (no norm: the model's final norm
@@ -669,10 +682,11 @@ class AttnResStream(nnx.Module):
         rows = layout.sublayers + 1
         if layout.weights == "static":
             self.static_weights = param(rngs, nnx.initializers.ones,
-                                        (rows, layout.slots, layout.heads), (None, None, None))
+                                        (rows, layout.slots, layout.heads), (None, None, None),
+                                        MixingParam)
         else:
             self.pseudo_queries = param(rngs, nnx.initializers.zeros, (rows, cfg.d_model),
-                                        (None, None))
+                                        (None, None), MixingParam)
         self.final_query_projection = (_query_projection(cfg, rngs) if layout.query == "input"
                                        else None)
 
@@ -696,12 +710,23 @@ class AttnResStream(nnx.Module):
         mixed = _read(self.layout, state, self.final_query_projection, self)
         return mixed.astype(state["sources"].dtype)
 
+    def hidden_state(self, state: dict) -> jax.Array:
+        """The final depth-attention read over the sources available in `state`: `end`, with the
+        final read's query row (or static weight row) in the row of the state's next sublayer,
+        which `end` reads."""
+        key = "static_weights" if "static_weights" in state else "pseudo_queries"
+        table = state[key]
+        return self.end(dict(state, **{key: table.at[state["sublayer"]].set(table[-1])}))
+
     def units_per_block(self, units: int) -> int | None:
         """How many of the model's `units` scan units (blocks, or MoE block groups) make one
         AttnRes block, when the blocks align with them (S a multiple of the sublayers per unit, n
         a multiple of S) and the reads are two-phase: the layer scan is then `scan`, one AttnRes
-        block per step. None otherwise (the naive read, unit by unit)."""
+        block per step. None otherwise (the naive read, unit by unit), and under `nnx.capture`
+        (the naive reads record their depth weights)."""
         layout = self.layout
+        if is_capturing(self):
+            return None
         per_unit = layout.sublayers // units
         if (layout.two_phase and layout.block_size % per_unit == 0
                 and layout.sublayers % layout.block_size == 0):
@@ -809,7 +834,7 @@ class AttnResStream(nnx.Module):
 
 
 @RESIDUALS.register("attnres")
-class AttentionResidual(nnx.Module):
+class AttentionResidual(ResidualMechanism):
     """Full Attention Residuals, per sublayer: h_l = norm(Σ_j α_{j→l} v_j) over the embedding and
     every earlier sublayer output (equations, initialization and sources: the module docstring of
     `arch/attnres.py`). Parameters here: the read's norm (`model.norm`, gain 1) and, with
@@ -836,6 +861,67 @@ class AttentionResidual(nnx.Module):
     @classmethod
     def stream(cls, cfg, *, rngs: nnx.Rngs) -> nnx.Module:
         return AttnResStream(cls.depth_layout(cfg), cfg, rngs=rngs)
+
+    @classmethod
+    def residual_io(cls, cfg) -> ResidualIO:
+        """Full AttnRes, "scheduled" (the two-phase schedule of the AttnRes report over chunks of
+        S = `model.attnres_block_size` sublayers, every output its own source; L sublayers,
+        N = ⌈L/S⌉): phase 1 reads the (N − 1)·S outputs of earlier chunks once per chunk →
+        N − 1; the phase-1 result written and read back → 2; phase 2 merges up to S − 1
+        intra-chunk outputs → S − 1; the sublayer's output is stored once as a source (not
+        counted). Total L/S + S (24 at L = 128, S = 16). `model.attnres_window` is not modelled
+        (an upper bound for windowed depth attention)."""
+        L, S, N = _chunking(cfg)
+        T = ResidualTraffic
+        return ResidualIO((T("phase 1: read the earlier chunks' outputs once per chunk", N - 1, 0),
+                           T("phase 1 result: write, read back", 1, 1),
+                           T("phase 2: merge the intra-chunk outputs", S - 1, 0)))
+
+    @classmethod
+    def residual_history(cls, cfg) -> int:
+        """N + 1 sources: the embedding and one per block of S (Full: S = 1, L + 1)."""
+        L = sublayer_count(cfg)
+        return math.ceil(L / max(1, min(cls.block_size(cfg), L))) + 1
+
+    @classmethod
+    def check_prunable(cls, cfg, kept, drop) -> None:
+        """Clean only when the kept sublayers group into AttnRes blocks of S as before (each old
+        block's kept sublayers form one new block)."""
+        old_blocks, new_blocks = cls._pruned_blocks(cfg, kept)
+        if any((old_blocks[k] == old_blocks[k + 1]) != (new_blocks[k] == new_blocks[k + 1])
+               for k in range(len(old_blocks) - 1)):
+            per_block, size = sublayers_per_block(cfg), cls.block_size(cfg)
+            raise ValueError(
+                f"model.residual={cfg.residual!r}: dropping blocks {list(drop)} regroups the "
+                f"remaining sublayers into other AttnRes blocks of model.attnres_block_size="
+                f"{size}; drop blocks whose {per_block} sublayer(s) fill whole AttnRes blocks, "
+                "or the last blocks")
+
+    @classmethod
+    def prune(cls, cfg, state, kept) -> None:
+        """Keep the rows of the model-level pseudo-query (or static weight) table of the kept
+        sublayers and the final read, and the static weights' columns of the source slots that
+        still hold an output: the kept sublayers read over the remaining outputs."""
+        per_block = sublayers_per_block(cfg)
+        sublayers = [b * per_block + j for b in kept for j in range(per_block)]
+        old_blocks, _ = cls._pruned_blocks(cfg, kept)
+        rows = np.asarray([*sublayers, cfg.num_layers * per_block])
+        slots = np.asarray([0, *(1 + block for block in dict.fromkeys(old_blocks))])
+        stream_state = state["residual_stream"]
+        if "static_weights" in stream_state:  # rows × slots × heads
+            stream_state["static_weights"] = jax.tree.map(lambda x: x[rows][:, slots],
+                                                          stream_state["static_weights"])
+        else:  # rows × D
+            stream_state["pseudo_queries"] = jax.tree.map(lambda x: x[rows],
+                                                          stream_state["pseudo_queries"])
+
+    @classmethod
+    def _pruned_blocks(cls, cfg, kept) -> tuple[list[int], list[int]]:
+        """The AttnRes block of every kept sublayer before and after pruning."""
+        per_block, size = sublayers_per_block(cfg), cls.block_size(cfg)
+        sublayers = [b * per_block + j for b in kept for j in range(per_block)]
+        return ([sublayer // size for sublayer in sublayers],
+                [sublayer // size for sublayer in range(len(sublayers))])
 
     @staticmethod
     def resolve(cfg) -> None:
@@ -869,7 +955,7 @@ class AttentionResidual(nnx.Module):
         mixed = _read(self.layout, state, self.query_projection, self)
         return self.norm(mixed.astype(state["sources"].dtype))
 
-    def write(self, state: dict, update_BxTxD) -> dict:
+    def write(self, state: dict, update_BxTxD, read_context=None) -> dict:
         """Add the output to its block's slot (in place), or, inside an opened block, to the
         partial sum; it is a source from the next read on."""
         layout = self.layout
@@ -888,6 +974,13 @@ class AttentionResidual(nnx.Module):
                 state["inverse_rms"], inverse_rms(_slot(state["sources"], slot, width),
                                                   layout.heads, layout.eps), slot, layout.heads)
         return state
+
+
+def _chunking(cfg) -> tuple[int, int, int]:
+    """(L sublayers, S = `model.attnres_block_size` capped at L, N = ⌈L/S⌉)."""
+    L = sublayer_count(cfg)
+    S = max(1, min(cfg.attnres_block_size, L))
+    return L, S, math.ceil(L / S)
 
 
 def _merged_read(residual: AttentionResidual, state: dict) -> jax.Array:
@@ -909,3 +1002,17 @@ class BlockAttentionResidual(AttentionResidual):
     @staticmethod
     def block_size(cfg) -> int:
         return cfg.attnres_block_size
+
+    @classmethod
+    def residual_io(cls, cfg) -> ResidualIO:
+        """Two-phase schedule (AttnRes report, "Block AttnRes" inference schedule; L sublayers,
+        S = `model.attnres_block_size`, N = ⌈L/S⌉): phase 1 reads the N block summaries once per
+        block for all S queries → N/S; the phase-1 result is written and read back → 2; the
+        partial sum is read once (online-softmax merge and the add), the sublayer output read,
+        the partial sum written → 3. Total N/S + 5 (5.5 at L = 128, S = 16)."""
+        L, S, N = _chunking(cfg)
+        T = ResidualTraffic
+        return ResidualIO((T("phase 1: read the N block summaries once per block", N / S, 0),
+                           T("phase 1 result: write, read back", 1, 1),
+                           T("read the partial sum (merge and add)", 1, 0),
+                           T("read the sublayer output", 1, 0), T("write the partial sum", 0, 1)))

@@ -58,9 +58,9 @@ vs dynamic gates (`model.residual_dynamic`); an FP8 residual state (`model.gr_st
   (residual-stream gradients are ≪ 2⁻⁹), so `load_fp8`/`store_fp8` have custom VJPs: the
   gradient w.r.t. the branches is stored the same way, FP8 with a per-row power-of-two scale, and
   that scale travels back in the cotangent slot of the float32 scales (which therefore does not
-  hold ∂L/∂scale). For that, each stored state must be loaded exactly once per sublayer: `read`
-  keeps its loaded branches for the `write` that follows on the same state (as `Block` calls
-  them), and `write` reuses them.
+  hold ∂L/∂scale). For that, each stored state must be loaded exactly once per sublayer:
+  `read_with_context` returns its loaded branches and gate summary with h, and `Block` hands
+  them to `write`, which reuses them (`write` alone loads the state itself).
 
 Recorded (`arch.residual.record`): "read_gates" G and "write_strengths" s, both B×T×n×W
 (W = D channelwise, else 1); "mixing_matrix" M (n×n) with `gr_mixing`.
@@ -74,14 +74,20 @@ Parameters: `scale` (the branch gains g, n×D; a norm gain, kept out of weight d
 from __future__ import annotations
 
 import math
-import threading
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from arch.layers import Dense, param
-from arch.residual import RESIDUALS, record
+from arch.residual import (
+    RESIDUALS,
+    ResidualIO,
+    ResidualMechanism,
+    ResidualStream,
+    ResidualTraffic,
+    record,
+)
 from config import check
 
 FP8 = jnp.float8_e4m3fn
@@ -169,7 +175,7 @@ class BranchGate(nnx.Module):
         return bias_Nx1x1xW + jnp.moveaxis(self.up(summary_BxTxR), -2, 0)
 
 
-class GatedResidualStream(nnx.Module):
+class GatedResidualStream(ResidualStream):
     """Model-level part: the embedding copied into every branch; the final norm reads their
     mean."""
 
@@ -202,18 +208,12 @@ def load_branches(state: dict) -> jax.Array:
     return state["branches"].astype(jnp.float32)
 
 
-# What the last `read` loaded, (module, state leaf, branches, summary), for the `write` that
-# follows on the same state. Kept outside the modules, so that it is neither part of their graph
-# (a static attribute would make every model instance compile anew) nor of their state; `write`
-# empties it, so no traced value outlives the sublayer. One slot per thread.
-_last_read = threading.local()
-
-
 @RESIDUALS.register("gated_residual")
-class GatedResidual(nnx.Module):
+class GatedResidual(ResidualMechanism):
     """Gated Residual on GatedNorm (Qwen3.8-Next report §2.2); equations, initialization and
     which choices are ours: see the module docstring. `read(state) -> h_BxTxD`,
-    `write(state, update_BxTxD) -> state`; the state is {"branches": n×B×T×D[, "branch_scales"]}.
+    `write(state, update_BxTxD, read_context) -> state`; the state is {"branches": n×B×T×D[,
+    "branch_scales"]}.
     """
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
@@ -261,17 +261,50 @@ class GatedResidual(nnx.Module):
                          if self.gate_down is not None else None)
         return branches, normalized, summary_BxTxR
 
+    @classmethod
+    def residual_io(cls, cfg) -> ResidualIO:
+        """n branches: gates read nd; apply read: read nd, write d; write: read d (output) + read
+        nd (branches), write nd → (4n + 2)d (18d at n = 4); with `gr_mixing` the mixing matrix
+        adds read nd + write nd → (6n + 2)d. Branch traffic is state traffic."""
+        n, T = cfg.residual_streams, ResidualTraffic
+        items = (T("compute the read gates", n, 0, state=True),
+                 T("apply the read gates: read the branches", n, 0, state=True),
+                 T("apply the read gates: write the read", 0, 1),
+                 T("write: read the sublayer output", 1, 0),
+                 T("write: update the branches", n, n, state=True))
+        if cfg.gr_mixing:
+            items += (T("apply the mixing matrix", n, n, state=True),)
+        return ResidualIO(items)
+
+    @classmethod
+    def residual_history(cls, cfg) -> int:
+        return cfg.residual_streams
+
+    @classmethod
+    def state_itemsize(cls, cfg) -> float:
+        """`model.gr_state_dtype`'s itemsize; FP8 adds its float32 scale per row of d."""
+        itemsize = float(jnp.dtype(cfg.gr_state_dtype).itemsize)
+        return itemsize + 4 / cfg.d_model if cfg.gr_state_dtype == "float8_e4m3fn" else itemsize
+
+    def probe_norm(self, state: dict) -> tuple[nnx.Module, jax.Array]:
+        """The per-branch normalization: gain `scale` (n×D), input the n·B·T branch rows."""
+        branches_NxBxTxD = load_branches(jax.lax.stop_gradient(state))
+        return self, branches_NxBxTxD.reshape(-1, *branches_NxBxTxD.shape[2:])
+
     def read(self, state: dict) -> jax.Array:
+        return self.read_with_context(state)[0]
+
+    def read_with_context(self, state: dict) -> tuple[jax.Array, tuple]:
+        """(h, (loaded branches, gate summary z)): `write` reuses both, so each stored state is
+        loaded once per sublayer (the FP8 gradients need that, module docstring)."""
         branches, normalized, summary_BxTxR = self._gates_input(state)
-        _last_read.value = (self, state["branches"], branches, summary_BxTxR)
         gates = jax.nn.sigmoid(self.read_gate(summary_BxTxR))  # n×B×T×W or n×1×1×W, in (0,1)
         record(self, "read_gates", _per_token(gates, normalized.shape))
-        return jnp.sum(gates * normalized, axis=0).astype(self.dtype)
+        return jnp.sum(gates * normalized, axis=0).astype(self.dtype), (branches, summary_BxTxR)
 
-    def write(self, state: dict, update_BxTxD: jax.Array) -> dict:
-        last_read, _last_read.value = getattr(_last_read, "value", None), None
-        if last_read is not None and last_read[0] is self and last_read[1] is state["branches"]:
-            _, _, branches, summary_BxTxR = last_read  # load each state once (FP8 gradients)
+    def write(self, state: dict, update_BxTxD: jax.Array, read_context=None) -> dict:
+        if read_context is not None:
+            branches, summary_BxTxR = read_context
         else:
             branches, _, summary_BxTxR = self._gates_input(state)
         strengths = 2.0 * jax.nn.sigmoid(self.write_gate(summary_BxTxR))  # in (0,2)

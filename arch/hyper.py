@@ -18,10 +18,11 @@ sums of streams are formed in float32 and cast back to the stream dtype. Every s
 (`arch.residual.record`) "read_weights" a (B×T×n), "write_strengths" b (B×T×n) and, for hc and mhc,
 "mixing_matrix" M (B×T×n×n, M[i, j] = weight of old stream j in new stream i).
 
-Parameters to keep out of weight decay (their initialization is not 0): hc's `static_read`,
-`static_mixing`, `static_write`, `width_scale`, `depth_scale`; mhc's `read_bias`, `write_bias`,
-`mixing_bias`, `read_scale`, `write_scale`, `mixing_scale`; width's `branch_weights`. The dynamic
-projections (`read_projection`, `mixing_projection`, `write_projection`) are ordinary weights.
+Mixing parameters (`arch.residual.MixingParam`, kept out of weight decay: their initialization
+is not 0): hc's `static_read`, `static_mixing`, `static_write`, `width_scale`, `depth_scale`; mhc's
+`read_bias`, `write_bias`, `mixing_bias`, `read_scale`, `write_scale`, `mixing_scale`; width's
+`branch_weights`. The dynamic projections (`read_projection`, `mixing_projection`,
+`write_projection`) are ordinary weights.
 """
 
 from __future__ import annotations
@@ -30,11 +31,21 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from arch.layers import param
 from arch.norms import make_norm
-from arch.residual import RESIDUALS, record
+from arch.residual import (
+    RESIDUALS,
+    MixingParam,
+    ResidualIO,
+    ResidualMechanism,
+    ResidualStream,
+    ResidualTraffic,
+    record,
+    sublayers_per_block,
+)
 from config import check
 
 # mhc: the logit that makes a sigmoid read ≈ one-hot and Sinkhorn's mixing ≈ identity at
@@ -63,6 +74,34 @@ def _resolve_hyper(cfg) -> None:
         check(cfg.hc_dynamic_scale > 0, "model.hc_dynamic_scale", cfg.hc_dynamic_scale,
               "must be positive: with the zero-initialized projections a scale of 0 keeps the "
               "dynamic part at 0 forever; set model.residual_dynamic=False for static weights")
+
+
+def _hyper_io(cfg) -> ResidualIO:
+    """hc and mhc with n streams (Xie et al. 2025, "mHC", the I/O table of its efficiency
+    section): compute the coefficients: read nd; apply read weights: read nd, write d; apply
+    write strengths: read d, write nd; apply the mixing matrix: read nd, write nd; merge: read
+    2nd, write nd → (8n + 2)d (34d at n = 4), plus 2n² + 4n scalars (the n×n matrix and 2n
+    coefficients, read and written)."""
+    n, T = cfg.residual_streams, ResidualTraffic
+    items = (T("compute the coefficients", n, 0), T("apply the read weights", n, 1),
+             T("apply the write strengths", 1, n), T("apply the mixing matrix", n, n),
+             T("merge", 2 * n, n))
+    return ResidualIO(items, scalars=2 * n * n + 4 * n)
+
+
+def _shift_read_offsets(cfg, blocks_state, kept, name: str, scale: float) -> None:
+    """Pruning hc and mhc: sublayer k's read carries an offset that follows k, e_{k mod n} (mhc:
+    c·(2e_{k mod n} − 1), c = `MHC_INIT_LOGIT`), added to the parameter `name` (hc:
+    `static_read`, mhc: `read_bias`). A kept sublayer moves from k to k'; adding
+    `scale`·(e_{k mod n} − e_{k' mod n}) (hc: 1, mhc: 2c) to its parameter keeps its read
+    weights (to float rounding)."""
+    n, per_block = cfg.residual_streams, sublayers_per_block(cfg)
+    old, new = np.asarray(kept), np.arange(len(kept))
+    for j, residual in enumerate(("attention_residual", "ffn_residual")[:per_block]):
+        shift_LxN = scale * (np.eye(n)[(old * per_block + j) % n]
+                             - np.eye(n)[(new * per_block + j) % n])
+        variable = blocks_state[residual][name]
+        variable[...] = variable[...] + jnp.asarray(shift_LxN, variable.dtype)
 
 
 def sinkhorn(logits_XxNxN: jax.Array, iterations: int) -> jax.Array:
@@ -103,7 +142,7 @@ def _normalize_again(norm: nnx.Module, x: jax.Array) -> jax.Array:
     return y
 
 
-class CopiedStreams(nnx.Module):
+class CopiedStreams(ResidualStream):
     """Model-level part of hc and mhc: the embedding copied into each of the n streams; the final
     norm reads the sum of the streams, as in Zhu et al. 2024 (the last hidden matrix summed over
     its n rows before the final norm and the unembedding)."""
@@ -120,7 +159,7 @@ class CopiedStreams(nnx.Module):
         return streams.astype(jnp.float32).sum(0).astype(streams.dtype)
 
 
-class SeparateBranches(nnx.Module):
+class SeparateBranches(ResidualStream):
     """Model-level part of width: the embedding in branch 0, the other branches zero; the final
     norm reads the sum of the branches (so the sum is the Pre-Norm stream)."""
 
@@ -137,7 +176,7 @@ class SeparateBranches(nnx.Module):
 
 
 @RESIDUALS.register("hc")
-class HyperConnection(nnx.Module):
+class HyperConnection(ResidualMechanism):
     """Hyper-Connections (Zhu et al. 2024, "Hyper-Connections", arXiv 2409.19606; §2.1 static,
     §2.2 dynamic, §2.3 initialization, Appendix J Algorithm 2) with n = `model.residual_streams`
     streams H ∈ R^{n×d}. In the paper's orientation (A_m ∈ R^n reads, A_r ∈ R^{n×n} mixes,
@@ -171,18 +210,18 @@ class HyperConnection(nnx.Module):
         self.streams = n
         self.dynamic = cfg.residual_dynamic
         self.norm = make_norm(cfg, rngs=rngs)  # the sublayer's Pre-Norm
-        self.static_read = param(rngs, nnx.initializers.zeros, (n,), (None,))
+        self.static_read = param(rngs, nnx.initializers.zeros, (n,), (None,), MixingParam)
         self.static_mixing = param(rngs, lambda key, shape, dtype: jnp.eye(n, dtype=dtype),
-                                   (n, n), (None, None))
-        self.static_write = param(rngs, nnx.initializers.ones, (n,), (None,))
+                                   (n, n), (None, None), MixingParam)
+        self.static_write = param(rngs, nnx.initializers.ones, (n,), (None,), MixingParam)
         if self.dynamic:
             scale = nnx.initializers.constant(cfg.hc_dynamic_scale)
             self.dynamic_norm = make_norm(cfg, rngs=rngs)
             self.read_projection = param(rngs, nnx.initializers.zeros, (d,), ("embed",))
             self.mixing_projection = param(rngs, nnx.initializers.zeros, (d, n), ("embed", None))
             self.write_projection = param(rngs, nnx.initializers.zeros, (d,), ("embed",))
-            self.width_scale = param(rngs, scale, (1,), (None,))
-            self.depth_scale = param(rngs, scale, (1,), (None,))
+            self.width_scale = param(rngs, scale, (1,), (None,), MixingParam)
+            self.depth_scale = param(rngs, scale, (1,), (None,), MixingParam)
 
     @staticmethod
     def resolve(cfg) -> None:
@@ -191,6 +230,19 @@ class HyperConnection(nnx.Module):
     @classmethod
     def stream(cls, cfg, *, rngs: nnx.Rngs) -> nnx.Module:
         return CopiedStreams(cfg.residual_streams)
+
+    @classmethod
+    def residual_io(cls, cfg) -> ResidualIO:
+        return _hyper_io(cfg)
+
+    @classmethod
+    def residual_history(cls, cfg) -> int:
+        """The n streams."""
+        return cfg.residual_streams
+
+    @classmethod
+    def prune(cls, cfg, state, kept) -> None:
+        _shift_read_offsets(cfg, state["blocks"], kept, "static_read", 1.0)
 
     def _normalized_streams(self, streams_NxBxTxD, *, again: bool = False) -> jax.Array:
         """H̄ in float32: every stream normalized over d (as a batch of n·B sequences)."""
@@ -212,7 +264,8 @@ class HyperConnection(nnx.Module):
         record(self, "read_weights", read_BxTxN)
         return self.norm(_combine(read_BxTxN, streams))
 
-    def write(self, state: StreamState, update_BxTxD: jax.Array) -> StreamState:
+    def write(self, state: StreamState, update_BxTxD: jax.Array,
+              read_context=None) -> StreamState:
         streams = state.streams_NxBxTxD
         n, b, t, _ = streams.shape
         source_to_stream_BxTxNxN = jnp.broadcast_to(self.static_mixing[...], (b, t, n, n))  # A_r
@@ -231,7 +284,7 @@ class HyperConnection(nnx.Module):
 
 
 @RESIDUALS.register("mhc")
-class ManifoldHyperConnection(nnx.Module):
+class ManifoldHyperConnection(ResidualMechanism):
     """Manifold-constrained Hyper-Connections (Xie et al. 2025, DeepSeek-AI, "mHC:
     Manifold-Constrained Hyper-Connections", arXiv 2512.24880, §4 "Parameterization and Manifold
     Projection"). With the n streams x_l ∈ R^{n×d} (`model.residual_streams`), one sublayer F is
@@ -271,11 +324,11 @@ class ManifoldHyperConnection(nnx.Module):
         self.dynamic = cfg.residual_dynamic
         self.sinkhorn_iterations = cfg.mhc_sinkhorn_iters
         self.norm = make_norm(cfg, rngs=rngs)  # the sublayer's Pre-Norm
-        self.read_bias = param(rngs, nnx.initializers.zeros, (n,), (None,))
-        self.write_bias = param(rngs, nnx.initializers.zeros, (n,), (None,))
+        self.read_bias = param(rngs, nnx.initializers.zeros, (n,), (None,), MixingParam)
+        self.write_bias = param(rngs, nnx.initializers.zeros, (n,), (None,), MixingParam)
         self.mixing_bias = param(
             rngs, lambda key, shape, dtype: MHC_INIT_LOGIT * jnp.eye(n, dtype=dtype),
-            (n, n), (None, None))
+            (n, n), (None, None), MixingParam)
         if self.dynamic:
             zeros, scale = nnx.initializers.zeros, nnx.initializers.constant(cfg.hc_dynamic_scale)
             self.dynamic_norm = make_norm(cfg, dim=n * d, rngs=rngs)
@@ -283,9 +336,9 @@ class ManifoldHyperConnection(nnx.Module):
             self.write_projection = param(rngs, zeros, (n, d, n), (None, "embed", None))
             self.mixing_projection = param(rngs, zeros, (n, d, n, n),
                                            (None, "embed", None, None))
-            self.read_scale = param(rngs, scale, (1,), (None,))
-            self.write_scale = param(rngs, scale, (1,), (None,))
-            self.mixing_scale = param(rngs, scale, (1,), (None,))
+            self.read_scale = param(rngs, scale, (1,), (None,), MixingParam)
+            self.write_scale = param(rngs, scale, (1,), (None,), MixingParam)
+            self.mixing_scale = param(rngs, scale, (1,), (None,), MixingParam)
 
     @staticmethod
     def resolve(cfg) -> None:
@@ -297,6 +350,19 @@ class ManifoldHyperConnection(nnx.Module):
     @classmethod
     def stream(cls, cfg, *, rngs: nnx.Rngs) -> nnx.Module:
         return CopiedStreams(cfg.residual_streams)
+
+    @classmethod
+    def residual_io(cls, cfg) -> ResidualIO:
+        return _hyper_io(cfg)
+
+    @classmethod
+    def residual_history(cls, cfg) -> int:
+        """The n streams."""
+        return cfg.residual_streams
+
+    @classmethod
+    def prune(cls, cfg, state, kept) -> None:
+        _shift_read_offsets(cfg, state["blocks"], kept, "read_bias", 2.0 * MHC_INIT_LOGIT)
 
     def _normalized_streams(self, streams_NxBxTxD, *, again: bool = False) -> jax.Array:
         """x̃ = norm(vec(x_l)) in float32, shaped B×T×n×d."""
@@ -319,7 +385,8 @@ class ManifoldHyperConnection(nnx.Module):
         record(self, "read_weights", read_BxTxN)
         return self.norm(_combine(read_BxTxN, streams))
 
-    def write(self, state: StreamState, update_BxTxD: jax.Array) -> StreamState:
+    def write(self, state: StreamState, update_BxTxD: jax.Array,
+              read_context=None) -> StreamState:
         streams = state.streams_NxBxTxD
         n, b, t, _ = streams.shape
         write_logits_BxTxN = jnp.broadcast_to(self.write_bias[...], (b, t, n))
@@ -342,7 +409,7 @@ class ManifoldHyperConnection(nnx.Module):
 
 
 @RESIDUALS.register("width")
-class WidthBaseline(nnx.Module):
+class WidthBaseline(ResidualMechanism):
     """The simple width baseline (issue 4, item 6): n = `model.residual_streams` branches and no
     mixing between them. Sublayer k reads a learned scalar mixture of the branches and adds its
     update to one branch, in round-robin order:
@@ -361,7 +428,8 @@ class WidthBaseline(nnx.Module):
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         self.streams = cfg.residual_streams
         self.norm = make_norm(cfg, rngs=rngs)  # the sublayer's Pre-Norm
-        self.branch_weights = param(rngs, nnx.initializers.ones, (self.streams,), (None,))
+        self.branch_weights = param(rngs, nnx.initializers.ones, (self.streams,), (None,),
+                                    MixingParam)
 
     @staticmethod
     def resolve(cfg) -> None:
@@ -371,6 +439,31 @@ class WidthBaseline(nnx.Module):
     def stream(cls, cfg, *, rngs: nnx.Rngs) -> nnx.Module:
         return SeparateBranches(cfg.residual_streams)
 
+    @classmethod
+    def residual_io(cls, cfg) -> ResidualIO:
+        """Read nd, write d (the mixed read); read d (output) + read d (the target branch),
+        write d → (n + 4)d."""
+        n, T = cfg.residual_streams, ResidualTraffic
+        return ResidualIO((T("mix the read", n, 1), T("read the sublayer output", 1, 0),
+                           T("update the target branch", 1, 1)))
+
+    @classmethod
+    def residual_history(cls, cfg) -> int:
+        """The n branches."""
+        return cfg.residual_streams
+
+    @classmethod
+    def check_prunable(cls, cfg, kept, drop) -> None:
+        """Sublayer k writes into branch k mod n: a kept sublayer that moves from k to k' must
+        keep its branch, k − k' ≡ 0 (mod n)."""
+        n, per_block = cfg.residual_streams, sublayers_per_block(cfg)
+        if any((old - new) * per_block % n for new, old in enumerate(kept)):
+            raise ValueError(
+                f"model.residual='width': dropping blocks {list(drop)} moves the round-robin "
+                f"write target (branch k mod n, n = model.residual_streams={n}) of later "
+                f"sublayers; drop blocks whose removal shifts k ({per_block} per block) by a "
+                "multiple of n, e.g. the last blocks")
+
     def read(self, state: StreamState) -> jax.Array:
         branches = state.streams_NxBxTxD
         n, b, t, _ = branches.shape
@@ -378,7 +471,8 @@ class WidthBaseline(nnx.Module):
         record(self, "read_weights", read_BxTxN)
         return self.norm(_combine(read_BxTxN, branches))
 
-    def write(self, state: StreamState, update_BxTxD: jax.Array) -> StreamState:
+    def write(self, state: StreamState, update_BxTxD: jax.Array,
+              read_context=None) -> StreamState:
         branches = state.streams_NxBxTxD
         n, b, t, _ = branches.shape
         target = state.sublayer % n

@@ -21,11 +21,14 @@ Initializer = nnx.initializers.Initializer
 
 
 def param(
-    rngs: nnx.Rngs, init: Initializer, shape: Sequence[int], axes: Sequence[str | None]
+    rngs: nnx.Rngs, init: Initializer, shape: Sequence[int], axes: Sequence[str | None],
+    kind: type[nnx.Param] = nnx.Param,
 ) -> nnx.Param:
-    """A float32 parameter with logical axis names; it is sharded later, by the rules table."""
+    """A float32 parameter with logical axis names; it is sharded later, by the rules table.
+    `kind`: a subclass of `nnx.Param` that filters select on (e.g. the weight-decay mask's
+    `arch.residual.MixingParam`)."""
     value = init(rngs.params(), tuple(shape), jnp.float32)
-    return nnx.Param(value, out_sharding=tuple(axes), eager_sharding=False)
+    return kind(value, out_sharding=tuple(axes), eager_sharding=False)
 
 
 class Dense(nnx.Module):

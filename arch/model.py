@@ -17,6 +17,7 @@ keeps the ordinary scan (GSPMD moves the stage-sharded layer parameters).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +30,7 @@ from arch.init import group_init
 from arch.layers import Embedding
 from arch.norms import make_norm
 from arch.positions import POSITIONS
-from arch.residual import RESIDUALS, constrain_state
+from arch.residual import RESIDUALS, constrain_state, is_capturing
 from arch.reversible import run_reversible
 from config.derived import interleaves_moe
 from sharding import pipeline
@@ -49,13 +50,27 @@ class Block(nnx.Module):
         self.use_ffn = cfg.use_ffn
 
     def __call__(self, stream, positions_BxT, rotate, cache=None):
-        update, cache = self.attention(self.attention_residual.read(stream), positions_BxT,
-                                       rotate, cache)
-        stream = self.attention_residual.write(stream, update)
+        stream, cache = self.sublayer("attention", stream, positions_BxT, rotate, cache)
         if self.use_ffn:
-            stream = constrain_state(stream)  # between the two tensor-parallel regions
-            stream = self.ffn_residual.write(stream, self.ffn(self.ffn_residual.read(stream)))
-        return constrain_state(stream), cache
+            stream, _ = self.sublayer("ffn", stream, positions_BxT, rotate)
+        return stream, cache
+
+    def sublayer(self, name: str, stream, positions_BxT, rotate, cache=None,
+                 tap: Callable[[jax.Array], jax.Array] | None = None):
+        """One sublayer ("attention" or "ffn") through its residual mechanism:
+        h = read(state), u = F(h), state = write(state, u), then the state is sharded (between
+        the tensor-parallel regions). `tap(u) -> u'`: the capture point of the instruments (the
+        probes record u there and add their perturbation; None in training). Returns (state,
+        KV cache)."""
+        residual = getattr(self, f"{name}_residual")
+        h, read = residual.read_with_context(stream)
+        if name == "attention":
+            update, cache = self.attention(h, positions_BxT, rotate, cache)
+        else:
+            update = self.ffn(h)
+        if tap is not None:
+            update = tap(update)
+        return constrain_state(residual.write(stream, update, read)), cache
 
 
 class BlockGroup(nnx.Module):
@@ -150,13 +165,11 @@ class TransformerLM(nnx.Module):
     def _scan(self, stream, positions_BxT, graphdef, layer_params, layer_states, cache):
         """The layer stack as one scan over units (blocks, or MoE block groups),
         `model.scan_unroll` units per loop iteration, or, for a mechanism that runs a group of
-        units at a time (two-phase AttnRes: `units_per_block`), scanned by the mechanism
+        units at a time (`ResidualStream.units_per_block`), scanned by the mechanism
         (`scan`). Returns the final state and the per-unit (non-parameter state, KV cache),
         stacked over units."""
         units, stream_module = self.stack_shape[0], self.residual_stream
-        group = None  # under nnx.capture, unit by unit: the naive reads record their weights
-        if hasattr(stream_module, "units_per_block") and not hasattr(self, "__captures__"):
-            group = stream_module.units_per_block(units)
+        group = stream_module.units_per_block(units)
 
         def run_unit(stream, layer):
             params, states, layer_cache = layer
@@ -177,7 +190,7 @@ class TransformerLM(nnx.Module):
         residual state (`begin`/`end` per microbatch), carried with its positions from stage to
         stage. Returns the stack's output, B×T×D."""
         cfg = self.cfg
-        if hasattr(self, "__captures__"):
+        if is_capturing(self):
             raise ValueError("nnx.capture is not supported under pipeline parallelism "
                              f"(mesh.stage={stages}); capture on a mesh with stage=1")
         microbatches = cfg.pipeline_microbatches
@@ -197,9 +210,10 @@ class TransformerLM(nnx.Module):
         if cfg.remat:
             run_block = jax.checkpoint(run_block)
         # What crosses a stage boundary: the residual state (positions are in every stage's copy
-        # of the microbatch), or only what the next stage lacks, for mechanisms with a history.
+        # of the microbatch), or what the next stage lacks (`ResidualStream.stage_message`: for a
+        # mechanism with a history, the part written since that stage last held it).
         residual_stream = self.residual_stream
-        if cfg.pipeline_transfer == "cached" and hasattr(residual_stream, "stage_message"):
+        if cfg.pipeline_transfer == "cached":
             sublayers = cfg.num_layers * (2 if cfg.use_ffn else 1)
             lag = (stages - 1) * sublayers // (stages * cfg.pipeline_virtual_stages)
             send = lambda state: residual_stream.stage_message(state, lag)  # noqa: E731

@@ -137,7 +137,7 @@ def base_config() -> ml_collections.ConfigDict:
             decay_embeddings=False,
             decay_norms=False,
             decay_biases=False,
-            decay_mixing=False,   # residual mixing parameters (train/optim.py MIXING_PARAMS)
+            decay_mixing=False,   # residual mixing weights (arch.residual.MixingParam)
             grad_clip=1.0,        # global-norm clip; 0 disables
         ),
         data=dict(

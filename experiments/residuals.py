@@ -13,7 +13,7 @@ with `python scripts/depth_mixing.py --workdir runs/residuals-NAME`.
 Run one mechanism (the config argument names it; default prenorm):
     python -m train --config experiments/residuals.py:block_attnres \
         --workdir runs/residuals-block_attnres
-Mechanisms: prenorm, postnorm, deepnorm, attnres, block_attnres, hc, mhc, width, gated_residual.
+Mechanisms: any name registered in `arch.residual.RESIDUALS` (the README's table lists them).
 Hardware: a 2-core CPU, about ten minutes per mechanism.
 """
 

@@ -12,8 +12,8 @@ V·P chunks of K = G/(V·P) consecutive units, for P = mesh.stage devices and V 
                        gradients, in every step).
 
 The batch is split into M = `model.pipeline_microbatches` microbatches; a microbatch's
-residual state (any pytree: the plain stream, hc/mhc/gated-residual streams, the AttnRes source
-buffer with its counters) flows from stage to stage through `jax.lax.ppermute` inside a
+residual state (any pytree: the plain stream, several streams, a buffer of depth sources with its
+counters) flows from stage to stage through `jax.lax.ppermute` inside a
 `jax.shard_map` that is manual over `stage` only (data, fsdp, tensor, … stay automatic, so the
 blocks' own sharding constraints still apply). At iteration t = 0 … V·M + P − 2 device p runs
 chunk v = ⌊(t − p)/M⌋ on microbatch (t − p) mod M, valid when 0 ≤ t − p < V·M:
@@ -25,12 +25,12 @@ chunk v = ⌊(t − p)/M⌋ on microbatch (t − p) mod M, valid when 0 ≤ t �
     round V its final state).
 
 The message is the whole residual state by default (positions never cross: each copy has them).
-`model.pipeline_transfer="cached"` (the default) follows the AttnRes report for mechanisms whose
-state is a growing history (attnres, block_attnres: `stage_message`/`stage_merge` of their stream
-module): a receiver last held the microbatch P − 1 chunks ago, so it is sent only the source slots
-written since, ⌈(lag − 1)/S⌉ + 1 for a lag of (P − 1)·2L/(V·P) sublayers, instead of all 1 + N:
-O(P) chunks' blocks instead of O(V·P) at the last transitions (`stage_transfer_bytes` counts them
-in the compiled program). `"full"` sends the whole buffer (the naive schedule).
+`model.pipeline_transfer="cached"` (the default) lets a mechanism whose state is a growing history
+send less (`stage_message`/`stage_merge` of its `arch.residual.ResidualStream`; the cached
+transfer of the Attention Residuals report, Kimi Team 2026): a receiver last held the microbatch
+P − 1 chunks ago, a lag of (P − 1)·2L/(V·P) sublayers, so it needs only what was written since:
+O(P) chunks' worth instead of O(V·P) at the last transitions (`stage_transfer_bytes` counts it in
+the compiled program). `"full"` sends the whole state (the naive schedule).
 
 Idle slots compute on stale data whose results are never used (zero cotangent), so the bubble
 fraction is (P − 1)/(V·M + P − 1) of each device's iterations (`bubble_fraction`). Differentiating
@@ -175,8 +175,7 @@ def pipeline(run_unit: Callable, inputs_M, layer_params, layer_states, *, stages
     What crosses a stage boundary is `message(carry)`, and the receiving stage rebuilds the carry
     as `merge(cached, message)` from its own copy of that microbatch's carry (as it last held it:
     its own output P − 1 chunks earlier, or the input before its first chunk): e.g. the whole
-    residual state, or for a history that only grows (the AttnRes source buffer) what was added
-    in the last P − 1 chunks.
+    residual state, or for a history that only grows what was added in the last P − 1 chunks.
     """
     microbatches = jax.tree.leaves(inputs_M)[0].shape[0]
     units = jax.tree.leaves(layer_params)[0].shape[0]

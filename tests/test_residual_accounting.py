@@ -12,6 +12,7 @@ from flax import nnx
 
 from arch.accounting import (
     added_parameters,
+    parameter_count,
     residual_accounting,
     residual_history,
     residual_io,
@@ -19,7 +20,8 @@ from arch.accounting import (
 )
 from arch.layers import Dense
 from arch.model import TransformerLM
-from arch.residual import RESIDUALS, PreNormSum, SumStream, record
+from arch.residual import RESIDUALS, PreNormSum, ResidualMechanism, SumStream, record
+from config.defaults import model_config
 from tests.helpers import random_tokens, tiny_config, tiny_model, write_run
 from train.config import validate
 from train.instruments import depth_mixing
@@ -33,38 +35,65 @@ def resolved(**model):
     return config.model
 
 
+def model_cfg(residual: str, sublayers: int, **fields) -> ml_collections.ConfigDict:
+    """The default model config with `residual` and `sublayers` sublayers (attention and FFN per
+    block): all that the closed forms read."""
+    cfg = model_config()
+    cfg.update(residual=residual, num_layers=sublayers // 2, use_ffn=True, **fields)
+    return cfg
+
+
+def io_of(residual: str, sublayers: int, block_size: int = 1, streams: int = 1, **fields):
+    return residual_io(model_cfg(residual, sublayers, attnres_block_size=block_size,
+                                 residual_streams=streams, **fields))
+
+
 # The AttnRes report's residual I/O per token per sublayer at L = 128 sublayers, S = 16, n = 4.
 @pytest.mark.parametrize("mechanism,expected", [
     ("prenorm", 3), ("postnorm", 3), ("deepnorm", 3), ("noskip", 3), ("block_attnres", 5.5),
     ("attnres", 24), ("hc", 34), ("mhc", 34), ("width", 8), ("gated_residual", 18)])
 def test_residual_io_reproduces_the_reported_numbers(mechanism, expected):
-    io = residual_io(mechanism, sublayers=128, block_size=16, streams=4)
+    io = io_of(mechanism, sublayers=128, block_size=16, streams=4)
     assert io.total == expected
     assert io.reads + io.writes == io.total
 
 
 def test_residual_io_itemization_and_closed_forms():
-    mhc = residual_io("mhc", sublayers=128, block_size=16, streams=4)
+    mhc = io_of("mhc", sublayers=128, block_size=16, streams=4)
     assert (mhc.reads, mhc.writes, mhc.scalars) == (5 * 4 + 1, 3 * 4 + 1, 2 * 16 + 4 * 4)
     for n in (1, 2, 8):
-        assert residual_io("hc", sublayers=8, streams=n).total == 8 * n + 2
-        assert residual_io("width", sublayers=8, streams=n).total == n + 4
-        assert residual_io("gated_residual", sublayers=8, streams=n).total == 4 * n + 2
-        mixed = residual_io("gated_residual", sublayers=8, streams=n, gr_mixing=True)
+        assert io_of("hc", sublayers=8, streams=n).total == 8 * n + 2
+        assert io_of("width", sublayers=8, streams=n).total == n + 4
+        assert io_of("gated_residual", sublayers=8, streams=n).total == 4 * n + 2
+        mixed = io_of("gated_residual", sublayers=8, streams=n, gr_mixing=True)
         assert mixed.total == 6 * n + 2
         assert mixed.state_total() == 6 * n  # all but the gated read (d) and the output (d)
     for L, S in ((128, 16), (32, 4), (64, 8)):
-        assert residual_io("attnres", sublayers=L, block_size=S).total == L / S + S
-        assert residual_io("block_attnres", sublayers=L, block_size=S).total == L / S / S + 5
+        assert io_of("attnres", sublayers=L, block_size=S).total == L / S + S
+        assert io_of("block_attnres", sublayers=L, block_size=S).total == L / S / S + 5
     with pytest.raises(ValueError, match="no residual I/O model for 'bogus'; modelled: prenorm"):
-        residual_io("bogus", sublayers=4)
+        io_of("bogus", sublayers=4)
 
 
 def test_residual_history_per_token():
-    assert residual_history("prenorm", sublayers=128) == 1
-    assert residual_history("attnres", sublayers=128) == 129
-    assert residual_history("block_attnres", sublayers=128, block_size=16) == 9
-    assert residual_history("mhc", sublayers=128, streams=4) == 4
+    assert residual_history(model_cfg("prenorm", sublayers=128)) == 1
+    assert residual_history(model_cfg("attnres", sublayers=128)) == 129
+    assert residual_history(model_cfg("block_attnres", sublayers=128,
+                                      attnres_block_size=16)) == 9
+    assert residual_history(model_cfg("mhc", sublayers=128, residual_streams=4)) == 4
+
+
+@pytest.mark.parametrize("mechanism", list(RESIDUALS))
+def test_every_registered_mechanism_has_its_books(mechanism):
+    """Every registered mechanism states its residual I/O and history (the accounting hooks of
+    `arch.residual.ResidualMechanism`), keeps at least the stream it declares, and adds the
+    parameters that the same model with a plain Pre-Norm sum lacks."""
+    cfg = resolved(residual=mechanism, num_layers=3)
+    books = residual_accounting(cfg)
+    assert books["io_per_token_per_sublayer"] >= 3
+    assert books["state_elements_per_token"] >= books["history_elements_per_token"] >= cfg.d_model
+    prenorm = resolved(residual="prenorm", num_layers=3)
+    assert books["added_parameters"] == parameter_count(cfg) - parameter_count(prenorm)
 
 
 @pytest.mark.parametrize("residual,use_ffn,dtype", [("prenorm", True, "float32"),
@@ -118,8 +147,7 @@ def test_accounting_of_the_mechanisms(model):
     books = residual_accounting(cfg)
     d, n, L = cfg.d_model, cfg.residual_streams, 6
     assert books["added_parameters"] == expected_added_parameters(cfg)
-    io = residual_io(cfg.residual, sublayers=L, block_size=cfg.attnres_block_size, streams=n,
-                     gr_mixing=cfg.gr_mixing)
+    io = residual_io(cfg)
     assert books["io_per_token_per_sublayer"] == io.total
     history = {"attnres": L + 1, "block_attnres": 3 + 1}.get(cfg.residual, n) * d
     assert books["history_elements_per_token"] == history
@@ -146,6 +174,8 @@ class _GateStream(SumStream):
 
 
 class _RecordingPreNorm(PreNormSum):
+    residual_io = ResidualMechanism.residual_io  # the default: no I/O model
+
     def __init__(self, cfg, *, rngs):
         super().__init__(cfg, rngs=rngs)
         self.gate = Dense((cfg.d_model,), (3,), ("embed",), (None,), rngs=rngs)

@@ -17,12 +17,13 @@ import optax
 import pytest
 
 from arch.config import ConfigError
+from arch.residual import RESIDUALS, MixingParam
 from tests.helpers import one_device_env, tiny_config, tiny_model
 from train import data
 from train.checkpoint import Checkpointer
 from train.config import validate
 from train.loop import NonFiniteLoss, build_program, train
-from train.optim import MIXING_PARAMS, decay_mask, make_optimizer, schedule
+from train.optim import decay_mask, make_optimizer, schedule
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -212,14 +213,31 @@ def test_weight_decay_skips_norm_gains_biases_and_embeddings():
     assert isinstance(optimizer, optax.GradientTransformation)
 
 
-@pytest.mark.parametrize("residual", ["hc", "mhc", "width", "attnres"])
+# The mixing weights each mechanism declares (`arch.residual.MixingParam`), by name.
+MIXING_WEIGHTS = {
+    "hc": {"static_read", "static_mixing", "static_write", "width_scale", "depth_scale"},
+    "mhc": {"read_bias", "write_bias", "mixing_bias", "read_scale", "write_scale",
+            "mixing_scale"},
+    "width": {"branch_weights"},
+    "attnres": {"pseudo_queries"},
+}
+
+
+@pytest.mark.parametrize("residual", sorted(RESIDUALS))
 def test_weight_decay_skips_residual_mixing_parameters(residual):
     from flax import nnx
 
     _, model = tiny_model(residual=residual)
-    mask = nnx.to_flat_state(decay_mask(tiny_config().optimizer, nnx.state(model, nnx.Param)))
-    decayed = {path[-1]: flag.get_value() for path, flag in mask}
-    mixing = set(decayed) & set(MIXING_PARAMS)
-    assert mixing, sorted(decayed)
-    assert not any(decayed[name] for name in mixing)
-    assert decayed["kernel"]
+    params = nnx.state(model, nnx.Param)
+    opt = tiny_config().optimizer
+    mask = nnx.to_flat_state(decay_mask(opt, params))
+    decayed = {path: flag.get_value() for path, flag in mask}
+    mixing = {path for path, variable in nnx.to_flat_state(params)
+              if isinstance(variable, MixingParam)}
+    assert {path[-1] for path in mixing} >= MIXING_WEIGHTS.get(residual, set())
+    assert not any(decayed[path] for path in mixing)
+    assert any(decayed[path] for path in decayed if path[-1] == "kernel")
+    opt.decay_mixing = True  # then only the name groups are kept out
+    mask = dict(nnx.to_flat_state(decay_mask(opt, params)))
+    assert all(mask[path].get_value() for path in mixing if path[-1] not in (
+        "scale", "alpha", "bias", "embedding", "table"))

@@ -4,17 +4,14 @@ from __future__ import annotations
 
 import jax
 import optax
+from flax import nnx
+
+from arch.residual import MixingParam
 
 # Parameter names (the last path component) by group, for the weight-decay mask.
 NORM_PARAMS = ("scale", "alpha")  # norm gains; DyT's scalar α
 BIAS_PARAMS = ("bias",)
 EMBEDDING_PARAMS = ("embedding", "table")
-# Residual-mechanism mixing parameters whose initialization sets the starting mechanism (AttnRes
-# pseudo-queries, HC/mHC static weights, biases and scales, the width baseline's branch weights):
-# decay would pull them away from it (to uniform depth weights, or no stream at all).
-MIXING_PARAMS = ("pseudo_queries", "static_weights", "static_read", "static_mixing",
-                 "static_write", "width_scale", "depth_scale", "read_bias", "write_bias",
-                 "mixing_bias", "read_scale", "write_scale", "mixing_scale", "branch_weights")
 
 
 def schedule(opt, steps: int) -> optax.Schedule:
@@ -37,11 +34,12 @@ def schedule(opt, steps: int) -> optax.Schedule:
 
 
 def decay_mask(opt, params):
-    """True for parameters that get weight decay: all but norm gains, biases, embeddings and
-    residual mixing parameters, unless `optimizer.decay_norms / decay_biases / decay_embeddings /
-    decay_mixing` say otherwise."""
+    """True for parameters that get weight decay: all but norm gains, biases, embeddings (by
+    name) and residual mixing weights (`arch.residual.MixingParam`: their initialization sets the
+    starting mechanism, which decay would pull them away from), unless `optimizer.decay_norms /
+    decay_biases / decay_embeddings / decay_mixing` say otherwise. `params` is a pytree of
+    `nnx.Variable`s (e.g. `nnx.state(model, nnx.Param)`), whose types the mask reads."""
     excluded = ((() if opt.decay_norms else NORM_PARAMS)
-                + (() if opt.decay_mixing else MIXING_PARAMS)
                 + (() if opt.decay_biases else BIAS_PARAMS)
                 + (() if opt.decay_embeddings else EMBEDDING_PARAMS))
 
@@ -49,7 +47,12 @@ def decay_mask(opt, params):
         keys = [getattr(k, "key", None) for k in path]
         return [k for k in keys if isinstance(k, str)][-1]
 
-    return jax.tree_util.tree_map_with_path(lambda path, _: name(path) not in excluded, params)
+    def decayed(path, variable) -> nnx.Variable:
+        mixing = isinstance(variable, MixingParam) and not opt.decay_mixing
+        return variable.replace(not mixing and name(path) not in excluded)
+
+    return jax.tree_util.tree_map_with_path(
+        decayed, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def make_optimizer(opt, steps: int) -> optax.GradientTransformation:

@@ -41,6 +41,7 @@ import jax
 import numpy as np
 
 from arch import accounting, bottleneck
+from arch.residual import RESIDUALS
 from config import ConfigError
 from train.instruments import probes
 from train.restore import restore_for_analysis
@@ -239,7 +240,7 @@ def markdown(report: dict) -> str:
         depth = report["depth"]
         layers = len(depth["block_influence"])
         definition = ("Hidden state h_i = x_i, block i's input; the gradient is ∂loss/∂x_i."
-                      if report["residual"] in probes.SINGLE_STREAM else
+                      if RESIDUALS[report["residual"]].single_stream else
                       "Hidden state h_i is the readout of the residual state at block i's input "
                       "(what the final norm would read there); the gradient is ∂loss/∂u_i, u_i "
                       "the embedding or the last update written before block i; the update ratio "

@@ -12,51 +12,36 @@ Conventions shared by every function here:
   the input of block i, boundary L the output of the last block (what the final norm reads).
   Sublayer index 0 is attention, 1 the FFN (`SUBLAYERS`).
 - Residual mechanisms: every one but the reversible stack (`model.reversible=True`, which raises a
-  ValueError). The single-stream mechanisms `SINGLE_STREAM` (prenorm, postnorm, deepnorm,
-  noskip) carry one stream x (B×T×D); the others carry a pytree (arch/residual.py), and the
-  probes read it through explicit definitions, by mechanism (L blocks, n sublayers: 2L, or L with
-  `model.use_ffn=False`; state_i the residual state at boundary i):
+  ValueError). The probes read a mechanism only through the hooks of
+  `arch.residual.ResidualMechanism` (L blocks; state_i the residual state at boundary i):
 
-  hidden state h_i (B×T×D): the readout of state_i, what the final norm would read if the network
-      stopped at boundary i; h_L is what it does read. Single stream: x_i (`end` is the
-      identity). hc, mhc: Σ_m h_m, the sum of the n streams (`CopiedStreams.end`; n times the
-      Pre-Norm stream at HC's initialization). width: Σ_m x_m, the sum of the branches
-      (`SeparateBranches.end`; the Pre-Norm stream at initialization). gated_residual:
-      (1/n) Σ_m x_m, the mean of the branches (`GatedResidualStream.end`). attnres,
-      block_attnres: the final depth-attention read (pseudo-query w_n, plus W_n k̂_cur with
-      `attnres_query="input"`; the last row of the static weights with `attnres_weights=
-      "static"`) over the sources available at boundary i (`AttnResStream.end`, which reads
-      with the table row of the state's next sublayer; the probe puts the final row there).
+  hidden state h_i (B×T×D): `ResidualStream.hidden_state(state_i)`, what the final norm would
+      read if the network stopped at boundary i; h_L is what it does read. A `single_stream`
+      mechanism's state is x_i itself.
   gradient at boundary i: single stream: ∂loss/∂x_i. Others: ∂loss/∂u_i, with u_0 the embedding
       x⁰ (before `begin`) and u_i (i ≥ 1) the update F that block i−1's last sublayer writes:
       the total derivative, through every later read, write and the readout, of the loss w.r.t.
-      what that write adds (for prenorm and noskip, where x_i = s + u_i or u_i, it is ∂loss/∂x_i).
-      hc, mhc: Σ_m b_m ∂loss/∂h_m (b the write strengths), at HC's Pre-Norm initialization equal
-      to the Pre-Norm model's ∂loss/∂x_i; width: ∂loss/∂x_m of the branch m = k mod n written;
-      gated_residual: Σ_m s_m ∂loss/∂x_m; attnres: ∂loss/∂v, v the newest source (the key
-      normalization of v included), block_attnres: of the newest partial sum or summary.
+      what that write adds (where x_i = s + u_i, as for a plain sum, it is ∂loss/∂x_i).
   sublayer input s (the update ratio's denominator) and the sublayer norm: single stream: the
-      stream before the write, and the residual's `norm` (a pre-norm of s, or postnorm's and
-      deepnorm's norm of the write). hc, mhc, width, attnres, block_attnres: the read's mixture
-      before its norm, Σ_m a_m h_m or Σ_j α_{j→l} v_j, which is the input of the read's norm
-      `norm` (`model.norm`; hc's and mhc's `dynamic_norm` is not reported). gated_residual
-      (whose read normalizes each branch on its own): s = h, the readout before the write; the
-      norm is the per-branch RMS normalization, input the n branches (statistics averaged over
-      the n·B·T branch rows), gain `scale` (n×D).
+      stream before the write, and the mechanism's `norm` submodule (wherever it sits: a
+      pre-norm of s, or a post-norm of the write). Others with a `norm` submodule: the input of
+      that norm (the read's mixture). Others: s = h_i before the write; the norm is the one
+      `probe_norm(state)` names (module with the gain `scale`, input rows), NaN if none.
 - The model runs in the mode it is in (call `model.eval()` first for BatchNorm's running
   statistics) and is never modified. Statistics are computed in float32; NaN marks a quantity
   that does not exist (the FFN sublayer of a `model.use_ffn=False` block, the gain of a norm
   without one, the hidden activations of an MoE FFN).
 
-How: `depth_profile` runs a probe-only forward that reuses the model's own parts (embedding,
-position, `residual_stream.begin/end`, each block's residual `read`/`write`, attention and FFN,
-`_output`), scanning over the stacked block parameters as `arch/model.py` does, and adds zero
-perturbations at the block boundaries (single stream) or to u_i (the others) so that one
-`jax.value_and_grad` gives the gradient at every depth; readouts h_i off the loss path (i < L)
-are taken from a stop-gradient copy of the state. Inputs of norms and of FFN down projections
-are read by wrapping those modules in the probe's own merged copy of each block; attention
-probabilities are recorded by `arch.attention.dot_product_attention` under `nnx.capture`. The
-training path is untouched.
+How: `depth_profile` runs the model's own parts (embedding, position, `residual_stream.begin` /
+`hidden_state` / `end`, and every sublayer through `Block.sublayer`, the block's own code),
+scanning over the stacked block parameters as `arch/model.py` does, and adds zero perturbations
+at the block boundaries (single stream) or, at `Block.sublayer`'s capture point (`tap`), to u_i
+(the others), so that one `jax.value_and_grad` gives the gradient at every depth; readouts h_i
+off the loss path (i < L) are taken from a stop-gradient copy of the state. The update F is read
+at the same capture point; inputs of norms and of FFN down projections by wrapping those modules
+in the probe's own merged copy of each block; attention probabilities are recorded by
+`arch.attention.dot_product_attention` under `nnx.capture` of the attention module. The training
+path is untouched.
 """
 
 from __future__ import annotations
@@ -73,16 +58,13 @@ from flax import nnx
 
 from arch.accounting import abstract_model, parameter_count
 from arch.attention import AttentionWeights
-from arch.gated_residual import load_branches
-from arch.hyper import MHC_INIT_LOGIT
 from arch.layers import Dense
 from arch.model import TransformerLM, interleaves_moe
+from arch.residual import RESIDUALS
 from sharding.rules import STREAM, constrain
 from train.step import build_program, compile_train_step, next_token_loss
 
 SUBLAYERS = ("attention", "ffn")
-SINGLE_STREAM = ("prenorm", "postnorm", "deepnorm", "noskip")
-ATTNRES = ("attnres", "block_attnres")
 DEFAULT_SPARSITY_THRESHOLD = 1e-2
 NORM_STATISTICS = ("input_mean", "input_variance", "input_rms", "gain_mean", "gain_std")
 
@@ -161,21 +143,41 @@ def _nan_sublayer(heads: int) -> dict:
 
 
 def _readout(model: TransformerLM, state) -> jax.Array:
-    """h of a multi-stream state off the loss path (module docstring), B×T×D: the model's
-    `residual_stream.end` of a stop-gradient copy of the state, with AttnRes's final query row
-    (or static weight row) in the row of the state's next sublayer, which `end` reads."""
-    state = jax.lax.stop_gradient(state)
-    if model.cfg.residual in ATTNRES:
-        key = "static_weights" if "static_weights" in state else "pseudo_queries"
-        table = state[key]
-        state = dict(state, **{key: table.at[state["sublayer"]].set(table[-1])})
-    return model.residual_stream.end(state)
+    """h of a residual state off the loss path (module docstring), B×T×D: the stream's
+    `hidden_state` of a stop-gradient copy of the state."""
+    return model.residual_stream.hidden_state(jax.lax.stop_gradient(state))
+
+
+class _AttentionWeightsTap:
+    """Stands in for a block's attention module: runs it under `nnx.capture` of its attention
+    probabilities (`arch.attention.AttentionWeights`) and keeps them."""
+
+    def __init__(self, attention):
+        self.module, self.weights = attention, []
+
+    def __call__(self, *args):
+        output, captured = nnx.capture(self.module, AttentionWeights)(*args)
+        self.weights.append(captured["attention_weights"][0])
+        return output
+
+
+class _UpdateTap:
+    """The capture point of `Block.sublayer` (its `tap`): keeps the sublayer's update F and
+    hands on F + `perturbation` (None: F unchanged)."""
+
+    def __init__(self, perturbation_BxTxD=None):
+        self.perturbation, self.updates = perturbation_BxTxD, []
+
+    def __call__(self, update_BxTxD):
+        self.updates.append(update_BxTxD)
+        return update_BxTxD if self.perturbation is None else update_BxTxD + self.perturbation
 
 
 def _probe_block(block, state, positions_BxT, rotate, threshold, heads: int, readout=None,
                  output_perturbation_BxTxD=None):
-    """Run one block as `Block.__call__` does, sublayer by sublayer, and measure it: returns
-    (block output state, per-block statistics with a leading sublayer axis of 2). Single stream:
+    """Run one block through the model's own `Block.sublayer`, with taps on its norm, attention
+    and FFN down projection and at the sublayer's capture point, and measure it: returns (block
+    output state, per-block statistics with a leading sublayer axis of 2). Single stream:
     `readout` and `output_perturbation_BxTxD` are None. Otherwise `readout` maps a state to its h
     and the perturbation is added to the update of the block's last sublayer (u_{i+1})."""
     per_sublayer = []
@@ -186,38 +188,35 @@ def _probe_block(block, state, positions_BxT, rotate, threshold, heads: int, rea
             continue
         stats = _nan_sublayer(heads)
         residual = getattr(block, f"{name}_residual")
-        norm = getattr(residual, "norm", None)  # None: gated_residual's per-branch normalization
+        norm = getattr(residual, "norm", None)  # None: `probe_norm` names it, if there is one
         if norm is not None:
             residual.norm = _InputTap(norm)
+        module = getattr(block, name)
         if name == "attention":
-            (update, _), captured = nnx.capture(
-                lambda attention, h: attention(h, positions_BxT, rotate, None),
-                AttentionWeights)(block.attention, residual.read(state))
-            stats["head_similarity"] = _head_similarity(captured["attention_weights"][0])
-        else:
-            ffn = block.ffn
-            dense = isinstance(getattr(ffn, "down", None), Dense)  # not an MoE
-            if dense:
-                ffn.down = _InputTap(ffn.down)
-            update = ffn(residual.read(state))
-            if dense:
-                (hidden,), ffn.down = ffn.down.inputs, ffn.down.module
-                hidden = hidden.astype(jnp.float32)
-                stats.update(ffn_sparsity=jnp.mean(jnp.abs(hidden) < threshold),
-                             ffn_mean_abs=jnp.mean(jnp.abs(hidden)),
-                             ffn_rms=jnp.sqrt(jnp.mean(hidden**2)))
-        written = (update + output_perturbation_BxTxD
-                   if output_perturbation_BxTxD is not None and name == last else update)
-        new_state = residual.write(state, written)
+            block.attention = _AttentionWeightsTap(module)
+        elif isinstance(getattr(module, "down", None), Dense):  # not an MoE
+            module.down = _InputTap(module.down)
+        tap = _UpdateTap(output_perturbation_BxTxD if name == last else None)
+        new_state, _ = block.sublayer(name, state, positions_BxT, rotate, None, tap)
+        (update,) = tap.updates
+        if name == "attention":
+            (weights,), block.attention = block.attention.weights, module
+            stats["head_similarity"] = _head_similarity(weights)
+        elif isinstance(getattr(module, "down", None), _InputTap):
+            (hidden,), module.down = module.down.inputs, module.down.module
+            hidden = hidden.astype(jnp.float32)
+            stats.update(ffn_sparsity=jnp.mean(jnp.abs(hidden) < threshold),
+                         ffn_mean_abs=jnp.mean(jnp.abs(hidden)),
+                         ffn_rms=jnp.sqrt(jnp.mean(hidden**2)))
         if norm is not None:
             (norm_input,), residual.norm = residual.norm.inputs, norm
             stats["norm"] = _norm_statistics(norm, norm_input)
             sublayer_input = state if readout is None else norm_input
         else:
-            branches_NxBxTxD = load_branches(jax.lax.stop_gradient(state))
-            stats["norm"] = _norm_statistics(
-                residual, branches_NxBxTxD.reshape(-1, *branches_NxBxTxD.shape[2:]))
-            sublayer_input = readout(state)
+            probed = residual.probe_norm(state)
+            if probed is not None:
+                stats["norm"] = _norm_statistics(*probed)
+            sublayer_input = state if readout is None else readout(state)
         update32, s32 = update.astype(jnp.float32), sublayer_input.astype(jnp.float32)
         stats["branch_rms"] = jnp.sqrt(_mean_square(update32))
         stats["update_ratio"] = jnp.sqrt(jnp.mean(
@@ -238,7 +237,7 @@ def _walk(model: TransformerLM, tokens_BxT1, perturbations, threshold):
     to each block's input and to the last block's output (∂loss/∂x_i); otherwise added to the
     update of each block's last sublayer and to the embedding (∂loss/∂u_i)."""
     cfg = model.cfg
-    single = cfg.residual in SINGLE_STREAM
+    single = RESIDUALS[cfg.residual].single_stream
     inputs_BxT, targets_BxT = _split_tokens(tokens_BxT1)
     positions_BxT = jnp.broadcast_to(jnp.arange(inputs_BxT.shape[1]), inputs_BxT.shape)
     block_perturbations, other_perturbation = perturbations
@@ -306,7 +305,7 @@ def _profile(graphdef, state, tokens_BxT1, threshold, gradients: bool):
     (loss, (per_block, final)), (block_grads, other_grad) = jax.value_and_grad(
         loss_fn, argnums=1, has_aux=True)(state, zeros)
     block_grads = block_grads.reshape(cfg.num_layers, b, t, cfg.d_model)
-    ordered = ([block_grads, other_grad[None]] if cfg.residual in SINGLE_STREAM
+    ordered = ([block_grads, other_grad[None]] if RESIDUALS[cfg.residual].single_stream
                else [other_grad[None], block_grads])  # boundaries 0..L
     grads = jnp.concatenate(ordered).astype(jnp.float32)
     gradient_rms = jnp.sqrt(jnp.mean(grads**2, axis=(1, 2, 3)))
@@ -347,11 +346,11 @@ def depth_profile(model: TransformerLM, tokens_BxT1: jax.Array, *,
                         variance mean_d (x − μ_t)², RMS √(mean_d x²) of the norm's input,
                         averaged over tokens) and gain_mean, gain_std (mean and population std of
                         the norm's `scale` entries; NaN without a gain; ScaleNorm's is one
-                        scalar). "attention"/"ffn" are the sublayer residual's norm: its input is
-                        the stream s for prenorm/noskip (a pre-norm), s + F for postnorm and
-                        αs + F for deepnorm (a post-norm), the read's mixture for hc, mhc, width
-                        and AttnRes, the branches for gated_residual (module docstring). "final"
-                        reads h_L (NaN without one).
+                        scalar). "attention"/"ffn" are the sublayer residual's norm (module
+                        docstring): its input is what that norm reads (the stream s for a
+                        pre-norm, s + F for a post-norm, a multi-stream read's mixture), or what
+                        the mechanism's `probe_norm` names; NaN for a mechanism without a norm.
+                        "final" reads h_L (NaN without one).
       ffn_sparsity      (L,) fraction of the FFN hidden activations a (what feeds the down
                         projection: φ(xW₁), or φ(xW) ⊙ xV for gated FFNs; B·T·d_ff values) with
                         |a| < `sparsity_threshold` (absolute, default 1e-2).
@@ -436,89 +435,20 @@ def head_ablation(model: TransformerLM, tokens_BxT1: jax.Array) -> dict:
 
 # Block pruning (ShortGPT) -------------------------------------------------------------------------
 
-def _sublayers_per_block(cfg) -> int:
-    return 2 if cfg.use_ffn else 1
-
-
-def _check_width_targets(cfg, kept: list[int], drop: list[int]) -> None:
-    """width writes sublayer k into branch k mod n: a kept sublayer that moves from k to k' must
-    keep its branch, k − k' ≡ 0 (mod n)."""
-    n, per_block = cfg.residual_streams, _sublayers_per_block(cfg)
-    if any((old - new) * per_block % n for new, old in enumerate(kept)):
-        raise ValueError(f"model.residual='width': dropping blocks {drop} moves the round-robin "
-                         f"write target (branch k mod n, n = model.residual_streams={n}) of later "
-                         f"sublayers; drop blocks whose removal shifts k ({per_block} per block) "
-                         "by a multiple of n, e.g. the last blocks")
-
-
-def _shift_read_offsets(cfg, blocks_state, kept: list[int]) -> None:
-    """hc and mhc: sublayer k's read carries an offset that follows k, e_{k mod n} (mhc:
-    c·(2e_{k mod n} − 1), c = `MHC_INIT_LOGIT`), added to `static_read` (mhc: `read_bias`). A
-    kept sublayer moves from k to k'; adding e_{k mod n} − e_{k' mod n} (mhc: times 2c) to its
-    parameter keeps its read weights (to float rounding)."""
-    n, per_block = cfg.residual_streams, _sublayers_per_block(cfg)
-    name, scale = (("static_read", 1.0) if cfg.residual == "hc"
-                   else ("read_bias", 2.0 * MHC_INIT_LOGIT))
-    old, new = np.asarray(kept), np.arange(len(kept))
-    for j, residual in enumerate(("attention_residual", "ffn_residual")[:per_block]):
-        shift_LxN = scale * (np.eye(n)[(old * per_block + j) % n]
-                             - np.eye(n)[(new * per_block + j) % n])
-        variable = blocks_state[residual][name]
-        variable[...] = variable[...] + jnp.asarray(shift_LxN, variable.dtype)
-
-
-def _prune_depth_tables(cfg, stream_state, kept: list[int], drop: list[int]) -> None:
-    """attnres, block_attnres: keep the rows of the model-level pseudo-query (or static weight)
-    table of the kept sublayers and the final read, and the static weights' columns of the
-    source slots that still hold an output. Clean only when the kept sublayers group into
-    AttnRes blocks of S as before (each old block's kept sublayers form one new block)."""
-    per_block = _sublayers_per_block(cfg)
-    size = cfg.attnres_block_size if cfg.residual == "block_attnres" else 1
-    sublayers = [b * per_block + j for b in kept for j in range(per_block)]
-    old_blocks = [sublayer // size for sublayer in sublayers]
-    new_blocks = [sublayer // size for sublayer in range(len(sublayers))]
-    if any((old_blocks[k] == old_blocks[k + 1]) != (new_blocks[k] == new_blocks[k + 1])
-           for k in range(len(sublayers) - 1)):
-        raise ValueError(f"model.residual='block_attnres': dropping blocks {drop} regroups the "
-                         "remaining sublayers into other AttnRes blocks of model."
-                         f"attnres_block_size={size}; drop blocks whose {per_block} sublayer(s) "
-                         "fill whole AttnRes blocks, or the last blocks")
-    rows = np.asarray([*sublayers, cfg.num_layers * per_block])
-    slots = np.asarray([0, *(1 + block for block in dict.fromkeys(old_blocks))])
-    if "static_weights" in stream_state:  # rows × slots × heads
-        stream_state["static_weights"] = jax.tree.map(lambda x: x[rows][:, slots],
-                                                      stream_state["static_weights"])
-    else:  # rows × D
-        stream_state["pseudo_queries"] = jax.tree.map(lambda x: x[rows],
-                                                      stream_state["pseudo_queries"])
-
-
 def prune_blocks(model: TransformerLM, drop: Sequence[int]
                  ) -> tuple[ml_collections.ConfigDict, TransformerLM]:
     """(model config, model) with the blocks `drop` (network-order indices) removed: num_layers
     − len(drop) blocks holding the remaining blocks' parameters and state in order; embedding,
-    final norm, head and the residual stream's model-level parameters (AttnRes: their kept
-    rows) shared in value. By mechanism:
-
-      prenorm, postnorm, noskip, gated_residual
-                   nothing else changes: the kept blocks compute what they did, given their
-                   inputs.
-      deepnorm     ValueError: its α = (2M)^{1/4} depends on the depth M.
-      hc, mhc      the read offsets that follow the sublayer index k are moved with the kept
-                   sublayers (`_shift_read_offsets`), so every kept sublayer reads as before.
-      width        ValueError unless every kept sublayer still writes into its branch k mod n.
-      attnres,     the pseudo-query (or static weight) rows of the dropped sublayers, and the
-      block_attnres  static weights' columns of source slots left empty, are removed: the kept
-                   sublayers read over the remaining outputs (with `attnres_window` W, over the
-                   W most recent remaining ones). block_attnres: ValueError unless the kept
-                   sublayers group into the same AttnRes blocks as before.
+    final norm, head and the residual stream's model-level parameters shared in value. The
+    residual mechanism first says whether the kept blocks can compute what they did
+    (`ResidualMechanism.check_prunable`: e.g. a constant that depends on the depth, a write
+    target that follows the sublayer index, a grouping of sublayers into blocks), then adjusts
+    what follows the sublayer index or the depth (`ResidualMechanism.prune`: read offsets,
+    rows and columns of depth tables), so that every kept sublayer reads as before.
 
     Also ValueError for the reversible stack and MoE interleaving (groups would break)."""
     cfg = model.cfg
     require_probeable(cfg)
-    if cfg.residual == "deepnorm":
-        raise ValueError("model.residual='deepnorm': pruning changes DeepNorm's α = (2M)^(1/4) of "
-                         "every remaining block; prune a model with another model.residual")
     if interleaves_moe(cfg):
         raise ValueError(f"model.moe_every={cfg.moe_every}: pruning single blocks breaks the "
                          "dense/MoE groups; prune a model with model.moe_every=1")
@@ -527,18 +457,15 @@ def prune_blocks(model: TransformerLM, drop: Sequence[int]
         raise ValueError(f"drop={drop}: expected distinct block indices in 0..{cfg.num_layers - 1}"
                          f" leaving at least one of the {cfg.num_layers} blocks")
     kept = [i for i in range(cfg.num_layers) if i not in drop]
-    if cfg.residual == "width":
-        _check_width_targets(cfg, kept, drop)
+    mechanism = RESIDUALS[cfg.residual]
+    mechanism.check_prunable(cfg, kept, drop)
     pruned_cfg = ml_collections.ConfigDict(cfg.to_dict())
     pruned_cfg.num_layers = cfg.num_layers - len(drop)
     state = nnx.state(model)
     state = jax.tree.map(lambda x: x, state)  # new Variables: the models share no mutable state
-    if cfg.residual in ATTNRES:
-        _prune_depth_tables(cfg, state["residual_stream"], kept, drop)
     graphdef = nnx.graphdef(abstract_model(pruned_cfg))
     state["blocks"] = jax.tree.map(lambda x: x[jnp.asarray(kept)], state["blocks"])
-    if cfg.residual in ("hc", "mhc"):
-        _shift_read_offsets(cfg, state["blocks"], kept)
+    mechanism.prune(cfg, state, kept)
     return pruned_cfg, nnx.merge(graphdef, state)
 
 
