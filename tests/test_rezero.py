@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from arch import probes
 from arch.accounting import parameter_count, residual_accounting
 from arch.residual import RESIDUALS, MixingParam
 from tests.helpers import random_tokens, tiny_model
 from tests.test_pipeline import logits_loss_and_grads, program_on, single_device
+from train.instruments import probes
 from train.step import next_token_loss
 
 
