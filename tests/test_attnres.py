@@ -3,6 +3,7 @@ probe, two-phase inference against the naive read, gradients and config errors."
 
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -158,8 +159,7 @@ def test_two_phase_reads_and_their_gradients_equal_the_naive_reads(key_norm, hea
 
     inputs = queries, sources, outputs
     fast, naive = value_and_grads(True, *inputs), value_and_grads(False, *inputs)
-    for got, expected in zip(jax.tree.leaves(fast), jax.tree.leaves(naive), strict=True):
-        np.testing.assert_allclose(got, expected, atol=5e-5, rtol=1e-4)
+    chex.assert_trees_all_close(fast, naive, atol=5e-5, rtol=1e-4)
 
 
 def test_a_read_in_an_opened_block_keeps_only_its_inputs_for_the_backward_pass():
@@ -256,8 +256,7 @@ def test_block_scan_gradient_equals_autodiff_of_the_naive_reads(case, monkeypatc
     grouped = loss_and_grads()
     monkeypatch.setattr(AttnResStream, "units_per_block", lambda self, units: None)
     naive = loss_and_grads()
-    for got, expected in zip(jax.tree.leaves(grouped), jax.tree.leaves(naive), strict=True):
-        np.testing.assert_allclose(got, expected, atol=2e-5, rtol=2e-4)
+    chex.assert_trees_all_close(grouped, naive, atol=2e-5, rtol=2e-4)
 
 
 def test_pseudo_query_gradients_one_source_has_none():

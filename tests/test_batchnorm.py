@@ -1,5 +1,6 @@
 """BatchNorm for sequences: statistics, masks, causality, running averages, data parallelism."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -79,7 +80,6 @@ def test_data_parallel_statistics_equal_single_device():
     (losses_1, eval_1, stats_1), (losses_8, eval_8, stats_8) = results
     np.testing.assert_allclose(losses_8, losses_1, rtol=1e-5)
     np.testing.assert_allclose(eval_8, eval_1, rtol=1e-5)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
-                 stats_8, stats_1)
+    chex.assert_trees_all_close(stats_8, stats_1, rtol=1e-5, atol=1e-6)
     mean = stats_1["blocks"]["attention_residual"]["norm"]["running_mean"]
     assert np.abs(mean).max() > 0  # the train step really updated the running statistics

@@ -1,6 +1,7 @@
 """Output heads: bias, Mixture of Softmaxes / Contexts against float64 references, the softmax
 bottleneck (rank), composition with the model, and MoS under tensor parallelism."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -104,7 +105,8 @@ def test_mos_equals_probability_space_mixture(tied, bias):
         set_random_bias(head.bias)
     x = hidden((2, 5, 8), scale=2.0)
     log_p = head(x, embedding)
-    assert log_p.shape == (2, 5, 64) and log_p.dtype == jnp.float32
+    chex.assert_shape(log_p, (2, 5, 64))
+    chex.assert_type(log_p, jnp.float32)
     expected = mos_reference(head, embedding, x)
     np.testing.assert_allclose(np.exp(np.asarray(log_p, np.float64)), expected,
                                atol=1e-6, rtol=1e-5)
@@ -172,8 +174,9 @@ def test_heads_compose_with_the_model(variant):
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     forward = nnx.jit(lambda model, tokens: model(tokens))
     outputs = forward(model, inputs)
-    assert outputs.shape == (2, 16, 256) and outputs.dtype == jnp.float32
-    assert np.all(np.isfinite(outputs))
+    chex.assert_shape(outputs, (2, 16, 256))
+    chex.assert_type(outputs, jnp.float32)
+    chex.assert_tree_all_finite(outputs)
     changed = inputs.at[:, 9:].set((inputs[:, 9:] + 7) % 256)
     after = forward(model, changed)
     np.testing.assert_array_equal(outputs[:, :9], after[:, :9])  # causal: the past is unchanged
