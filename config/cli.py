@@ -58,6 +58,17 @@ class ArgumentParser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+def positive_int(text: str) -> int:
+    """An argparse `type` for a count ≥ 1 (argparse names the option in its error)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is invalid: must be a positive integer")
+    return value
+
+
 def split_overrides(argv: Sequence[str]) -> tuple[list[str], list[tuple[str, str | None]]]:
     """(the other arguments, [(FIELD, VALUE or None), ...]) of a command line, in order.
 
