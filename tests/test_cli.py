@@ -2,6 +2,8 @@
 errors with exit status 2, parity with ml_collections' config_flags, and every entry point's
 --help."""
 
+import importlib
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -227,18 +229,34 @@ def test_apply_overrides_in_order(experiment):
     assert (config.steps, config.width) == (2, 4)
 
 
-ENTRY_POINTS = [["-m", "train"], ["-m", "train.generate"], ["scripts/dry_run.py"],
-                ["scripts/accounting.py"], ["scripts/bench.py"], ["scripts/probe_report.py"],
-                ["scripts/depth_mixing.py"], ["scripts/import_hf.py"]]
+ENTRY_POINTS = ["train.__main__", "train.generate", "scripts.dry_run", "scripts.accounting",
+                "scripts.bench", "train.instruments.probe_report",
+                "train.instruments.depth_mixing", "train.instruments.import_hf"]
 
 
-@pytest.mark.parametrize("entry", ENTRY_POINTS, ids=lambda entry: entry[-1])
-def test_every_entry_point_has_help_and_one_line_usage_errors(entry):
-    help_ = subprocess.run([sys.executable, *entry, "--help"], cwd=ROOT, capture_output=True,
-                           text=True, timeout=120)
-    assert help_.returncode == 0, help_.stderr[-2000:]
-    assert "--help" in help_.stdout and "usage:" in help_.stdout
-    bad = subprocess.run([sys.executable, *entry, "--no_such_flag"], cwd=ROOT,
+@pytest.mark.parametrize("module", ENTRY_POINTS)
+def test_every_entry_point_has_help_and_one_line_usage_errors(capsys, module):
+    main = importlib.import_module(module).main
+    program = ["prog"] if module == "train.__main__" else []  # it takes sys.argv whole
+    with pytest.raises(SystemExit) as exit_:
+        main([*program, "--help"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.startswith("usage: python ")
+    with pytest.raises(SystemExit) as exit_:
+        main([*program, "--no_such_flag"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+
+
+def test_train_help_and_errors_as_a_command():
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    help_ = subprocess.run([sys.executable, "-m", "train", "--help"], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=120)
+    assert help_.returncode == 0 and "--config.FIELD=VALUE" in help_.stdout, help_.stderr
+    bad = subprocess.run([sys.executable, "-m", "train", "--config", "experiments/quickstart.py",
+                          "--workdir", "unused", "--config.model.d_modl=8"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2, bad.stderr[-2000:]
-    assert bad.stderr.startswith("error: ") and bad.stderr.count("\n") == 1, bad.stderr
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert bad.stderr == ("error: --config.model.d_modl: model has no field 'd_modl'; did you "
+                          "mean model.d_model?\n")
