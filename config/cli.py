@@ -46,15 +46,15 @@ class UsageError(ConfigError):
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse with the one-line contract: a usage error prints `error: MESSAGE` on stderr (no
-    usage dump) and exits with status 2; `--help` prints `doc` (the entry point's docstring)
-    followed by the options."""
+    usage dump) and exits with status 2; `--help` prints the usage line, `doc` (the entry
+    point's docstring) and the options."""
 
     def __init__(self, prog: str, doc: str | None = None, **kwargs: Any) -> None:
         super().__init__(prog=prog, description=doc,
                          formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
 
     def error(self, message: str) -> NoReturn:
-        print(f"error: {message}", file=sys.stderr)
+        print(f"error: {' '.join(message.splitlines())}", file=sys.stderr)
         sys.exit(2)
 
 
@@ -146,12 +146,6 @@ def _holder(config: ml_collections.ConfigDict, field: str,
         if depth < len(parts) - 1:
             node = node[part]
     return node, parts[-1]
-
-
-def check_override_names(config: ml_collections.ConfigDict, argv: Sequence[str]) -> None:
-    """UsageError naming the first --config.FIELD of `argv` that `config` does not have."""
-    for field, _ in split_overrides(argv)[1]:
-        _holder(config, field, PREFIX + field)
 
 
 def _literal(text: str) -> Any:

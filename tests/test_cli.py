@@ -120,6 +120,8 @@ def test_path_arg_calls_get_config_with_arg(experiment):
         f"{experiment}:other", steps=3)
     residuals = parse(str(ROOT / "experiments" / "residuals.py") + ":block_attnres")
     assert residuals.model.residual == "block_attnres"
+    config, args = parse_with_config(ArgumentParser("test"), [f"--config={experiment}:x"])
+    assert config.name == "x" and args.config == f"{experiment}:x"
 
 
 def test_a_reference_set_from_the_command_line_reaches_its_users(tmp_path):
