@@ -40,15 +40,7 @@ import math
 import sys
 from pathlib import Path
 
-from absl import app, flags
-from ml_collections import config_flags
-
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment file, PATH[:ARG].",
-                                          lock_config=False)
-_SHAPES = flags.DEFINE_multi_string("shape", [], "A reference shape (repeatable), or 'all'.")
-_SEQ_LEN = flags.DEFINE_integer("seq_len", None, "Sequence length for FLOPs and KV cache.")
-_FORMAT = flags.DEFINE_enum("format", "markdown", ["markdown", "json", "csv"], "Output format.")
-_OUT = flags.DEFINE_string("out", None, "Write to this file instead of stdout.")
+from config.cli import ArgumentParser, parse_with_config
 
 
 def shape_books(name: str, seq_len: int) -> dict:
@@ -108,23 +100,29 @@ def render(all_books: dict[str, dict], fmt: str) -> str:
     return "\n\n".join(tables) + "\n"
 
 
-def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    names = shape_names() if "all" in _SHAPES.value else list(_SHAPES.value)
+def main(argv: list[str] | None = None) -> int:
+    parser = ArgumentParser("python scripts/accounting.py", __doc__)
+    parser.add_argument("--shape", action="append", default=[],
+                        help="a reference shape (repeatable), or 'all'")
+    parser.add_argument("--seq_len", type=int, default=None,
+                        help="sequence length for FLOPs and KV cache")
+    parser.add_argument("--format", choices=["markdown", "json", "csv"], default="markdown",
+                        help="output format")
+    parser.add_argument("--out", default=None, help="write to this file instead of stdout")
+    config, args = parse_with_config(parser, argv, required=False)
+    names = shape_names() if "all" in args.shape else list(args.shape)
     unknown = sorted(set(names) - set(shape_names()))
     if unknown:
-        raise app.UsageError(f"--shape: unknown {unknown}; known: all, {', '.join(shape_names())}")
-    if _CONFIG.value is None and not names:
-        raise app.UsageError("give --config PATH and/or --shape NAME (or --shape all)")
+        parser.error(f"--shape: unknown {unknown}; known: all, {', '.join(shape_names())}")
+    if config is None and not names:
+        parser.error("give --config PATH and/or --shape NAME (or --shape all)")
     from arch.accounting import books
     from config import ConfigError
     from sharding.rules import MESH_AXES
     from train.config import validate
 
     all_books = {}
-    if _CONFIG.value is not None:
-        config = _CONFIG.value
+    if config is not None:
         try:
             # The books need no devices: validate against the mesh the config asks for.
             sizes = [config.mesh[axis] for axis in MESH_AXES]
@@ -132,19 +130,19 @@ def main(argv: list[str]) -> None:
             validate(config, math.prod(size for size in sizes if size > 0), slices)
         except ConfigError as error:
             print(f"error: {error}", file=sys.stderr)
-            sys.exit(2)
-        path = config_flags.get_config_filename(flags.FLAGS["config"])
-        all_books[Path(path).stem] = books(
-            config.model, _SEQ_LEN.value or config.seq_len)
+            return 2
+        all_books[Path(args.config.partition(":")[0]).stem] = books(
+            config.model, args.seq_len or config.seq_len)
     for name in names:
         print(f"accounting: {name}", file=sys.stderr)
-        all_books[name] = shape_books(name, _SEQ_LEN.value or 2048)
-    text = render(all_books, _FORMAT.value)
-    if _OUT.value:
-        Path(_OUT.value).write_text(text)
+        all_books[name] = shape_books(name, args.seq_len or 2048)
+    text = render(all_books, args.format)
+    if args.out:
+        Path(args.out).write_text(text)
     else:
         print(text, end="")
+    return 0
 
 
 if __name__ == "__main__":
-    app.run(main)
+    sys.exit(main())

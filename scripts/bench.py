@@ -114,7 +114,6 @@ temporary buffer, experimental YNN dot fusions): docs/performance.md#xla-on-cpu.
 
 from __future__ import annotations
 
-import ast
 import functools
 import json
 import math
@@ -126,35 +125,12 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
 from absl import logging as absl_logging
 from flax import nnx
-from ml_collections import config_flags
 
+from config.cli import ArgumentParser, UsageError, apply_override, parse_with_config, positive_int
 from sharding.pipeline import bubble_fraction, iterations, stage_transfer_bytes
 from train.step import compile_train_step
-
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment file, PATH[:ARG].",
-                                          lock_config=False)
-_JSON = flags.DEFINE_bool("json", False, "Print one JSON object on stdout instead of a table.")
-_STEPS = flags.DEFINE_integer("steps", 20, "Timed steps, each of framework and reference.",
-                              lower_bound=1)
-_BLOCK = flags.DEFINE_integer("block", 5, "Steps per interleaved block.", lower_bound=1)
-_DEPTH = flags.DEFINE_bool("depth_check", False, "Also measure compile_24_over_4.")
-_BASELINE = flags.DEFINE_string(
-    "baseline", None, "FIELD=VALUE[,FIELD=VALUE...]: overrides giving a baseline config to time "
-    "against, e.g. model.reversible=False.")
-_DEPTH_MEMORY = flags.DEFINE_string(
-    "depth_memory", None, "A,B: compiled temp bytes of the train step at num_layers A and B.")
-_COMPARE = flags.DEFINE_string(
-    "compare", None, "FIELD=VALUE[,FIELD=VALUE...][;FIELD=VALUE...]: variants of the config, "
-    "each timed interleaved with it and reported as ratios to it.")
-_DECODE = flags.DEFINE_bool("decode", False, "Also time one-token KV-cache decoding.")
-_DECODE_BATCH = flags.DEFINE_integer("decode_batch", 1, "Sequences decoded at once (--decode).",
-                                     lower_bound=1)
-_DECODE_STEPS = flags.DEFINE_integer("decode_steps", 400, "Timed decode steps per variant.",
-                                     lower_bound=1)
-flags.mark_flag_as_required("config")
 
 TARGETS = {"vs_reference": "<= 1.05", "compile_24_over_4": "<= 1.5",
            "step_time_vs_baseline": "<= 1.5 (reversible vs ordinary)",
@@ -260,38 +236,15 @@ def paired_ratio(times: dict[str, list[float]], label: str, other: str, block: i
         for i in range(0, len(times[label]), block))
 
 
-def parse_value(text: str, current):
-    """A command-line value in the type of the field it replaces."""
-    if isinstance(current, bool):
-        if text.lower() not in ("true", "false"):
-            raise app.UsageError(f"expected True or False, got {text!r}")
-        return text.lower() == "true"
-    if isinstance(current, int | float):
-        return type(current)(text)
-    if isinstance(current, str):
-        return text
-    try:  # a field whose default is None
-        return ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-        return text
-
-
 def with_overrides(config, overrides: str, flag: str = "--baseline"):
-    """A copy of `config` with `FIELD=VALUE[,FIELD=VALUE...]` applied (dotted field paths)."""
+    """A copy of `config` with `FIELD=VALUE[,FIELD=VALUE...]` applied (dotted field paths, each
+    VALUE read as its field's type, as `--config.FIELD=VALUE` is: `config.cli.apply_override`)."""
     config = config.copy_and_resolve_references()
     for item in filter(None, overrides.split(",")):
         path, sep, text = item.partition("=")
         if not sep:
-            raise app.UsageError(f"{flag}: expected FIELD=VALUE, got {item!r}")
-        *parents, field = path.strip().split(".")
-        node = config
-        for name in parents:
-            if name not in node:
-                raise app.UsageError(f"{flag}: no config field {path.strip()!r}")
-            node = node[name]
-        if field not in node:
-            raise app.UsageError(f"{flag}: no config field {path.strip()!r}")
-        node[field] = parse_value(text.strip(), node[field])
+            raise UsageError(f"{flag}: expected FIELD=VALUE, got {item!r}")
+        apply_override(config, path.strip(), text.strip(), flag)
     return config
 
 
@@ -303,7 +256,7 @@ def parse_compare(text: str | None) -> dict[str, str]:
         label = ",".join(item.strip().removeprefix("model.")
                          for item in overrides.split(",") if item.strip())
         if label in variants:
-            raise app.UsageError(f"--compare: variant {label!r} is given twice")
+            raise UsageError(f"--compare: variant {label!r} is given twice")
         variants[label] = overrides
     return variants
 
@@ -468,30 +421,51 @@ def table(result: dict) -> str:
     return "\n".join(rows)
 
 
-def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+def main(argv: list[str] | None = None) -> int:
+    parser = ArgumentParser("python scripts/bench.py", __doc__)
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON object on stdout instead of a table")
+    parser.add_argument("--steps", type=positive_int, default=20,
+                        help="timed steps, each of framework and reference")
+    parser.add_argument("--block", type=positive_int, default=5,
+                        help="steps per interleaved block")
+    parser.add_argument("--depth_check", action="store_true",
+                        help="also measure compile_24_over_4")
+    parser.add_argument("--baseline", metavar="FIELD=VALUE[,...]", default=None,
+                        help="overrides giving a baseline config to time against, e.g. "
+                             "model.reversible=False")
+    parser.add_argument("--depth_memory", metavar="A,B", default=None,
+                        help="compiled temp bytes of the train step at num_layers A and B")
+    parser.add_argument("--compare", metavar="FIELD=VALUE[,...][;...]", default=None,
+                        help="variants of the config, each timed interleaved with it and "
+                             "reported as ratios to it")
+    parser.add_argument("--decode", action="store_true",
+                        help="also time one-token KV-cache decoding")
+    parser.add_argument("--decode_batch", type=positive_int, default=1,
+                        help="sequences decoded at once (--decode)")
+    parser.add_argument("--decode_steps", type=positive_int, default=400,
+                        help="timed decode steps per variant")
+    config, args = parse_with_config(parser, argv)
+    depths = None
+    if args.depth_memory:
+        try:
+            a, b = (int(n) for n in args.depth_memory.split(","))
+        except ValueError:
+            parser.error(f"--depth_memory: expected A,B (two layer counts), got "
+                         f"{args.depth_memory!r}")
+        depths = (a, b)
     absl_logging.set_verbosity(absl_logging.WARNING)  # Orbax and absl log at INFO
     from config import ConfigError
 
     try:
-        depths = None
-        if _DEPTH_MEMORY.value:
-            try:
-                a, b = (int(n) for n in _DEPTH_MEMORY.value.split(","))
-            except ValueError:
-                raise app.UsageError(
-                    f"--depth_memory: expected A,B (two layer counts), got {_DEPTH_MEMORY.value!r}"
-                ) from None
-            depths = (a, b)
-        result = bench(_CONFIG.value, _STEPS.value, _BLOCK.value, _DEPTH.value, _BASELINE.value,
-                       depths, _COMPARE.value, _DECODE.value, _DECODE_BATCH.value,
-                       _DECODE_STEPS.value)
+        result = bench(config, args.steps, args.block, args.depth_check, args.baseline, depths,
+                       args.compare, args.decode, args.decode_batch, args.decode_steps)
     except ConfigError as error:
         log(f"error: {error}")
-        sys.exit(2)
-    print(json.dumps(result) if _JSON.value else table(result))
+        return 2
+    print(json.dumps(result) if args.json else table(result))
+    return 0
 
 
 if __name__ == "__main__":
-    app.run(main)
+    sys.exit(main())

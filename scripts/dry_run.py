@@ -48,24 +48,15 @@ import sys
 
 import jax
 import jax.numpy as jnp
-from absl import app, flags
 from absl import logging as absl_logging
 from flax import nnx
-from ml_collections import config_flags
 
 from config import ConfigError
+from config.cli import ArgumentParser, parse_with_config
 from sharding.mesh import AUTO_AXES, ici_dcn_shapes, make_mesh
 from sharding.rules import MESH_AXES
 from train.config import validate
 from train.step import TrainProgram, compile_train_step
-
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment file, PATH[:ARG].",
-                                          lock_config=False)
-_DEVICES = flags.DEFINE_integer("devices", None, "Device count of the target topology.")
-_MESH = flags.DEFINE_string("mesh", None, "AXIS=SIZE[,AXIS=SIZE...]: config.mesh axes to set.")
-_JSON = flags.DEFINE_bool("json", False, "Print one JSON object on stdout instead of a table.")
-_NO_COMPILE = flags.DEFINE_bool("no_compile", False, "Skip compiling (no temp_bytes).")
-flags.mark_flags_as_required(["config", "devices"])
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -202,26 +193,32 @@ def table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+def main(argv: list[str] | None = None) -> int:
+    parser = ArgumentParser("python scripts/dry_run.py", __doc__)
+    parser.add_argument("--devices", type=int, required=True,
+                        help="device count of the target topology")
+    parser.add_argument("--mesh", metavar="AXIS=SIZE[,...]", default=None,
+                        help="config.mesh axes to set")
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON object on stdout instead of a table")
+    parser.add_argument("--no_compile", action="store_true", help="skip compiling (no temp_bytes)")
+    config, args = parse_with_config(parser, argv)
+    if args.devices < 1:
+        parser.error(f"--devices={args.devices} is invalid: use a positive count")
     absl_logging.set_verbosity(absl_logging.WARNING)
-    config, device_count = _CONFIG.value, _DEVICES.value
-    if device_count < 1:
-        print(f"error: --devices={device_count} is invalid: use a positive count", file=sys.stderr)
-        sys.exit(2)
-    if not _NO_COMPILE.value:  # before anything starts JAX's backend (stage 2 needs devices)
+    if not args.no_compile:  # before anything starts JAX's backend (stage 2 needs devices)
         jax.config.update("jax_platforms", "cpu")
-        jax.config.update("jax_num_cpu_devices", device_count)
+        jax.config.update("jax_num_cpu_devices", args.devices)
     try:
-        if _MESH.value:
-            config.mesh.update(parse_mesh(_MESH.value))
-        report = dry_run(config, device_count, compile_step=not _NO_COMPILE.value)
+        if args.mesh:
+            config.mesh.update(parse_mesh(args.mesh))
+        report = dry_run(config, args.devices, compile_step=not args.no_compile)
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
-    print(json.dumps(report) if _JSON.value else table(report))
+        return 2
+    print(json.dumps(report) if args.json else table(report))
+    return 0
 
 
 if __name__ == "__main__":
-    app.run(main)
+    sys.exit(main())

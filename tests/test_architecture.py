@@ -91,7 +91,7 @@ def test_no_function_local_import_of_a_project_package():
 
 
 def test_the_config_leaf_imports_no_jax():
-    probe = ("import sys, config, config.defaults, config.derived; "
+    probe = ("import sys, config, config.cli, config.defaults, config.derived; "
              "print(sorted(m for m in ('jax', 'flax', 'optax') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True,
                           text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})

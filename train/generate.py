@@ -13,7 +13,6 @@ is sampled and decoded against the cache, all inside one jitted `lax.scan`.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import sys
@@ -25,6 +24,7 @@ import numpy as np
 from flax import nnx
 
 from config import ConfigError
+from config.cli import ArgumentParser
 from config.defaults import base_config
 from config.validate import check_generation
 from train import data
@@ -100,8 +100,7 @@ def check_arguments(workdir: str, prompt: str, num_tokens, temperature, top_k,
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m train.generate", description=__doc__.split(
-        "\n")[0])
+    parser = ArgumentParser("python -m train.generate", __doc__)
     parser.add_argument("--workdir", required=True)
     parser.add_argument("--prompt", default="")
     parser.add_argument("--num_tokens", type=int, default=200)

@@ -23,7 +23,6 @@ script then exits with status 1 and one line saying so. --seq_len defaults to th
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -33,6 +32,7 @@ import numpy as np
 from flax import nnx
 
 from config import ConfigError
+from config.cli import ArgumentParser
 from train.restore import restore_for_analysis
 
 RESIDUAL_MODULES = ("attention_residual", "ffn_residual")
@@ -155,8 +155,7 @@ def to_json(quantities: dict[str, dict], **header) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python scripts/depth_mixing.py",
-                                     description=__doc__.split("\n")[0])
+    parser = ArgumentParser("python scripts/depth_mixing.py", __doc__)
     parser.add_argument("--workdir", required=True)
     parser.add_argument("--out", default=None, help="PNG path; default WORKDIR/mixing.png")
     parser.add_argument("--batch", type=int, default=4)

@@ -27,7 +27,6 @@ Exit status: 0 done, 2 bad arguments or a checkpoint that cannot be imported exa
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -36,6 +35,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from config.cli import ArgumentParser
 from config.defaults import base_config
 from train.checkpoint import Checkpointer
 from train.instruments.hf import load_hf_checkpoint, read_hf_config
@@ -79,8 +79,7 @@ def import_checkpoint(checkpoint: str | Path, workdir: str | Path,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python scripts/import_hf.py",
-                                     description=__doc__.split("\n")[0])
+    parser = ArgumentParser("python scripts/import_hf.py", __doc__)
     parser.add_argument("--checkpoint", required=True, help="local Hugging Face checkpoint dir")
     parser.add_argument("--workdir", required=True, help="run directory to create")
     parser.add_argument("--seq_len", type=int, default=None,

@@ -31,7 +31,6 @@ stderr; exit status 2 on bad input.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -43,6 +42,7 @@ import numpy as np
 from arch import accounting, bottleneck
 from arch.residual import RESIDUALS
 from config import ConfigError
+from config.cli import ArgumentParser
 from train.instruments import probes
 from train.restore import restore_for_analysis
 
@@ -320,8 +320,7 @@ def write_report(report: dict, out: Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python scripts/probe_report.py",
-                                     description=__doc__.split("\n")[0])
+    parser = ArgumentParser("python scripts/probe_report.py", __doc__)
     parser.add_argument("--workdir", required=True)
     parser.add_argument("--out", default=None, help="default: WORKDIR/report")
     parser.add_argument("--batch", type=int, default=8)
