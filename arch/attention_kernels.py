@@ -184,6 +184,12 @@ def _blocked(q_BxTxHxP, k_BxSxKxP, v_BxSxKxV, query_positions_BxT, key_positions
 def _blocked_forward(q_BxTxHxP, k_BxSxKxP, v_BxSxKxV, query_positions_BxT, key_positions_BxS,
                      scale, chunk, window):
     b, t, h, _ = q_BxTxHxP.shape
+    # Differentiated inside a scan (the layer stack), this forward pass is traced inline and the
+    # scan's partial evaluation would hoist its position-only parts (every tile's mask) out of
+    # the loop as residuals stacked over all tile pairs: O(T²) memory. The barrier makes the
+    # positions depend on the queries, so nothing of the tile loops is loop-invariant.
+    barrier = jax.lax.optimization_barrier((q_BxTxHxP, query_positions_BxT, key_positions_BxS))
+    _, query_positions_BxT, key_positions_BxS = barrier
     tiles = _layout(q_BxTxHxP, k_BxSxKxP, v_BxSxKxV, query_positions_BxT, key_positions_BxS,
                     chunk)
     out_tiles, lse_tiles = _forward_tiles(*tiles, scale, window)
