@@ -70,7 +70,7 @@ def dot_product_attention(q_BxTxHxP, k_BxSxKxP, v_BxSxKxV, mask_BxTxS,
 
 
 def attend(q_BxTxHxP, k_BxSxKxP, v_BxSxKxV, query_positions_BxT, key_positions_BxS, *,
-           implementation: str = "xla", chunk: int = 512, scale: float | None = None,
+           implementation: str = "xla", chunk: int = 128, scale: float | None = None,
            in_order: bool = False, recorder: nnx.Module | None = None) -> jax.Array:
     """Causal attention softmax(QKᵀ·scale + M)V by `implementation`
     (`model.attention_implementation`; `arch.attention_kernels`): `xla` (explicit scores,

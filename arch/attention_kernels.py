@@ -27,9 +27,10 @@ import jax.numpy as jnp
 
 IMPLEMENTATIONS = ("auto", "xla", "blocked", "cudnn", "splash")
 
-# `auto` on CPU: blocked attention from this many keys on. Measured with
-# `scripts/bench.py --attention_speed` (docs/performance.md, "Attention implementations").
-CPU_BLOCKED_FROM_KEYS = 2048
+# `auto` off GPU/TPU kernels: `blocked` once queries and keys both reach this length, `xla`
+# below (decoding, T = 1, stays explicit). Chosen by measurement on CPU with 128-position tiles:
+# docs/performance.md, "Attention implementations".
+BLOCKED_FROM_LENGTH = 512
 
 
 def allowed_mask(query_positions_BxT: jax.Array, key_positions_BxS: jax.Array,
@@ -229,7 +230,7 @@ _blocked.defvjp(_blocked_fwd, _blocked_bwd)
 
 def blocked_attention(q_BxTxHxP: jax.Array, k_BxSxKxP: jax.Array, v_BxSxKxV: jax.Array,
                       query_positions_BxT: jax.Array, key_positions_BxS: jax.Array, *,
-                      scale: float | None = None, chunk: int = 512, window: int = 0) -> jax.Array:
+                      scale: float | None = None, chunk: int = 128, window: int = 0) -> jax.Array:
     """Exact attention softmax(QKᵀ·scale + M)V (B×T×H×V) without the T×S score matrix.
 
     Queries and keys are cut into tiles of `chunk` positions. For each query tile the key tiles
@@ -279,7 +280,7 @@ def cudnn_attention(q_BxTxHxP: jax.Array, k_BxSxKxP: jax.Array, v_BxSxKxV: jax.A
 
 
 def splash_attention(q_BxTxHxP: jax.Array, k_BxSxKxP: jax.Array, v_BxSxKxV: jax.Array, *,
-                     scale: float | None = None, window: int = 0, block: int = 512,
+                     scale: float | None = None, window: int = 0, block: int = 128,
                      interpret: bool = False) -> jax.Array:
     """TPU splash attention (`jax.experimental.pallas.ops.tpu.splash_attention`, the Pallas
     kernels that ship with JAX; block-sparse FlashAttention that skips masked blocks).
@@ -315,11 +316,12 @@ def choose_implementation(implementation: str, *, backend: str, query_len: int, 
     `auto`: on GPU, cuDNN for bfloat16/float16 with equal key and value widths P ≤ 128, P a
     multiple of 8 (its fused kernel's limits); on TPU, splash for in-order attention with T a
     multiple of 128 and equal widths; otherwise (CPU, or shapes those kernels do not take)
-    `blocked` from `CPU_BLOCKED_FROM_KEYS` keys on and `xla` below (measured on CPU; see
-    docs/performance.md). `cudnn` and `splash` named explicitly raise a ValueError off their
-    backend; `splash` on attention not in order (a KV cache, sequence shards) runs `blocked`.
+    `blocked` when queries and keys both number at least `BLOCKED_FROM_LENGTH`, else `xla`
+    (measured on CPU; see docs/performance.md). `cudnn` and `splash` named explicitly raise a
+    ValueError off their backend; `splash` on attention not in order (a KV cache, sequence
+    shards) runs `blocked`.
     """
-    long = key_len >= CPU_BLOCKED_FROM_KEYS
+    long = min(query_len, key_len) >= BLOCKED_FROM_LENGTH
     portable = "blocked" if long else "xla"
     equal_widths = key_width == value_width
     if implementation == "auto":

@@ -26,7 +26,7 @@ def model_config() -> ml_collections.ConfigDict:
         ffn_ratio=4.0,
         attention="mha",          # arch.attention.ATTENTION
         attention_implementation="auto",  # auto, xla, blocked, cudnn, splash (attention_kernels)
-        attention_chunk=512,      # blocked: query/key tile length (memory O(T·chunk)); splash block
+        attention_chunk=128,      # blocked: query/key tile length (memory O(T·chunk)); splash block
         mla_kv_rank=64,           # attention="mla": key/value latent width d_c (cached per token)
         mla_q_rank=0,             # mla: query latent width d_c'; 0 = full-rank query projection
         mla_rope_dim=16,          # mla: width of the decoupled rotary query/key parts (even)

@@ -16,7 +16,7 @@ from arch.attention import (
     dot_product_attention,
 )
 from arch.attention_kernels import (
-    CPU_BLOCKED_FROM_KEYS,
+    BLOCKED_FROM_LENGTH,
     allowed_mask,
     blocked_attention,
     choose_implementation,
@@ -192,7 +192,7 @@ def test_probes_still_see_attention_weights_under_blocked():
 def test_auto_rule_and_backend_errors():
     shape = dict(query_len=256, key_len=256, dtype=jnp.bfloat16, key_width=64, value_width=64,
                  in_order=True)
-    long = dict(shape, query_len=CPU_BLOCKED_FROM_KEYS, key_len=CPU_BLOCKED_FROM_KEYS)
+    long = dict(shape, query_len=BLOCKED_FROM_LENGTH, key_len=BLOCKED_FROM_LENGTH)
     assert choose_implementation("auto", backend="cpu", **shape) == "xla"
     assert choose_implementation("auto", backend="cpu", **long) == "blocked"
     assert choose_implementation("auto", backend="gpu", **shape) == "cudnn"
@@ -204,6 +204,8 @@ def test_auto_rule_and_backend_errors():
         == "blocked"
     assert choose_implementation("splash", backend="tpu", **dict(shape, in_order=False)) \
         == "blocked"
+    decoding = dict(long, query_len=1)  # one query against a long cache
+    assert choose_implementation("auto", backend="cpu", **decoding) == "xla"
     for name in ("xla", "blocked"):
         assert choose_implementation(name, backend="cpu", **long) == name
     with pytest.raises(ValueError, match="'cudnn' needs an NVIDIA GPU"):
