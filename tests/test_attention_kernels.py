@@ -146,8 +146,9 @@ def test_blocked_memory_grows_linearly_in_length():
 
 
 @pytest.mark.parametrize("overrides", [dict(num_kv_heads=2),
-                                       dict(attention="mla", mla_kv_rank=16, mla_rope_dim=8)],
-                         ids=["gqa", "mla"])
+                                       dict(attention="mla", mla_kv_rank=16, mla_rope_dim=8),
+                                       dict(num_kv_heads=1, remat=True)],
+                         ids=["gqa", "mla", "mqa_remat"])
 def test_model_with_blocked_attention_equals_xla_in_logits_and_gradients(overrides):
     tokens = random_tokens((2, 16))
 
