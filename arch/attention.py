@@ -12,6 +12,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from arch.attention_kernels import (
+    blocked_attention,
+    choose_implementation,
+    cudnn_attention,
+    splash_attention,
+)
 from arch.init import group_init
 from arch.layers import Dense
 from arch.norms import RMSNorm
@@ -63,6 +69,40 @@ def dot_product_attention(q_BxTxHxP, k_BxSxKxP, v_BxSxKxV, mask_BxTxS,
     return out_BxTxKxGxV.reshape(b, t, h, v_BxSxKxV.shape[-1])
 
 
+def attend(q_BxTxHxP, k_BxSxKxP, v_BxSxKxV, query_positions_BxT, key_positions_BxS, *,
+           implementation: str = "xla", chunk: int = 128, scale: float | None = None,
+           in_order: bool = False, recorder: nnx.Module | None = None) -> jax.Array:
+    """Causal attention softmax(QKᵀ·scale + M)V by `implementation`
+    (`model.attention_implementation`; `arch.attention_kernels`): `xla` (explicit scores,
+    `dot_product_attention`), `blocked` (online softmax over `chunk`-position tiles, O(T·chunk)
+    memory), `cudnn`, `splash`, or `auto` (`choose_implementation`: the fastest exact path for
+    the backend and shape). All are the same function; tests/test_attention_kernels.py checks it.
+
+    `in_order`: query i and key i are at position i (no KV cache, no sequence shards: the train
+    step's positions are then 0..T−1). `cudnn` then uses its built-in causal mask and `splash`
+    runs at all; both read causality from the array order, so a caller passing other positions
+    without a cache must choose `xla` or `blocked`, which read the positions.
+    Under `nnx.capture` of `recorder` (the probes) the explicit path runs, so that the
+    probabilities exist to be recorded."""
+    if recorder is not None and hasattr(recorder, "__captures__"):
+        implementation = "xla"
+    name = choose_implementation(
+        implementation, backend=jax.default_backend(), query_len=q_BxTxHxP.shape[1],
+        key_len=k_BxSxKxP.shape[1], dtype=q_BxTxHxP.dtype, key_width=k_BxSxKxP.shape[-1],
+        value_width=v_BxSxKxV.shape[-1], in_order=in_order)
+    if name == "blocked":
+        return blocked_attention(q_BxTxHxP, k_BxSxKxP, v_BxSxKxV, query_positions_BxT,
+                                 key_positions_BxS, scale=scale, chunk=chunk)
+    if name == "cudnn":
+        return cudnn_attention(q_BxTxHxP, k_BxSxKxP, v_BxSxKxV, query_positions_BxT,
+                               key_positions_BxS, scale=scale, in_order=in_order)
+    if name == "splash":
+        return splash_attention(q_BxTxHxP, k_BxSxKxP, v_BxSxKxV, scale=scale, block=chunk)
+    return dot_product_attention(q_BxTxHxP, k_BxSxKxP, v_BxSxKxV,
+                                 causal_mask(query_positions_BxT, key_positions_BxS),
+                                 scale=scale, recorder=recorder)
+
+
 @ATTENTION.register("mha")
 class MultiHeadAttention(nnx.Module):
     """Multi-head attention with H query and K key/value heads (Vaswani et al. 2017 §3.2;
@@ -96,6 +136,8 @@ class MultiHeadAttention(nnx.Module):
         self.output = Dense((h, p), (d,), ("heads", "head_dim"), ("embed",), rngs=rngs, dtype=dtype,
                             use_bias=bias, init=group_init(cfg, "attention_output"))
         self.ring = cfg.sequence_attention == "ring"
+        self.implementation = cfg.attention_implementation
+        self.chunk = cfg.attention_chunk
 
     @staticmethod
     def score_flops_per_token(cfg, seq_len: int) -> float:
@@ -127,8 +169,9 @@ class MultiHeadAttention(nnx.Module):
             return self.output(ring_attention(q, k, v, positions_BxT)), cache
         gathered = ("act_batch", None, "act_kv_heads", None)  # all of the sequence on every shard
         k, v = constrain(k, gathered), constrain(v, gathered)
-        out = dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype),
-                                    causal_mask(positions_BxT, key_positions_BxS), recorder=self)
+        out = attend(q, k.astype(q.dtype), v.astype(q.dtype), positions_BxT, key_positions_BxS,
+                     implementation=self.implementation, chunk=self.chunk, recorder=self,
+                     in_order=cache is None and sequence_shards() == 1)
         return self.output(out), cache
 
 
@@ -204,6 +247,8 @@ class MultiHeadLatentAttention(nnx.Module):
         self.output = Dense((h, v), (d,), ("heads", "head_dim"), ("embed",), rngs=rngs, dtype=dtype,
                             init=group_init(cfg, "attention_output"))
         self.scale = (n + r) ** -0.5
+        self.implementation = cfg.attention_implementation
+        self.chunk = cfg.attention_chunk
 
     @staticmethod
     def score_flops_per_token(cfg, seq_len: int) -> float:
@@ -238,10 +283,10 @@ class MultiHeadLatentAttention(nnx.Module):
                                                  latent_BxSxC.shape[:2])
             latent_BxSxC = latent_BxSxC.astype(x_BxTxD.dtype)
             rope_key_BxSxR = rope_key_BxSxR.astype(x_BxTxD.dtype)
-        mask_BxTxS = causal_mask(positions_BxT, key_positions_BxS)
+        positions = (positions_BxT, key_positions_BxS)
         if cache is not None and self.absorb:
             out_BxTxHxV = self._absorbed(q_nope_BxTxHxN, q_rope_BxTxHxR, latent_BxSxC,
-                                         rope_key_BxSxR, mask_BxTxS)
+                                         rope_key_BxSxR, positions)
         else:
             heads = ("act_batch", "act_seq", "act_heads", None)
             key_nope_BxSxHxN = self.key_up(latent_BxSxC)
@@ -253,18 +298,20 @@ class MultiHeadLatentAttention(nnx.Module):
             k = constrain(constrain(jnp.concatenate([key_nope_BxSxHxN, rope_key_BxSxHxR], -1),
                                     heads), gathered)
             v = constrain(constrain(self.value_up(latent_BxSxC), heads), gathered)
-            out_BxTxHxV = dot_product_attention(q, k, v, mask_BxTxS, scale=self.scale,
-                                                recorder=self)
+            out_BxTxHxV = attend(q, k, v, *positions, implementation=self.implementation,
+                                 chunk=self.chunk, scale=self.scale, recorder=self,
+                                 in_order=cache is None and sequence_shards() == 1)
         return self.output(out_BxTxHxV), cache
 
     def _absorbed(self, q_nope_BxTxHxN, q_rope_BxTxHxR, latent_BxSxC, rope_key_BxSxR,
-                  mask_BxTxS):
+                  positions):
         """Attention in the latent space: W_UK folded into the query, W_UV applied after."""
         dtype = q_nope_BxTxHxN.dtype
         q_latent_BxTxHxC = jnp.einsum("bthn,chn->bthc", q_nope_BxTxHxN,
                                       self.key_up.kernel[...].astype(dtype))
         q = jnp.concatenate([q_latent_BxTxHxC, q_rope_BxTxHxR], -1)
         k_BxSx1xCR = jnp.concatenate([latent_BxSxC, rope_key_BxSxR], -1)[:, :, None]
-        out_BxTxHxC = dot_product_attention(q, k_BxSx1xCR, latent_BxSxC[:, :, None], mask_BxTxS,
-                                            scale=self.scale)
+        out_BxTxHxC = attend(q, k_BxSx1xCR, latent_BxSxC[:, :, None], *positions,
+                             implementation=self.implementation, chunk=self.chunk,
+                             scale=self.scale)
         return jnp.einsum("bthc,chv->bthv", out_BxTxHxC, self.value_up.kernel[...].astype(dtype))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from arch.attention import ATTENTION
+from arch.attention_kernels import IMPLEMENTATIONS
 from arch.ffn import ACTIVATIONS, FFN_WIDTHS, FFNS, hidden_width
 from arch.heads import HEADS
 from arch.init import INITS
@@ -38,6 +39,10 @@ def resolve_model(cfg) -> None:
             continue
         check_choice(f"model.init.{group}", cfg.init[group], INITS)
     check(cfg.dtype in ("float32", "bfloat16"), "model.dtype", cfg.dtype, "use float32 or bfloat16")
+    check(cfg.attention_implementation in IMPLEMENTATIONS, "model.attention_implementation",
+          cfg.attention_implementation, f"valid: {', '.join(IMPLEMENTATIONS)}")
+    check(isinstance(cfg.attention_chunk, int) and cfg.attention_chunk > 0,
+          "model.attention_chunk", cfg.attention_chunk, "must be a positive integer")
     check(cfg.sequence_attention in SEQUENCE_ATTENTIONS, "model.sequence_attention",
           cfg.sequence_attention, f"valid: {', '.join(SEQUENCE_ATTENTIONS)}")
     check(isinstance(cfg.gated_norm_rank, int) and cfg.gated_norm_rank > 0,

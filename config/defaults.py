@@ -25,6 +25,8 @@ def model_config() -> ml_collections.ConfigDict:
         d_ff=ml_collections.FieldReference(None, field_type=int),            # default ratio·d
         ffn_ratio=4.0,
         attention="mha",          # arch.attention.ATTENTION
+        attention_implementation="auto",  # auto, xla, blocked, cudnn, splash (attention_kernels)
+        attention_chunk=128,      # blocked: query/key tile length (memory O(T·chunk)); splash block
         mla_kv_rank=64,           # attention="mla": key/value latent width d_c (cached per token)
         mla_q_rank=0,             # mla: query latent width d_c'; 0 = full-rank query projection
         mla_rope_dim=16,          # mla: width of the decoupled rotary query/key parts (even)

@@ -1,0 +1,159 @@
+"""Attention implementations against each other (arch/attention_kernels.py), in one run:
+
+  python scripts/attention_bench.py --config experiments/quickstart.py
+      [--memory 1024,4096,16384] [--speed 256,512,1024,2048,4096] [--tokens 8192]
+      [--implementations xla,blocked] [--steps 10] [--block 2] [--json]
+
+--memory LENGTHS  compiled temp bytes (`memory_analysis().temp_size_in_bytes`; compile only,
+                  nothing runs) of the framework's train step at each sequence length T, batch 1,
+                  per implementation (`model.attention_implementation`), the rest of the config
+                  as given. Reports temp_bytes[impl][T], growth[impl] = temp at the largest T
+                  over temp at the smallest, and vs_xla[impl][T] = temp / xla's temp.
+                  Target (issue 22): blocked growth ≤ 20 from 1K to 16K (explicit scores: ~256).
+--speed LENGTHS   seconds of one jitted forward + backward pass of attention alone (`attend`,
+                  the config's heads, head width and chunk) at each T with batch
+                  max(1, tokens / T), the implementations timed interleaved (ABBA blocks, as
+                  scripts/bench.py does) and reported as paired ratios to xla. This is what
+                  `auto`'s CPU threshold (`CPU_BLOCKED_FROM_KEYS`) was chosen from.
+
+Use a small model for --memory so that the compiles are quick on CPU, e.g.
+  --config.model.d_model=64 --config.model.num_layers=2 --config.model.num_heads=2
+  --config.model.num_kv_heads=2. Figures: docs/performance.md, "Attention implementations".
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from absl import app, flags
+from absl import logging as absl_logging
+from ml_collections import config_flags
+
+from arch.attention import attend
+from train.step import compile_train_step
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment file, PATH[:ARG].",
+                                          lock_config=False)
+_MEMORY = flags.DEFINE_string("memory", None, "Sequence lengths for the temp-memory compiles.")
+_SPEED = flags.DEFINE_string("speed", None, "Sequence lengths for the attention timings.")
+_TOKENS = flags.DEFINE_integer("tokens", 8192, "--speed: batch · T per timed call.")
+_IMPLEMENTATIONS = flags.DEFINE_string("implementations", "xla,blocked",
+                                       "Implementations to compare (xla first: the baseline).")
+_STEPS = flags.DEFINE_integer("steps", 10, "--speed: timed calls per implementation and T.")
+_BLOCK = flags.DEFINE_integer("block", 2, "--speed: calls per interleaved block.")
+_JSON = flags.DEFINE_bool("json", False, "Print one JSON object on stdout.")
+flags.mark_flag_as_required("config")
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+# scripts/bench.py's ABBA timing (importing it would define its flags twice).
+def time_interleaved(runners: dict[str, Callable[[], None]], steps: int,
+                     block: int) -> dict[str, list[float]]:
+    """Per-call seconds of each runner: two warm-up calls each, then alternating blocks."""
+    for run in runners.values():
+        run(), run()
+    times: dict[str, list[float]] = {name: [] for name in runners}
+    names = list(runners)
+    for i in range(math.ceil(steps / block)):
+        for name in names if i % 2 == 0 else names[::-1]:
+            for _ in range(min(block, steps - i * block)):
+                start = time.perf_counter()
+                runners[name]()
+                times[name].append(time.perf_counter() - start)
+    return times
+
+
+def paired_ratio(times: dict[str, list[float]], label: str, other: str, block: int) -> float:
+    """Median over rounds of the ratio of the two runners' median times within the round."""
+    return statistics.median(
+        statistics.median(times[label][i:i + block]) / statistics.median(times[other][i:i + block])
+        for i in range(0, len(times[label]), block))
+
+
+def _lengths(text: str) -> list[int]:
+    return [int(n) for n in text.split(",")]
+
+
+def memory(config, lengths: list[int], implementations: list[str]) -> dict:
+    from train.loop import build_program
+
+    temp = {name: {} for name in implementations}
+    for name in implementations:
+        for length in lengths:
+            variant = config.copy_and_resolve_references()
+            variant.seq_len, variant.batch_size = length, 1
+            variant.model.attention_implementation = name
+            _, compiled = compile_train_step(build_program(variant))
+            temp[name][length] = compiled.memory_analysis().temp_size_in_bytes
+            log(f"{name} T={length}: temp {temp[name][length]:,} bytes")
+    low, high = min(lengths), max(lengths)
+    return {"temp_bytes": temp,
+            "growth": {name: temp[name][high] / temp[name][low] for name in implementations},
+            "vs_xla": {name: {t: temp[name][t] / temp["xla"][t] for t in lengths}
+                       for name in implementations} if "xla" in temp else None,
+            "lengths": lengths}
+
+
+def _runner(name: str, q, k, v, positions, chunk: int):
+    """One synced, jitted forward + backward pass of `attend` per call."""
+
+    def loss(q, k, v):
+        return jnp.sum(attend(q, k, v, positions, positions, implementation=name,
+                              chunk=chunk) ** 2)
+
+    step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    return lambda: jax.block_until_ready(step(q, k, v))
+
+
+def speed(config, lengths: list[int], implementations: list[str], tokens: int, steps: int,
+          block: int) -> dict:
+    model = config.model
+    heads, kv_heads = model.num_heads, model.num_kv_heads
+    width = model.head_dim or model.d_model // heads
+    result = {}
+    for length in lengths:
+        batch = max(1, tokens // length)
+        keys = jax.random.split(jax.random.key(0), 3)
+        q = jax.random.normal(keys[0], (batch, length, heads, width))
+        k = jax.random.normal(keys[1], (batch, length, kv_heads, width))
+        v = jax.random.normal(keys[2], (batch, length, kv_heads, width))
+        positions = jnp.broadcast_to(jnp.arange(length), (batch, length))
+        runners = {name: _runner(name, q, k, v, positions, model.attention_chunk)
+                   for name in implementations}
+        times = time_interleaved(runners, steps, block)
+        result[length] = {name: {"seconds": statistics.median(times[name]),
+                                 "vs_xla": paired_ratio(times, name, implementations[0], block)}
+                          for name in implementations}
+        log(f"T={length} batch {batch}: " + ", ".join(
+            f"{name} {entry['seconds'] * 1e3:.1f} ms ({entry['vs_xla']:.2f}× xla)"
+            for name, entry in result[length].items()))
+    return result
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    absl_logging.set_verbosity(absl_logging.WARNING)
+    config = _CONFIG.value
+    implementations = _IMPLEMENTATIONS.value.split(",")
+    result = {"backend": jax.default_backend(), "chunk": config.model.attention_chunk}
+    if _MEMORY.value:
+        result["memory"] = memory(config, _lengths(_MEMORY.value), implementations)
+    if _SPEED.value:
+        result["speed"] = speed(config, _lengths(_SPEED.value), implementations, _TOKENS.value,
+                                _STEPS.value, _BLOCK.value)
+    print(json.dumps(result) if _JSON.value else json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    sys.exit(app.run(main))
