@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from train import data
 from train.restore import restore_run
+from train.tokenizer import tokenizer_of
 
 
 def sample(logits_BxV, key, temperature: float, top_k: int):
@@ -61,7 +61,9 @@ def generate_tokens(graphdef, params, model_state, prompt_BxP, key, *, num_token
 def generate_text(program, state, prompt: str, num_tokens: int, *, temperature: float = 0.8,
                   top_k: int = 0, seed: int = 0) -> str:
     """Continue `prompt` with a train state of `program` (a TrainProgram: graph and mesh)."""
-    prompt_tokens = data.encode(prompt) if prompt else data.encode("\n")
+    tokenizer = tokenizer_of(program.config.data)
+    prompt_tokens = (tokenizer.encode(prompt) if prompt
+                     else np.array([tokenizer.separator], np.int32))
     model_cfg = program.model_cfg
     if model_cfg.position == "learned" and len(prompt_tokens) + num_tokens > model_cfg.max_seq_len:
         raise ValueError(f"prompt ({len(prompt_tokens)} tokens) + num_tokens={num_tokens} exceeds "
@@ -71,7 +73,7 @@ def generate_text(program, state, prompt: str, num_tokens: int, *, temperature: 
                                  jnp.asarray(prompt_tokens)[None],
                                  jax.random.key(seed), num_tokens=num_tokens,
                                  temperature=temperature, top_k=top_k)
-    return prompt + data.decode(np.asarray(tokens[0]))
+    return prompt + tokenizer.decode(np.asarray(tokens[0]))
 
 
 def main(argv=None) -> int:
