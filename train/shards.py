@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
+import functools
 import glob
 import hashlib
 import itertools
@@ -308,10 +309,11 @@ def prepare(source: str, tokenizer_spec: str, out_dir: str | Path, *, workers: i
                   f"tokens/s, ETA {time.strftime('%H:%M:%S', time.gmtime(remaining))}",
                   file=sys.stderr, flush=True)
 
-    context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(
-            workers, mp_context=context, initializer=_init_worker,
-            initargs=(tokenizer_spec,)) as pool:
+    context = multiprocessing.get_context("spawn")  # the parent may have started threads
+    pool_type = (concurrent.futures.ThreadPoolExecutor if workers == 1  # no process to start
+                 else functools.partial(concurrent.futures.ProcessPoolExecutor,
+                                        mp_context=context))
+    with pool_type(workers, initializer=_init_worker, initargs=(tokenizer_spec,)) as pool:
         pending: set[concurrent.futures.Future] = set()
 
         def collect(block: bool) -> None:
