@@ -600,3 +600,26 @@ def prepare_main(argv: list[str] | None = None) -> int:
     print(f"train on it with --config.data.name=prepared --config.data.path={args.out} "
           f"--config.data.tokenizer={args.tokenizer}")
     return 0
+
+
+def loader_throughput(data_config: Any, batch_size: int, seq_len: int, batches: int,
+                      seed: int = 0) -> dict[str, float]:
+    """Tokens per second the train split of ``data_config`` delivers at this batch shape:
+    ``loader_tokens_per_sec`` through the stream the training loop reads (``batches``, with
+    the config's prefetch and read threads, after one warm-up batch) and
+    ``loader_sync_tokens_per_sec`` one ``batch`` call at a time."""
+    dataset = load_split(data_config, "train")
+    tokens = batch_size * seq_len
+    started = time.perf_counter()
+    for step in range(batches):
+        dataset.batch(step, batch_size, seq_len, seed)
+    synchronous = batches * tokens / (time.perf_counter() - started)
+    stream = dataset.batches(batches, batch_size, seq_len, seed,
+                             prefetch=data_config.get("prefetch", 4),
+                             read_threads=data_config.get("read_threads", 2))
+    next(stream)
+    started = time.perf_counter()
+    for _ in range(batches):
+        next(stream)
+    streamed = batches * tokens / (time.perf_counter() - started)
+    return {"loader_tokens_per_sec": streamed, "loader_sync_tokens_per_sec": synchronous}
