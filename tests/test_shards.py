@@ -195,11 +195,16 @@ def test_prepared_data_errors_are_one_line(kjv_bpe, bpe, tmp_path):
     for item in kjv_bpe.iterdir():
         (copy / item.name).write_bytes(item.read_bytes())
     shard = copy / "train-00001.array_record"
-    shard.write_bytes(shard.read_bytes()[:1000])  # truncated
+    intact = shard.read_bytes()
+    shard.write_bytes(intact[:1000])  # truncated
     with pytest.raises(ConfigError) as error:
         load_split(with_fields(config, {"path": str(copy)}), "train")
     one_line_error(error, f"shard {shard} is corrupt (1000 bytes, not", "rerun "
                    "scripts/prepare_data.py with the same arguments")
+    shard.write_bytes(bytes(b ^ 0x5A for b in intact))  # same size, every byte flipped
+    with pytest.raises(ConfigError) as error:
+        load_split(with_fields(config, {"path": str(copy)}), "train")
+    one_line_error(error, f"shard {shard} is corrupt (Corrupted Riegeli")
     shard.unlink()
     with pytest.raises(ConfigError) as error:
         load_split(with_fields(config, {"path": str(copy)}), "train")
@@ -208,6 +213,18 @@ def test_prepared_data_errors_are_one_line(kjv_bpe, bpe, tmp_path):
     with pytest.raises(ConfigError) as error:
         load_split(with_fields(config, {"path": str(tmp_path / "nothing")}), "train")
     one_line_error(error, "holds no metadata.json", "scripts/prepare_data.py")
+    with pytest.raises(ConfigError) as error:
+        load_split(with_fields(config, {"read_threads": 0}), "train")
+    one_line_error(error, "data.read_threads=0 is invalid: must be an integer ≥ 1")
+
+    run = subprocess.run(  # through the command line: one line, exit status 2, no traceback
+        [sys.executable, "-m", "train", "--config", "experiments/quickstart.py", "--workdir",
+         str(tmp_path / "run"), "--config.data.name=prepared", f"--config.data.path={copy}",
+         f"--config.data.tokenizer={bpe}", "--config.model.vocab_size=0"],
+        cwd=REPO, env=one_device_env(), capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2
+    assert run.stderr.strip().splitlines()[-1].startswith(f"error: data.path='{copy}' is invalid")
+    assert "Traceback" not in run.stderr
 
 
 def shard_config(kjv_bpe: Path, bpe: str, **fields):

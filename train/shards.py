@@ -44,10 +44,10 @@ from typing import Any
 import grain
 import numpy as np
 import tensorflow_datasets as tfds
-from array_record.python.array_record_module import ArrayRecordWriter
+from array_record.python.array_record_module import ArrayRecordReader, ArrayRecordWriter
 from grain.sources import ArrayRecordDataSource
 
-from config import ConfigError
+from config import ConfigError, check
 from train import data
 from train.data import SPLITS, kjv_file, window_order
 from train.tokenizer import Tokenizer, load_tokenizer, tokenizer_of, train_bpe
@@ -379,6 +379,14 @@ def _finish(out: Path, plan: dict, tokenizer: Tokenizer, shards: dict[tuple[str,
     return metadata
 
 
+def _readable(path: str) -> bool:
+    try:
+        ArrayRecordReader(path).close()
+    except (RuntimeError, ValueError, OSError):
+        return False
+    return True
+
+
 class PreparedDataset:
     """One split of a prepared directory, read by window index (see the module docstring)."""
 
@@ -415,7 +423,15 @@ class PreparedDataset:
             paths.append(str(path))
         self.dtype = np.dtype(metadata["dtype"]).newbyteorder("<")
         self.separator = int(metadata["separator"])
-        self.source = ArrayRecordDataSource(paths)
+        try:
+            self.source = ArrayRecordDataSource(paths)
+        except (RuntimeError, ValueError, OSError) as error:
+            bad = next((path for path in paths if not _readable(path)), "a shard")
+            reason = str(error).strip().splitlines()[0] if str(error).strip() else "unreadable"
+            raise ConfigError(
+                f"data.path={str(directory)!r} is invalid: shard {bad} is corrupt ({reason}); "
+                "delete it and its .json and rerun scripts/prepare_data.py with the same "
+                "arguments (finished shards are kept)") from None
         self.starts = np.load(self.directory / f"{split}-index.npy", mmap_mode="r")
         self.stream_length = int(self.starts[-1]) - 1  # no separator after the last document
         self._document_windows: dict[int, np.ndarray] = {}
@@ -518,6 +534,10 @@ def load_split(data_config: Any, split: str) -> data.Dataset | PreparedDataset:
     """``split`` of the dataset ``data_config`` names: a prepared directory (``name="prepared"``,
     ``path=DIR``) streamed from its shards, or an in-memory source (`train.data.load`)."""
     tokenizer = tokenizer_of(data_config)
+    for field, least in (("prefetch", 0), ("read_threads", 1)):
+        value = data_config.get(field, least)
+        check(isinstance(value, int) and value >= least, f"data.{field}", value,
+              f"must be an integer ≥ {least}")
     if data_config.get("name", "kjv") != "prepared":
         return data.load(data_config, split)
     if not data_config.get("path", ""):
