@@ -116,9 +116,11 @@ def test_prepared_byte_shards_stream_the_in_memory_batches(tmp_path):
                                           in_memory.batch(step, 8, 64, seed=3))
     train_split = PreparedDataset(tmp_path, "train", load_tokenizer("byte"))
     streamed = train_split.batches(5, 8, 64, 3, rows=slice(2, 6), prefetch=3, read_threads=2)
+    unprefetched = train_split.batches(5, 8, 64, 3, rows=slice(2, 6), prefetch=0)
     for step in range(5, 9):
-        np.testing.assert_array_equal(next(streamed),
-                                      train_split.batch(step, 8, 64, 3)[2:6])
+        expected = train_split.batch(step, 8, 64, 3)[2:6]
+        np.testing.assert_array_equal(next(streamed), expected)
+        np.testing.assert_array_equal(next(unprefetched), expected)
 
 
 def test_preparation_resumes_keeping_finished_shards(kjv_bpe, bpe, tmp_path):
