@@ -51,8 +51,9 @@ def test_report_files_and_numbers(run, capsys):
     assert (bottleneck["contexts"], bottleneck["tokens"]) == (8 * 16, 40)
     assert bottleneck["numerical_rank"] <= bottleneck["bound"] == config.model.d_model
     text = (out / "report.md").read_text()
-    for heading in ("## Evaluation text", "## Accounting", "## Compiled train-step memory", "## Per-depth probes",
-                    "## Pruning by Block Influence", "## Head ablation", "## Softmax bottleneck"):
+    for heading in ("## Evaluation text", "## Accounting", "## Compiled train-step memory",
+                    "## Per-depth probes", "## Pruning by Block Influence", "## Head ablation",
+                    "## Softmax bottleneck"):
         assert heading in text
     assert "report.json" in capsys.readouterr().out
 

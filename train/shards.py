@@ -44,16 +44,16 @@ from typing import Any
 import grain
 import numpy as np
 import tensorflow_datasets as tfds
-from array_record.python.array_record_module import ArrayRecordReader, ArrayRecordWriter
+from array_record.python.array_record_module import ArrayRecordReader
 from grain.sources import ArrayRecordDataSource
 
 from config import ConfigError, check
 from train import data
 from train.data import SPLITS, kjv_file, window_order
+from train.shard_writer import init_worker, shard_name, write_shard
 from train.tokenizer import Tokenizer, load_tokenizer, tokenizer_of, train_bpe
 
 FORMAT_VERSION = 1
-WRITER_OPTIONS = "group_size:1,zstd:1"  # one record per chunk: random access to each document
 DEFAULT_DOCS_PER_SHARD = 4096
 DEFAULT_VALIDATION_EVERY = 20  # every 20th document is validation (as the embedded corpus)
 
@@ -198,51 +198,6 @@ def count_documents(source: str, data_dir: str = "") -> int:
     return total
 
 
-def shard_name(split: str, index: int) -> str:
-    return f"{split}-{index:05d}"
-
-
-_WORKER_TOKENIZER: Tokenizer | None = None
-
-
-def _init_worker(tokenizer_spec: str) -> None:
-    global _WORKER_TOKENIZER
-    _WORKER_TOKENIZER = load_tokenizer(tokenizer_spec)
-
-
-def _write_shard(out_dir: str, split: str, index: int, texts: list[str],
-                 tokenizer_spec: str) -> dict:
-    """Tokenize ``texts`` and write shard (``split``, ``index``) atomically; its stats."""
-    tokenizer = _WORKER_TOKENIZER or load_tokenizer(tokenizer_spec)
-    dtype = tokenizer.token_dtype().newbyteorder("<")
-    name = shard_name(split, index)
-    records = [ids.astype(dtype) for ids in tokenizer.encode_batch(texts)]
-    path = Path(out_dir) / f"{name}.array_record"
-    temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    writer = ArrayRecordWriter(str(temporary), WRITER_OPTIONS)
-    for record in records:
-        writer.write(record.tobytes())
-    writer.close()
-    os.replace(temporary, path)
-    stats = {"file": path.name, "documents": len(records),
-             "tokens": int(sum(len(r) for r in records)),
-             "text_bytes": int(sum(len(t.encode("utf-8")) for t in texts)),
-             "file_size": path.stat().st_size, "sha256": _sha256(path),
-             "lengths": [len(r) for r in records]}
-    stats_path = Path(out_dir) / f"{name}.json"
-    stats_path.with_suffix(".json.tmp").write_text(json.dumps(stats))
-    os.replace(stats_path.with_suffix(".json.tmp"), stats_path)
-    return {"split": split, "index": index, **stats}
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _shard_jobs(documents: Iterator[Document], docs_per_shard: int
                 ) -> Iterator[tuple[str, int, list[str]]]:
     """(split, shard index, texts): each split's documents in consecutive groups."""
@@ -313,7 +268,7 @@ def prepare(source: str, tokenizer_spec: str, out_dir: str | Path, *, workers: i
     pool_type = (concurrent.futures.ThreadPoolExecutor if workers == 1  # no process to start
                  else functools.partial(concurrent.futures.ProcessPoolExecutor,
                                         mp_context=context))
-    with pool_type(workers, initializer=_init_worker, initargs=(tokenizer_spec,)) as pool:
+    with pool_type(workers, initializer=init_worker, initargs=(tokenizer_spec,)) as pool:
         pending: set[concurrent.futures.Future] = set()
 
         def collect(block: bool) -> None:
@@ -340,7 +295,7 @@ def prepare(source: str, tokenizer_spec: str, out_dir: str | Path, *, workers: i
                     kept += 1
                     documents_done += stats["documents"]
                     continue
-            pending.add(pool.submit(_write_shard, str(out), split, index, texts, tokenizer_spec))
+            pending.add(pool.submit(write_shard, str(out), split, index, texts, tokenizer_spec))
             if len(pending) >= 2 * workers:  # bounded: at most 2 shards per worker in flight
                 collect(block=True)
         collect(block=False)
