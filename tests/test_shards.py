@@ -17,6 +17,7 @@ import sentencepiece
 
 from config import ConfigError
 from tests.helpers import one_device_env, tiny_config
+from tests.test_data import ToyDocs
 from train import data
 from train.loop import train
 from train.shards import PreparedDataset, SourceReport, load_split, prepare, read_documents
@@ -285,3 +286,18 @@ def losses_or_empty(workdir: Path) -> dict[int, float]:
         return losses(workdir)
     except (FileNotFoundError, json.JSONDecodeError):
         return {}
+
+
+def test_a_prepared_tfds_dataset_is_a_source(tmp_path):
+    ToyDocs(data_dir=str(tmp_path / "tfds"), file_format="array_record").download_and_prepare()
+    metadata = prepare("tfds:toy_docs", "byte", tmp_path / "out", text_key="title",
+                       data_dir=str(tmp_path / "tfds"), progress=False)
+    assert {split: info["documents"] for split, info in metadata["splits"].items()} == \
+        {"train": 3, "validation": 1}  # the dataset's own splits
+    validation = PreparedDataset(tmp_path / "out", "validation", load_tokenizer("byte"))
+    assert bytes(validation.document(0).astype(np.uint8)) == b"title 0"
+    with pytest.raises(ConfigError) as error:
+        prepare("tfds:toy_docs", "byte", tmp_path / "other", text_key="summary",
+                data_dir=str(tmp_path / "tfds"), progress=False)
+    one_line_error(error, "--text_key='summary' is invalid: tfds:toy_docs has features body, "
+                   "title")

@@ -135,6 +135,9 @@ def _tfds_documents(name: str, data_dir: str, text_key: str) -> Iterator[Documen
                               f"dataset in {data_dir or 'the default data dir'} ({reason}); "
                               f"prepare it with tfds build {name} --file_format=array_record"
                               ) from None
+        if text_key not in source.dataset_info.features:
+            raise ConfigError(f"--text_key={text_key!r} is invalid: tfds:{name} has features "
+                              f"{', '.join(sorted(source.dataset_info.features))}")
         for i in range(len(source)):
             text = source[i][text_key]
             yield Document(split, f"tfds:{name}/{split}[{i}]",
@@ -184,8 +187,11 @@ def count_documents(source: str, data_dir: str = "") -> int:
         with kjv_file().open("rb") as f:
             return len({(v["book"], v["chapter"]) for v in map(json.loads, f)})
     if source.startswith("tfds:"):
-        return sum(len(tfds.data_source(source[5:], split=split, data_dir=data_dir or None,
-                                        download=False)) for split in SPLITS)
+        try:
+            return sum(len(tfds.data_source(source[5:], split=split, data_dir=data_dir or None,
+                                            download=False)) for split in SPLITS)
+        except Exception:  # not prepared: reading it reports that in one line
+            return 0
     total = 0
     for pattern in (os.path.expanduser(p.strip()) for p in source.split(",") if p.strip()):
         for path in {f for f in glob.glob(pattern, recursive=True) if os.path.isfile(f)}:
