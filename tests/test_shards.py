@@ -42,7 +42,7 @@ def bpe(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def kjv_bpe(bpe, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("kjv-bpe")
-    prepare("kjv", bpe, out, workers=2, docs_per_shard=300, progress=False)
+    prepare("kjv", bpe, out, workers=2, docs_per_shard=40, progress=False)
     return out
 
 
@@ -136,12 +136,12 @@ def test_preparation_resumes_keeping_finished_shards(kjv_bpe, bpe, tmp_path):
     (tmp_path / "prepare.json").write_bytes((kjv_bpe / "prepare.json").read_bytes())
     (tmp_path / "train-00002.array_record.123.tmp").write_bytes(b"partial")
     os.utime(tmp_path / "train-00000.array_record", (0, 0))
-    resumed = prepare("kjv", bpe, tmp_path, workers=1, docs_per_shard=300, progress=False)
+    resumed = prepare("kjv", bpe, tmp_path, workers=1, docs_per_shard=40, progress=False)
     assert os.stat(tmp_path / "train-00000.array_record").st_mtime == 0  # not rewritten
     assert resumed["content_hash"] == metadata["content_hash"]
     with pytest.raises(ConfigError) as error:  # other settings into the same directory
         prepare("kjv", bpe, tmp_path, docs_per_shard=200, progress=False)
-    one_line_error(error, f"--out={tmp_path} is invalid", "docs_per_shard=300",
+    one_line_error(error, f"--out={tmp_path} is invalid", "docs_per_shard=40",
                    "use a new --out")
 
 
@@ -301,3 +301,31 @@ def test_a_prepared_tfds_dataset_is_a_source(tmp_path):
                 data_dir=str(tmp_path / "tfds"), progress=False)
     one_line_error(error, "--text_key='summary' is invalid: tfds:toy_docs has features body, "
                    "title")
+
+
+def test_a_sigkilled_preparation_continues_where_it_stopped(kjv_bpe, bpe, tmp_path):
+    out = tmp_path / "out"
+    command = [sys.executable, "scripts/prepare_data.py", "--source", "kjv", "--tokenizer", bpe,
+               "--out", str(out), "--workers", "1", "--docs_per_shard", "40"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    killed = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while not list(out.glob("train-*.json")):  # killed after its first of 31 shards
+        assert killed.poll() is None and time.time() < deadline
+        time.sleep(0.01)
+    killed.send_signal(signal.SIGKILL)
+    killed.wait()
+    assert not (out / "metadata.json").exists()
+    finished_before = {path.name: path.stat().st_mtime_ns for path in out.glob("*.array_record")
+                       if path.with_suffix(".json").exists()}
+    assert finished_before
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"({len(finished_before)} kept from before)" in done.stderr
+    for name, mtime in finished_before.items():
+        assert (out / name).stat().st_mtime_ns == mtime  # not rewritten
+    uninterrupted = json.loads((kjv_bpe / "metadata.json").read_text())  # same arguments
+    resumed = json.loads((out / "metadata.json").read_text())
+    assert resumed["content_hash"] == uninterrupted["content_hash"]
+    assert resumed["splits"] == uninterrupted["splits"]
