@@ -42,11 +42,10 @@ class NonFiniteLoss(RuntimeError):
 def load_splits(data_config) -> tuple[data.Dataset, data.Dataset]:
     """(train, validation) datasets. Every process reads the whole token stream (memory-mapped
     for tfds datasets), or opens the shards of a prepared directory (`train.shards`), and later
-    takes only its rows of each batch. Of several processes,
-    process 0 loads first, preparing the corpus if needed, and the others after a barrier: on a
-    shared data_dir they find it prepared; on per-host disks each host prepares its own copy
-    (one process per host, as the launchers in scripts/ start, so no two prepare one
-    directory at once)."""
+    takes only its rows of each batch. Of several processes, process 0 loads first, preparing
+    the corpus if needed, and the others after a barrier: on a shared data_dir they find it
+    prepared; on per-host disks each host prepares its own copy (one process per host, as the
+    launchers in scripts/ start, so no two prepare one directory at once)."""
     def load():
         return (shards.load_split(data_config, "train"),
                 shards.load_split(data_config, "validation"))
