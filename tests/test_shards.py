@@ -20,7 +20,14 @@ from tests.helpers import one_device_env, tiny_config
 from tests.test_data import ToyDocs
 from train import data
 from train.loop import train
-from train.shards import PreparedDataset, SourceReport, load_split, prepare, read_documents
+from train.shards import (
+    PreparedDataset,
+    SourceReport,
+    load_split,
+    prepare,
+    read_documents,
+    train_tokenizer_main,
+)
 from train.tokenizer import check_vocab, load_tokenizer, train_bpe
 
 REPO = Path(__file__).resolve().parents[1]
@@ -329,3 +336,17 @@ def test_a_sigkilled_preparation_continues_where_it_stopped(kjv_bpe, bpe, tmp_pa
     resumed = json.loads((out / "metadata.json").read_text())
     assert resumed["content_hash"] == uninterrupted["content_hash"]
     assert resumed["splits"] == uninterrupted["splits"]
+
+
+def test_train_tokenizer_command_reads_a_prepared_directory(kjv_bpe, tmp_path, capsys):
+    out = tmp_path / "bpe"
+    assert train_tokenizer_main(["--data", str(kjv_bpe), "--vocab_size", "290", "--out",
+                                 str(out), "--max_documents", "30"]) == 0
+    assert f"--config.data.tokenizer=hf:{out / 'tokenizer.json'}" in capsys.readouterr().out
+    tokenizer = load_tokenizer(f"hf:{out}")
+    assert tokenizer.vocab_size == 290 and tokenizer.decode(tokenizer.encode(TEXTS[1])) == TEXTS[1]
+    assert train_tokenizer_main(["--data", "kjv", "--vocab_size", "100", "--out",
+                                 str(out)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: --vocab_size=100 is invalid: a byte-level BPE needs at least 258 (256 bytes, "
+        "the separator and one merge)")
