@@ -272,7 +272,7 @@ def test_training_from_shards_resumes_after_sigkill_and_reshards_identically(
     command = [arg.replace("__", ".") for arg in command]
     killed = subprocess.Popen(command, cwd=REPO, env=one_device_env(), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE)
-    deadline = time.time() + 240
+    deadline = time.time() + 400
     while not (workdir / "checkpoints" / "2").exists() or len(losses_or_empty(workdir)) < 3:
         assert killed.poll() is None and time.time() < deadline, killed.communicate()[1][-2000:]
         time.sleep(0.05)
