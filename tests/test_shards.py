@@ -107,6 +107,17 @@ def test_bad_tokenizer_spec_is_one_line(spec, fragment):
     one_line_error(error, f"data.tokenizer={spec!r} is invalid", fragment)
 
 
+def test_in_memory_sources_tokenize_each_line_as_a_document(bpe):
+    config = tiny_config().data
+    config.tokenizer = bpe
+    tokenizer = load_tokenizer(bpe)
+    validation = data.load(config, "validation")
+    chapters = [d.text for d in read_documents("kjv", SourceReport()) if d.split == "validation"]
+    expected = np.concatenate([piece for text in chapters for piece in (
+        tokenizer.encode(text), [tokenizer.separator])][:-1])
+    np.testing.assert_array_equal(validation.tokens, expected)
+
+
 def test_prepared_byte_shards_stream_the_in_memory_batches(tmp_path):
     """The kjv corpus prepared with the byte tokenizer: every batch (and every process's rows of
     it) equals the in-memory pipeline's, through `batch` and through the prefetching stream."""
