@@ -15,7 +15,7 @@ INIT_GROUPS = ("embedding", "query", "key", "value", "attention_output", "ffn_in
 def model_config() -> ml_collections.ConfigDict:
     """A small Pre-Norm RMSNorm/RoPE/SwiGLU decoder; registries name every component."""
     return ml_collections.ConfigDict(dict(
-        vocab_size=256,           # byte-level tokenizer
+        vocab_size=256,           # ≥ the tokenizer's (data.tokenizer); 0: the tokenizer's
         d_model=256,
         num_layers=4,
         num_heads=4,
@@ -143,8 +143,14 @@ def base_config() -> ml_collections.ConfigDict:
             grad_clip=1.0,        # global-norm clip; 0 disables
         ),
         data=dict(
-            name="kjv",           # "kjv" (embedded), "text" (local files), or a tfds catalog name
-            path="",              # glob(s) for name="text"
+            name="kjv",           # "kjv" (embedded), "text" (local files), "prepared" (shards
+                                  # of scripts/prepare_data.py), or a tfds catalog name
+            path="",              # glob(s) for name="text"; the directory for name="prepared"
+            tokenizer="byte",     # "byte", "hf:PATH" (tokenizer.json), "sentencepiece:PATH"
+            packing=True,         # windows span documents (joined by the separator); False:
+                                  # each window lies inside one document (name="prepared")
+            prefetch=4,           # name="prepared": batches read ahead of the step
+            read_threads=2,       # name="prepared": threads reading those batches
             data_dir="",          # tfds data dir; default ~/.cache/blockbench/tfds
             validation_fraction=0.05,  # name="text": the tail kept for validation
             text_key=ml_collections.FieldReference(None, field_type=str),  # tfds text feature

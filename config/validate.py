@@ -62,13 +62,21 @@ def check_training(config) -> None:
     part of `train.config.validate`, which also serves runs that are only restored (e.g. an
     imported checkpoint with its own vocabulary, or a run whose text files have moved)."""
     model = config.model
-    check(_is_int(model.vocab_size) and model.vocab_size >= TOKENIZER_VOCAB_SIZE,
-          "model.vocab_size", model.vocab_size,
-          f"must be at least the tokenizer's {TOKENIZER_VOCAB_SIZE} tokens (bytes)")
+    if (config.data.tokenizer or "byte") == "byte":
+        check(_is_int(model.vocab_size) and (model.vocab_size == 0
+                                             or model.vocab_size >= TOKENIZER_VOCAB_SIZE),
+              "model.vocab_size", model.vocab_size,
+              f"must be at least the tokenizer's {TOKENIZER_VOCAB_SIZE} tokens (bytes), or 0 "
+              "to take the tokenizer's")
+    else:  # checked against the tokenizer's own size when train.loop loads it
+        check(_is_int(model.vocab_size) and model.vocab_size >= 0, "model.vocab_size",
+              model.vocab_size, "must be 0 (the tokenizer's size) or an integer covering it")
     _check_data(config.data, config.seq_len)
     check(_is_int(config.sample_tokens) and config.sample_tokens >= 0, "sample_tokens",
           config.sample_tokens, "must be a non-negative integer (0 skips the final sample)")
-    if config.sample_tokens:
+    if config.sample_tokens and model.vocab_size:  # vocab_size=0: checked once it is filled
+        # The prompt's length in bytes: exact for the byte tokenizer, an upper bound for a
+        # byte-level BPE (every token covers at least one byte).
         prompt_tokens = len((config.sample_prompt or "\n").encode("utf-8"))
         context = model.max_seq_len if model.max_seq_len is not None else config.seq_len
         check_generation(model.vocab_size, model.position, context, prompt_tokens,

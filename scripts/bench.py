@@ -1,7 +1,7 @@
 """Benchmark one train step: `python scripts/bench.py --config PATH[:ARG] [--config.FIELD=VALUE ...]
 [--json] [--steps N] [--block K] [--depth_check] [--baseline FIELD=VALUE[,...]]
 [--depth_memory A,B] [--compare FIELD=VALUE[,...][;FIELD=VALUE[,...]...]] [--decode]
-[--decode_batch B] [--decode_steps N]`
+[--decode_batch B] [--decode_steps N] [--data [--data_batches N]]`
 
 Runs on whatever devices exist (one CPU device normally) with random tokens of the config's
 batch_size × (seq_len + 1), and reports, in one run:
@@ -49,6 +49,12 @@ batch_size × (seq_len + 1), and reports, in one run:
                          timed in ABBA blocks of 20 over the config, the baseline and the
                          --compare variants; with --baseline also baseline_decode_time_s and
                          decode_time_vs_baseline.
+  loader_tokens_per_sec  only with --data: tokens/s the config's training data (config.data, e.g. a
+                         prepared directory) delivers at batch_size × seq_len through the stream
+                         the training loop reads (prefetching, `train.shards.loader_throughput`),
+                         over --data_batches batches; loader_sync_tokens_per_sec one batch at a
+                         time; loader_vs_step = loader_tokens_per_sec / tokens_per_sec, the
+                         loader's margin over what the train step consumes: target ≥ 5.
   bubble_fraction        only when the config's mesh.stage = P > 1 (pipeline parallelism,
                          sharding/pipeline.py): the schedule's theoretical idle share
                          (P − 1)/(V·M + P − 1), V = model.pipeline_virtual_stages, M =
@@ -114,6 +120,7 @@ temporary buffer, experimental YNN dot fusions): docs/performance.md#xla-on-cpu.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -130,13 +137,16 @@ from flax import nnx
 
 from config.cli import ArgumentParser, UsageError, apply_override, parse_with_config, positive_int
 from sharding.pipeline import bubble_fraction, iterations, stage_transfer_bytes
+from train.shards import loader_throughput
 from train.step import compile_train_step
+from train.tokenizer import check_vocab, tokenizer_of
 
 TARGETS = {"vs_reference": "<= 1.05", "compile_24_over_4": "<= 1.5",
            "step_time_vs_baseline": "<= 1.5 (reversible vs ordinary)",
            "temp_bytes_depth_ratio": "<= 1.3 (reversible, 2 to 16 layers)",
            "step_time_vs_config": "<= 1.05 (block_attnres, 8 blocks, vs the plain sum)",
-           "decode_time_vs_config": "<= 1.05 (two-phase inference vs the plain sum)"}
+           "decode_time_vs_config": "<= 1.05 (two-phase inference vs the plain sum)",
+           "loader_vs_step": ">= 5 (data loading never limits the step)"}
 DECODE_BLOCK = 20  # decode steps per interleaved block: a step is ~1 ms, noise comes in bursts
 
 
@@ -314,11 +324,13 @@ def depth_compile_ratio(config, repeats: int = 2) -> dict[str, float]:
 
 def bench(config, steps: int, block: int, depth_check: bool, baseline: str | None = None,
           depths: tuple[int, int] | None = None, compare: str | None = None,
-          decode: bool = False, decode_batch: int = 1, decode_steps: int = 400) -> dict:
+          decode: bool = False, decode_batch: int = 1, decode_steps: int = 400,
+          data_batches: int = 0) -> dict:
     from arch import reference
     from arch.accounting import flops_per_token
     from train.metrics import measure_matmul_peak
 
+    check_vocab(config.model, tokenizer_of(config.data))  # model.vocab_size=0: the tokenizer's
     pristine = config.copy_and_resolve_references()  # before derived fields are filled in
     others = {label: with_overrides(pristine, overrides, "--compare")
               for label, overrides in parse_compare(compare).items()}
@@ -398,6 +410,12 @@ def bench(config, steps: int, block: int, depth_check: bool, baseline: str | Non
                 entry.update(decode_time_s=decode_times[label],
                              decode_time_vs_config=decode_ratio(label, "framework"))
             result["compare"][label] = entry
+    if data_batches:
+        log(f"reading {data_batches} batches of the training data...")
+        with contextlib.redirect_stdout(sys.stderr):  # tfds reports preparing on stdout
+            result.update(loader_throughput(config.data, config.batch_size, config.seq_len,
+                                            data_batches, config.seed))
+        result["loader_vs_step"] = result["loader_tokens_per_sec"] / tokens_per_sec
     if depths is not None:
         result.update(depth_memory(pristine, depths))
     if depth_check:
@@ -445,6 +463,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="sequences decoded at once (--decode)")
     parser.add_argument("--decode_steps", type=positive_int, default=400,
                         help="timed decode steps per variant")
+    parser.add_argument("--data", action="store_true",
+                        help="also measure the data loader's tokens/s")
+    parser.add_argument("--data_batches", type=positive_int, default=200,
+                        help="batches read for --data")
     config, args = parse_with_config(parser, argv)
     depths = None
     if args.depth_memory:
@@ -459,7 +481,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         result = bench(config, args.steps, args.block, args.depth_check, args.baseline, depths,
-                       args.compare, args.decode, args.decode_batch, args.decode_steps)
+                       args.compare, args.decode, args.decode_batch, args.decode_steps,
+                       args.data_batches if args.data else 0)
     except ConfigError as error:
         log(f"error: {error}")
         return 2

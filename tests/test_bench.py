@@ -33,16 +33,19 @@ def test_bench_json_with_baseline_compare_decode_and_depth_memory():
                "--config.model.num_layers=2", "--config.seq_len=16", "--config.batch_size=8",
                "--json", "--steps", "3", "--block", "1",
                "--baseline", "model.ffn=mlp", "--depth_memory", "1,2",
-               "--compare", "model.num_kv_heads=1", "--decode", "--decode_steps", "4"]
+               "--compare", "model.num_kv_heads=1", "--decode", "--decode_steps", "4",
+               "--data", "--data_batches", "3"]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout)  # exactly one JSON object on stdout
-    for key in REQUIRED + BASELINE + ("decode_time_s", "decode_time_vs_baseline"):
+    for key in REQUIRED + BASELINE + ("decode_time_s", "decode_time_vs_baseline",
+                                      "loader_tokens_per_sec", "loader_sync_tokens_per_sec"):
         assert math.isfinite(result[key]) and result[key] > 0, (key, result.get(key))
     variant = result["compare"]["num_kv_heads=1"]  # ratios are variant / benchmarked config
     for key in COMPARE:
         assert math.isfinite(variant[key]) and variant[key] > 0, (key, variant.get(key))
+    assert result["loader_vs_step"] == result["loader_tokens_per_sec"] / result["tokens_per_sec"]
     assert variant["temp_bytes_vs_config"] == variant["temp_bytes"] / result["temp_bytes"]
     assert 0 < result["mfu"] < 10  # loose: a noisy shared CPU can beat its measured "peak"
     assert result["devices"] == 1

@@ -40,6 +40,9 @@ def test_report_files_and_numbers(run, capsys):
     loss = probes.batch_loss(model, tokens_BxT1)
     assert report["depth"]["loss"] == pytest.approx(loss, rel=1e-5)
     assert report["heads"]["loss"] == pytest.approx(loss, rel=1e-5)
+    evaluation = report["evaluation"]  # a byte-level run: one byte per token
+    assert evaluation["bytes_per_token"] == 1.0 and evaluation["tokenizer"] == "byte"
+    assert evaluation["loss_per_byte"] == evaluation["loss_per_token"] == report["heads"]["loss"]
     assert np.shape(report["heads"]["loss_change"]) == (3, config.model.num_heads)
     assert len(report["depth"]["hidden_rms"]) == 4 and report["pruning"]["num_layers"] == 2
     influence = report["depth"]["block_influence"]
@@ -48,8 +51,9 @@ def test_report_files_and_numbers(run, capsys):
     assert (bottleneck["contexts"], bottleneck["tokens"]) == (8 * 16, 40)
     assert bottleneck["numerical_rank"] <= bottleneck["bound"] == config.model.d_model
     text = (out / "report.md").read_text()
-    for heading in ("## Accounting", "## Compiled train-step memory", "## Per-depth probes",
-                    "## Pruning by Block Influence", "## Head ablation", "## Softmax bottleneck"):
+    for heading in ("## Evaluation text", "## Accounting", "## Compiled train-step memory",
+                    "## Per-depth probes", "## Pruning by Block Influence", "## Head ablation",
+                    "## Softmax bottleneck"):
         assert heading in text
     assert "report.json" in capsys.readouterr().out
 
@@ -58,6 +62,7 @@ def test_report_files_and_numbers(run, capsys):
     ("--prune=3", r"--prune=3 is invalid: must be in \[0, 2\]"),
     ("--batch=0", r"--batch=0 is invalid: must be a positive multiple"),
     ("--seq_len=99", r"--seq_len=99 is invalid: must be in \[2, 16\]"),
+    ("--text=/no/such.txt", r"--text=/no/such.txt is invalid: it is neither a text file nor"),
 ])
 def test_bad_input_exits_2_with_one_line(run, capsys, flag, message):
     workdir, _ = run

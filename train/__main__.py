@@ -74,7 +74,8 @@ def main(argv: list[str]) -> int:
         return 1
     if result["preempted"]:
         return 143
-    print(f"validation loss at step {result['step']}: {result['eval_loss']:.4f} nats/byte")
+    unit = "byte" if (config.data.tokenizer or "byte") == "byte" else "token"
+    print(f"validation loss at step {result['step']}: {result['eval_loss']:.4f} nats/{unit}")
     print("sample:\n" + result["sample"])
     return 0
 

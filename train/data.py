@@ -1,4 +1,4 @@
-"""Byte-level data pipeline: corpora -> one packed uint8 token stream per split -> batches.
+"""In-memory data pipeline: corpora -> one packed token stream per split -> batches.
 
 Sources, chosen by ``data_config.name``:
 
@@ -11,10 +11,13 @@ Sources, chosen by ``data_config.name``:
   in the data dir), using feature ``data_config.text_key`` if set, else ``"text"`` or the first
   text feature in name order.
 
-Documents are joined by ``b"\\n"``. Prepared tfds splits are cached as ``.npy`` token files
-next to the tfds data. Batches are windows of ``seq_len + 1`` tokens taken at stride
-``seq_len`` and ordered by a seeded ``grain.MapDataset`` shuffle that is reshuffled every epoch,
-so a batch is a pure function of ``(seed, step)`` whatever the number of consumers.
+Documents are joined by ``b"\\n"``; with a subword ``data.tokenizer`` (`train.tokenizer`) each
+line is tokenized as a document and lines are joined by the tokenizer's separator. Datasets too
+large for memory are prepared into shards and streamed instead (`train.shards`). Prepared tfds
+splits are cached as ``.npy`` byte files next to the tfds data. Batches are windows of
+``seq_len + 1`` tokens taken at stride ``seq_len`` and ordered by a seeded ``grain.MapDataset``
+shuffle that is reshuffled every epoch, so a batch is a pure function of ``(seed, step)``
+whatever the number of consumers.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 
 from config.validate import TOKENIZER_VOCAB_SIZE, text_files, text_split_sizes
+from train.tokenizer import tokenizer_of
 
 VOCAB_SIZE = TOKENIZER_VOCAB_SIZE  # byte-level tokenizer: 256
 SPLITS = ("train", "validation")
@@ -59,7 +63,7 @@ class Dataset:
     of the endless sequence of epochs, each epoch shuffled anew.
     """
 
-    tokens: np.ndarray  # uint8, the whole split concatenated (documents joined by b"\n")
+    tokens: np.ndarray  # the whole split concatenated (documents joined by the separator)
     name: str = ""
     split: str = ""
 
@@ -79,9 +83,7 @@ class Dataset:
                 f"{self.split} split of {self.name!r} has {len(self.tokens)} tokens, too few for "
                 f"one window of seq_len + 1 = {seq_len + 1} tokens; lower seq_len or add data."
             )
-        # Hash the seed so seed s, epoch e + 1 (grain uses seed + epoch) differs from seed s + 1.
-        mixed = int(np.random.SeedSequence(seed).generate_state(1)[0])
-        return grain.MapDataset.range(n).shuffle(seed=mixed).repeat()
+        return window_order(n, seed)
 
     def batch(
         self, step: int, batch_size: int, seq_len: int, seed: int,
@@ -95,6 +97,22 @@ class Dataset:
         windows = np.array([order[step * batch_size + r] for r in row_ids], dtype=np.int64)
         index = windows[:, None] * seq_len + np.arange(seq_len + 1)
         return np.asarray(self.tokens[index.reshape(len(row_ids), seq_len + 1)], dtype=np.int32)
+
+    def batches(self, start_step: int, batch_size: int, seq_len: int, seed: int,
+                rows: slice | np.ndarray | None = None, **unused: Any) -> Iterator[np.ndarray]:
+        """Batches ``start_step, start_step + 1, ...``, each :meth:`batch` (read when asked
+        for: the split is in memory)."""
+        self.window_order(seq_len, seed)  # a too-small split fails here, before the first step
+        for step in itertools.count(start_step):
+            yield self.batch(step, batch_size, seq_len, seed, rows)
+
+
+def window_order(num_windows: int, seed: int) -> grain.MapDataset:
+    """Window indices ``0 .. num_windows - 1`` in a seeded order, re-drawn every epoch, as an
+    infinite random-access grain sequence (position ``step * batch_size + row``)."""
+    # Hash the seed so seed s, epoch e + 1 (grain uses seed + epoch) differs from seed s + 1.
+    mixed = int(np.random.SeedSequence(seed).generate_state(1)[0])
+    return grain.MapDataset.range(num_windows).shuffle(seed=mixed).repeat()
 
 
 class KjvBible(tfds.core.GeneratorBasedBuilder, skip_registration=True):
@@ -232,4 +250,11 @@ def load(data_config: Any, split: str) -> Dataset:
                 builder.download_and_prepare(download_config=config)
             tfds_name = builder.name  # "kjv_bible"
         tokens = _load_tfds(tfds_name, split, data_dir, _field(data_config, "text_key"))
+    tokenizer = tokenizer_of(data_config)
+    if tokenizer.spec != "byte":  # each line a document, joined by the tokenizer's separator
+        lines = np.asarray(tokens).tobytes().decode("utf-8", errors="replace").split("\n")
+        documents = tokenizer.encode_batch(lines)
+        separated = [piece for document in documents
+                     for piece in (document, np.array([tokenizer.separator], np.int32))]
+        tokens = np.concatenate(separated[:-1]).astype(tokenizer.token_dtype())
     return Dataset(tokens=tokens, name=name, split=split)

@@ -27,8 +27,8 @@ from config import ConfigError
 from config.cli import ArgumentParser
 from config.defaults import base_config
 from config.validate import check_generation
-from train import data
 from train.restore import restore_run
+from train.tokenizer import load_tokenizer, tokenizer_of
 
 
 def sample(logits_BxV, key, temperature: float, top_k: int):
@@ -70,7 +70,9 @@ def generate_tokens(graphdef, params, model_state, prompt_BxP, key, *, num_token
 def generate_text(program, state, prompt: str, num_tokens: int, *, temperature: float = 0.8,
                   top_k: int = 0, seed: int = 0) -> str:
     """Continue `prompt` with a train state of `program` (a TrainProgram: graph and mesh)."""
-    prompt_tokens = data.encode(prompt) if prompt else data.encode("\n")
+    tokenizer = tokenizer_of(program.config.data)
+    prompt_tokens = (tokenizer.encode(prompt) if prompt
+                     else np.array([tokenizer.separator], np.int32))
     model_cfg = program.model_cfg
     if model_cfg.position == "learned" and len(prompt_tokens) + num_tokens > model_cfg.max_seq_len:
         raise ValueError(f"prompt ({len(prompt_tokens)} tokens) + num_tokens={num_tokens} exceeds "
@@ -80,7 +82,7 @@ def generate_text(program, state, prompt: str, num_tokens: int, *, temperature: 
                                  jnp.asarray(prompt_tokens)[None],
                                  jax.random.key(seed), num_tokens=num_tokens,
                                  temperature=temperature, top_k=top_k)
-    return prompt + data.decode(np.asarray(tokens[0]))
+    return prompt + tokenizer.decode(np.asarray(tokens[0]))
 
 
 def check_arguments(workdir: str, prompt: str, num_tokens, temperature, top_k,
@@ -94,9 +96,10 @@ def check_arguments(workdir: str, prompt: str, num_tokens, temperature, top_k,
     saved = json.loads(config_path.read_text())
     model = {**base_config().model.to_dict(), **saved.get("model", {})}
     context = model["max_seq_len"] or saved.get("seq_len") or base_config().seq_len
-    check_generation(model["vocab_size"], model["position"], context,
-                     len(data.encode(prompt or "\n")), num_tokens, temperature, top_k,
-                     allow_extrapolation=allow_extrapolation)
+    tokenizer = load_tokenizer(saved.get("data", {}).get("tokenizer") or "byte")
+    prompt_tokens = len(tokenizer.encode(prompt)) if prompt else 1  # "": the separator alone
+    check_generation(model["vocab_size"], model["position"], context, prompt_tokens, num_tokens,
+                     temperature, top_k, allow_extrapolation=allow_extrapolation)
 
 
 def main(argv=None) -> int:

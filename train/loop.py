@@ -28,12 +28,13 @@ from arch.accounting import flops_per_token
 from config import ConfigError
 from config.validate import check_training
 from sharding.pipeline import bubble_fraction
-from train import data, rundir
+from train import data, rundir, shards
 from train.checkpoint import Checkpointer
 from train.data import VALIDATION_SEED
 from train.generate import generate_text
 from train.metrics import MetricsWriter, measure_matmul_peak
 from train.step import TrainProgram, build_program
+from train.tokenizer import check_vocab, tokenizer_of
 
 log = logging.getLogger(__name__)
 
@@ -44,13 +45,14 @@ class NonFiniteLoss(RuntimeError):
 
 def load_splits(data_config) -> tuple[data.Dataset, data.Dataset]:
     """(train, validation) datasets. Every process reads the whole token stream (memory-mapped
-    for tfds datasets) and later takes only its rows of each batch. Of several processes,
-    process 0 loads first, preparing the corpus if needed, and the others after a barrier: on a
-    shared data_dir they find it prepared; on per-host disks each host prepares its own copy
-    (one process per host, as the launchers in scripts/ start, so no two prepare one
-    directory at once)."""
+    for tfds datasets), or opens the shards of a prepared directory (`train.shards`), and later
+    takes only its rows of each batch. Of several processes, process 0 loads first, preparing
+    the corpus if needed, and the others after a barrier: on a shared data_dir they find it
+    prepared; on per-host disks each host prepares its own copy (one process per host, as the
+    launchers in scripts/ start, so no two prepare one directory at once)."""
     def load():
-        return data.load(data_config, "train"), data.load(data_config, "validation")
+        return (shards.load_split(data_config, "train"),
+                shards.load_split(data_config, "validation"))
 
     if jax.process_count() == 1:
         return load()
@@ -163,6 +165,7 @@ def train(config, workdir: str | Path) -> dict:
     non-finite; that state is never saved.
     """
     workdir = Path(workdir)
+    check_vocab(config.model, tokenizer_of(config.data))  # model.vocab_size=0: the tokenizer's
     program = build_program(config)  # every config error surfaces here, before compiling
     check_training(config)
     rundir.check_workdir(workdir)
@@ -209,9 +212,11 @@ def _train_locked(program: TrainProgram, config, workdir: Path) -> dict:
         first_step = timer_step = step
         timer = time.perf_counter()
         eval_loss = float("nan")
+        batches = train_data.batches(step, config.batch_size, config.seq_len, config.seed, rows,
+                                     prefetch=config.data.get("prefetch", 4),
+                                     read_threads=config.data.get("read_threads", 2))
         while step < config.steps and not preemption.requested:
-            batch = program.put_batch(
-                train_data.batch(step, config.batch_size, config.seq_len, config.seed, rows))
+            batch = program.put_batch(next(batches))
             state, metrics = program.train_step(state, batch)
             step += 1
             if skip_nonfinite:

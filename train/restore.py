@@ -14,14 +14,16 @@ import json
 from pathlib import Path
 
 import jax
+import numpy as np
 from flax import nnx
 
 from config import ConfigError
 from config.defaults import base_config
-from train import data
+from train import data, shards
 from train.checkpoint import Checkpointer
 from train.data import VALIDATION_SEED
 from train.step import build_program
+from train.tokenizer import tokenizer_of
 
 
 def restore_run(workdir: str | Path):
@@ -45,11 +47,42 @@ def restore_run(workdir: str | Path):
     return program, step, state
 
 
-def restore_for_analysis(workdir: str | Path, batch: int, seq_len: int | None = None):
+def evaluation_split(config, text: str | Path | None = None):
+    """The held-out text a run is measured on, tokenized with the run's tokenizer
+    (``data.tokenizer``; an imported checkpoint's own): ``text``, a local text file (one
+    document) or a prepared directory (its validation split), else the run's validation split."""
+    tokenizer = tokenizer_of(config.data)
+    if text is None:
+        return shards.load_split(config.data, "validation")
+    path = Path(text)
+    if (path / "metadata.json").is_file():
+        return shards.PreparedDataset(path, "validation", tokenizer)
+    if not path.is_file():
+        raise ConfigError(f"--text={text} is invalid: it is neither a text file nor a prepared "
+                          "directory (scripts/prepare_data.py)")
+    tokens = tokenizer.encode(path.read_text(encoding="utf-8", errors="replace"))
+    return data.Dataset(tokens=tokens, name=str(path), split="validation")
+
+
+def bytes_per_token(tokens_BxT1, config) -> float:
+    """UTF-8 bytes of text per predicted token of a batch (targets ``[:, 1:]``), decoded with
+    the run's tokenizer; a document separator counts as one byte (the byte pipeline's
+    newline), so a byte-level run gives exactly 1."""
+    tokenizer = tokenizer_of(config.data)
+    targets = np.asarray(tokens_BxT1)[:, 1:]
+    separators = targets == tokenizer.separator
+    text_bytes = sum(len(tokenizer.decode(row[~keep]).encode("utf-8"))
+                     for row, keep in zip(targets, separators, strict=True))
+    return (text_bytes + int(separators.sum())) / targets.size
+
+
+def restore_for_analysis(workdir: str | Path, batch: int, seq_len: int | None = None,
+                         text: str | Path | None = None):
     """(program, step, model in evaluation mode, validation tokens B×(T+1)) for the scripts that
-    analyse a run: `restore_run`, then the first validation batch of `batch` rows of
-    `seq_len` + 1 tokens (default the run's seq_len), the same batch for every run of a config.
-    Raises FileNotFoundError (no run) or ConfigError (a bad batch or length) in one line."""
+    analyse a run: `restore_run`, then the first batch of `batch` rows of `seq_len` + 1 tokens
+    (default the run's seq_len) of `evaluation_split(config, text)`, the same batch for every
+    run of a config. Raises FileNotFoundError (no run) or ConfigError (a bad batch, length or
+    text) in one line."""
     program, step, state = restore_run(workdir)
     config = program.config
     seq_len = seq_len or config.seq_len
@@ -60,7 +93,7 @@ def restore_for_analysis(workdir: str | Path, batch: int, seq_len: int | None = 
     if not 2 <= seq_len <= config.model.max_seq_len:
         raise ConfigError(f"--seq_len={seq_len} is invalid: must be in [2, "
                           f"{config.model.max_seq_len}] (the model's max_seq_len)")
-    tokens_BxT1 = data.load(config.data, "validation").batch(0, batch, seq_len, VALIDATION_SEED)
+    tokens_BxT1 = evaluation_split(config, text).batch(0, batch, seq_len, VALIDATION_SEED)
     model = nnx.merge(program.graphdef, state["params"], state["model_state"])
     model.eval()
     return program, step, model, jax.device_put(tokens_BxT1, program.batch_sharding)

@@ -12,12 +12,15 @@ writes
                        `config.defaults.base_config()` with the imported model section. Its
                        seq_len is the model's context (max_position_embeddings / n_positions)
                        capped at 1024, or --seq_len; data is base_config's (the embedded King
-                       James Bible as bytes): NOT the model's tokenizer, so losses and samples on
-                       it mean little for a BPE model, while probes of the network's internals
-                       run unchanged.
+                       James Bible) tokenized with the checkpoint's own tokenizer: DIR's
+                       tokenizer.json (data.tokenizer="hf:OUT/tokenizer.json") or SentencePiece
+                       tokenizer.model ("sentencepiece:OUT/tokenizer.model"), copied into OUT;
+                       without either, bytes, which mean nothing to a BPE model (probes of the
+                       network's internals still run).
   OUT/checkpoints/0    an Orbax checkpoint at step 0: the imported parameters (float32) and a
                        freshly initialized (zero) optimizer state, the train state a run holds.
   OUT/hf_source.json   provenance: the absolute checkpoint path and its config.json.
+  OUT/tokenizer.json   (or tokenizer.model) the checkpoint's tokenizer, when it has one.
 
 so that `train.restore.restore_run(OUT)` restores the model and every script that reads a run
 (`python -m train.generate`, scripts/depth_mixing.py, ...) works on it unchanged. Memory: about
@@ -28,6 +31,7 @@ Exit status: 0 done, 2 bad arguments or a checkpoint that cannot be imported exa
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -40,8 +44,10 @@ from config.defaults import base_config
 from train.checkpoint import Checkpointer
 from train.instruments.hf import load_hf_checkpoint, read_hf_config
 from train.step import build_program
+from train.tokenizer import check_vocab, load_tokenizer
 
 DEFAULT_MAX_SEQ_LEN = 1024  # cap on the run's seq_len when --seq_len is not given
+TOKENIZER_FILES = {"tokenizer.json": "hf", "tokenizer.model": "sentencepiece"}  # in this order
 
 
 def import_checkpoint(checkpoint: str | Path, workdir: str | Path,
@@ -57,6 +63,12 @@ def import_checkpoint(checkpoint: str | Path, workdir: str | Path,
     config.model = model_cfg
     config.seq_len = seq_len if seq_len is not None else min(model_cfg.max_seq_len,
                                                              DEFAULT_MAX_SEQ_LEN)
+    tokenizer_file = next((Path(checkpoint) / name for name in TOKENIZER_FILES
+                           if (Path(checkpoint) / name).is_file()), None)
+    if tokenizer_file is not None:
+        kind = TOKENIZER_FILES[tokenizer_file.name]
+        config.data.tokenizer = f"{kind}:{(workdir / tokenizer_file.name).absolute()}"
+        check_vocab(config.model, load_tokenizer(f"{kind}:{tokenizer_file}"))
     program = build_program(config)  # validates (seq_len ≤ max_seq_len, mesh) before writing
     params, model_state = nnx.state(model, nnx.Param), nnx.state(model, nnx.Not(nnx.Param))
 
@@ -68,6 +80,8 @@ def import_checkpoint(checkpoint: str | Path, workdir: str | Path,
         state = jax.jit(initial_state, out_shardings=program.state_shardings)(params,
                                                                                model_state)
     workdir.mkdir(parents=True, exist_ok=True)
+    if tokenizer_file is not None:
+        shutil.copyfile(tokenizer_file, workdir / tokenizer_file.name)
     with Checkpointer(workdir, config.keep_checkpoints) as checkpointer:
         checkpointer.save(0, state, {"next_step": 0, "seed": config.seed}, force=True)
     source = {"checkpoint": str(Path(checkpoint).absolute()),

@@ -2,12 +2,15 @@
 bottleneck and compiled memory, as a Markdown report with PNG plots and a JSON file of every number.
 
     python scripts/probe_report.py --workdir runs/X [--out DIR] [--batch 8] [--seq_len T]
-        [--prune 1] [--bottleneck_tokens M] [--sparsity_threshold 0.01]
+        [--prune 1] [--bottleneck_tokens M] [--sparsity_threshold 0.01] [--text PATH]
 
 Restores the newest checkpoint of the run in --workdir (a trained run, or a Hugging Face import
 from scripts/import_hf.py) and measures it on the first validation batch of --batch sequences
-(`train.restore.restore_for_analysis`; --seq_len defaults to the run's). Writes into --out (default
-WORKDIR/report):
+(`train.restore.restore_for_analysis`; --seq_len defaults to the run's) of --text (a local text
+file or a prepared directory), or of the run's validation split, tokenized with the run's
+tokenizer (an imported checkpoint's own). The loss on that batch is reported per token and per
+byte of text (`train.restore.bytes_per_token`), so runs with different tokenizers compare.
+Writes into --out (default WORKDIR/report):
 
   report.md         the tables below and the plots, with the step, batch and definitions
   report.json       every number (NaN written as null)
@@ -44,7 +47,7 @@ from arch.residual import RESIDUALS
 from config import ConfigError
 from config.cli import ArgumentParser
 from train.instruments import probes
-from train.restore import restore_for_analysis
+from train.restore import bytes_per_token, restore_for_analysis
 
 
 def log(message: str) -> None:
@@ -53,9 +56,9 @@ def log(message: str) -> None:
 
 def measure(workdir: str, batch: int, seq_len: int | None, prune: int,
             bottleneck_tokens: int | None,
-            sparsity_threshold: float) -> dict:
+            sparsity_threshold: float, text: str | None = None) -> dict:
     """Every measurement of the report, as a nested dict of numpy arrays and numbers."""
-    program, step, model, tokens_BxT1 = restore_for_analysis(workdir, batch, seq_len)
+    program, step, model, tokens_BxT1 = restore_for_analysis(workdir, batch, seq_len, text)
     cfg = program.config.model
     layers = cfg.num_layers
     if not 0 <= prune < layers:
@@ -89,10 +92,23 @@ def measure(workdir: str, batch: int, seq_len: int | None, prune: int,
                     report["pruning_skipped"] = str(error)
         log(f"head ablation ({layers} × {cfg.num_heads} heads)")
         report["heads"] = probes.head_ablation(model, tokens_BxT1)
+        loss, per_token = float(report["heads"]["loss"]), bytes_per_token(tokens_BxT1,
+                                                                          program.config)
+        report["evaluation"] = {
+            "text": str(text) if text else f"the run's validation split ({data_source(program)})",
+            "tokenizer": program.config.data.get("tokenizer", "byte"),
+            "loss_per_token": loss, "perplexity_per_token": math.exp(loss),
+            "bytes_per_token": per_token, "loss_per_byte": loss / per_token,
+            "bits_per_byte": loss / per_token / math.log(2)}
         log("softmax bottleneck")
         report["bottleneck"] = bottleneck.model_bottleneck(model, tokens_BxT1[:, :-1],
                                                            num_tokens=bottleneck_tokens)
     return report
+
+
+def data_source(program) -> str:
+    data = program.config.data
+    return f"data.name={data.name}" + (f", data.path={data.path}" if data.get("path") else "")
 
 
 def _plain(value):
@@ -224,8 +240,16 @@ def markdown(report: dict) -> str:
              f"Step {report['step']}, `model.residual={report['residual']}`; measured on the "
              f"first validation batch: {report['batch']} sequences × {report['seq_len']} "
              "tokens. Definitions: `arch/accounting.py`, `train/instruments/probes.py`, "
-             "`arch/bottleneck.py`.",
-             "", "## Accounting", "",
+             "`arch/bottleneck.py`.", ""]
+    if "evaluation" in report:
+        evaluation = report["evaluation"]
+        parts += ["## Evaluation text", "",
+                  f"{evaluation['text']}, tokenized with `{evaluation['tokenizer']}`: loss "
+                  f"{evaluation['loss_per_token']:.4f} nats/token (perplexity "
+                  f"{evaluation['perplexity_per_token']:.2f}), {evaluation['bytes_per_token']:.3f}"
+                  f" bytes/token, {evaluation['loss_per_byte']:.4f} nats/byte "
+                  f"({evaluation['bits_per_byte']:.4f} bits/byte).", ""]
+    parts += ["## Accounting", "",
              _table(["quantity", "value"],
                     [[f"parameters: {k}", v] for k, v in books["parameters"].items()]
                     + [[f"FLOPs per token ({k.removesuffix('_per_token')}, T = "
@@ -329,10 +353,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bottleneck_tokens", type=int, default=None,
                         help="default: min(vocab − 1, 2(d + 1)), enough to test the bound")
     parser.add_argument("--sparsity_threshold", type=float, default=1e-2)
+    parser.add_argument("--text", default=None,
+                        help="evaluation text: a text file or a prepared directory (default: "
+                             "the run's validation split)")
     args = parser.parse_args(argv)
     try:
         report = measure(args.workdir, args.batch, args.seq_len, args.prune,
-                         args.bottleneck_tokens, args.sparsity_threshold)
+                         args.bottleneck_tokens, args.sparsity_threshold, args.text)
     except (FileNotFoundError, ConfigError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
