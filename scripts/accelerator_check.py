@@ -23,7 +23,6 @@ Usage: scripts/accelerator_check.sh [--quick]   (--quick: the attention part onl
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -32,6 +31,8 @@ import traceback
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from config.cli import ArgumentParser
 
 # Published dense bf16 peak FLOP/s per device, by `device_kind` prefix (vendor datasheets).
 PEAK_BF16 = {"NVIDIA H200": 989e12, "NVIDIA H100": 989e12, "NVIDIA A100": 312e12,
@@ -194,7 +195,7 @@ def memory_part(backend: str) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ArgumentParser("python scripts/accelerator_check.py", __doc__)
     parser.add_argument("--quick", action="store_true", help="The attention part only.")
     args = parser.parse_args()
     backend = jax.default_backend()

@@ -24,60 +24,21 @@ Use a small model for --memory so that the compiles are quick on CPU, e.g.
 from __future__ import annotations
 
 import json
-import math
 import statistics
 import sys
-import time
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-from absl import app, flags
 from absl import logging as absl_logging
-from ml_collections import config_flags
 
 from arch.attention import attend
+from config.cli import ArgumentParser, parse_with_config, positive_int
+from train.instruments.timing import paired_ratio, time_interleaved
 from train.step import compile_train_step
-
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment file, PATH[:ARG].",
-                                          lock_config=False)
-_MEMORY = flags.DEFINE_string("memory", None, "Sequence lengths for the temp-memory compiles.")
-_SPEED = flags.DEFINE_string("speed", None, "Sequence lengths for the attention timings.")
-_TOKENS = flags.DEFINE_integer("tokens", 8192, "--speed: batch · T per timed call.")
-_IMPLEMENTATIONS = flags.DEFINE_string("implementations", "xla,blocked",
-                                       "Implementations to compare (xla first: the baseline).")
-_STEPS = flags.DEFINE_integer("steps", 10, "--speed: timed calls per implementation and T.")
-_BLOCK = flags.DEFINE_integer("block", 2, "--speed: calls per interleaved block.")
-_JSON = flags.DEFINE_bool("json", False, "Print one JSON object on stdout.")
-flags.mark_flag_as_required("config")
 
 
 def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
-
-
-# scripts/bench.py's ABBA timing (importing it would define its flags twice).
-def time_interleaved(runners: dict[str, Callable[[], None]], steps: int,
-                     block: int) -> dict[str, list[float]]:
-    """Per-call seconds of each runner: two warm-up calls each, then alternating blocks."""
-    for run in runners.values():
-        run(), run()
-    times: dict[str, list[float]] = {name: [] for name in runners}
-    names = list(runners)
-    for i in range(math.ceil(steps / block)):
-        for name in names if i % 2 == 0 else names[::-1]:
-            for _ in range(min(block, steps - i * block)):
-                start = time.perf_counter()
-                runners[name]()
-                times[name].append(time.perf_counter() - start)
-    return times
-
-
-def paired_ratio(times: dict[str, list[float]], label: str, other: str, block: int) -> float:
-    """Median over rounds of the ratio of the two runners' median times within the round."""
-    return statistics.median(
-        statistics.median(times[label][i:i + block]) / statistics.median(times[other][i:i + block])
-        for i in range(0, len(times[label]), block))
 
 
 def _lengths(text: str) -> list[int]:
@@ -140,20 +101,33 @@ def speed(config, lengths: list[int], implementations: list[str], tokens: int, s
     return result
 
 
-def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+def main(argv: list[str] | None = None) -> int:
+    parser = ArgumentParser("python scripts/attention_bench.py", __doc__)
+    parser.add_argument("--memory", default=None,
+                        help="sequence lengths for the temp-memory compiles, e.g. 1024,4096")
+    parser.add_argument("--speed", default=None,
+                        help="sequence lengths for the attention timings, e.g. 256,512")
+    parser.add_argument("--tokens", type=positive_int, default=8192,
+                        help="--speed: batch · T per timed call")
+    parser.add_argument("--implementations", default="xla,blocked",
+                        help="implementations to compare (xla first: the baseline)")
+    parser.add_argument("--steps", type=positive_int, default=10,
+                        help="--speed: timed calls per implementation and T")
+    parser.add_argument("--block", type=positive_int, default=2,
+                        help="--speed: calls per interleaved block")
+    parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    config, args = parse_with_config(parser, argv)
     absl_logging.set_verbosity(absl_logging.WARNING)
-    config = _CONFIG.value
-    implementations = _IMPLEMENTATIONS.value.split(",")
+    implementations = args.implementations.split(",")
     result = {"backend": jax.default_backend(), "chunk": config.model.attention_chunk}
-    if _MEMORY.value:
-        result["memory"] = memory(config, _lengths(_MEMORY.value), implementations)
-    if _SPEED.value:
-        result["speed"] = speed(config, _lengths(_SPEED.value), implementations, _TOKENS.value,
-                                _STEPS.value, _BLOCK.value)
-    print(json.dumps(result) if _JSON.value else json.dumps(result, indent=1))
+    if args.memory:
+        result["memory"] = memory(config, _lengths(args.memory), implementations)
+    if args.speed:
+        result["speed"] = speed(config, _lengths(args.speed), implementations, args.tokens,
+                                args.steps, args.block)
+    print(json.dumps(result) if args.json else json.dumps(result, indent=1))
+    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(app.run(main))
+    sys.exit(main())

@@ -126,7 +126,6 @@ import json
 import math
 import statistics
 import sys
-import time
 from collections.abc import Callable
 
 import jax
@@ -137,6 +136,7 @@ from flax import nnx
 
 from config.cli import ArgumentParser, UsageError, apply_override, parse_with_config, positive_int
 from sharding.pipeline import bubble_fraction, iterations, stage_transfer_bytes
+from train.instruments.timing import paired_ratio, time_interleaved
 from train.shards import loader_throughput
 from train.step import compile_train_step
 from train.tokenizer import check_vocab, tokenizer_of
@@ -220,30 +220,6 @@ def decode_runner(program, prompt_BxP: jax.Array, length: int) -> Callable[[], N
         carry["count"] += 1
         jax.block_until_ready(carry["token"])
     return step
-
-
-def time_interleaved(runners: dict[str, Callable[[], None]], steps: int,
-                     block: int) -> dict[str, list[float]]:
-    """Per-step seconds of each runner: two warm-up steps each, then alternating blocks."""
-    for run in runners.values():
-        run(), run()
-    times: dict[str, list[float]] = {name: [] for name in runners}
-    names = list(runners)
-    for i in range(math.ceil(steps / block)):
-        for name in names if i % 2 == 0 else names[::-1]:  # ABBA: neither always goes first
-            for _ in range(min(block, steps - i * block)):
-                start = time.perf_counter()
-                runners[name]()
-                times[name].append(time.perf_counter() - start)
-    return times
-
-
-def paired_ratio(times: dict[str, list[float]], label: str, other: str, block: int) -> float:
-    """`label`'s step time over `other`'s from `time_interleaved`'s samples: the median over the
-    rounds of blocks of `block` steps of the ratio of their medians within the round."""
-    return statistics.median(
-        statistics.median(times[label][i:i + block]) / statistics.median(times[other][i:i + block])
-        for i in range(0, len(times[label]), block))
 
 
 def with_overrides(config, overrides: str, flag: str = "--baseline"):

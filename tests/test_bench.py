@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from scripts.bench import paired_ratio
 from tests.helpers import one_device_env
+from train.instruments.timing import paired_ratio
 
 ROOT = Path(__file__).resolve().parents[1]
 REQUIRED = ("tokens_per_sec", "step_time_s", "compile_time_s", "mfu", "peak_flops",

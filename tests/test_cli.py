@@ -232,13 +232,16 @@ def test_apply_overrides_in_order(experiment):
 
 
 ENTRY_POINTS = ["train.__main__", "train.generate", "scripts.dry_run", "scripts.accounting",
-                "scripts.bench", "train.instruments.probe_report",
-                "train.instruments.depth_mixing", "train.instruments.import_hf"]
+                "scripts.bench", "scripts.attention_bench", "train.instruments.probe_report",
+                "train.instruments.depth_mixing", "train.instruments.import_hf",
+                "train.shards:train_tokenizer_main", "train.shards:prepare_main",
+                "train.data_memory"]
 
 
 @pytest.mark.parametrize("module", ENTRY_POINTS)
 def test_every_entry_point_has_help_and_one_line_usage_errors(capsys, module):
-    main = importlib.import_module(module).main
+    module, _, name = module.partition(":")
+    main = getattr(importlib.import_module(module), name or "main")
     program = ["prog"] if module == "train.__main__" else []  # it takes sys.argv whole
     with pytest.raises(SystemExit) as exit_:
         main([*program, "--help"])

@@ -14,7 +14,6 @@ Streaming keeps the peak flat whatever the scale; the in-memory run's grows with
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -22,6 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from config.cli import ArgumentParser
 from train.shards import SourceReport, prepare, read_documents
 
 QUICKSTART = "experiments/quickstart.py"
@@ -59,8 +59,7 @@ def train_peak_rss(overrides: list[str], workdir: Path, steps: int) -> tuple[int
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python scripts/data_memory.py",
-                                     description=__doc__.split("\n")[0])
+    parser = ArgumentParser("python scripts/data_memory.py", __doc__)
     parser.add_argument("--out", required=True, help="directory for corpora, shards and runs")
     parser.add_argument("--scales", default="1,10,100", help="corpus repetitions")
     parser.add_argument("--steps", type=int, default=20)

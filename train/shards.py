@@ -25,7 +25,6 @@ of the step. Memory is the records of the batches in flight, whatever the datase
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
 import dataclasses
 import functools
@@ -48,6 +47,7 @@ from array_record.python.array_record_module import ArrayRecordReader
 from grain.sources import ArrayRecordDataSource
 
 from config import ConfigError, check
+from config.cli import ArgumentParser
 from train import data
 from train.data import SPLITS, kjv_file, window_order
 from train.shard_writer import init_worker, shard_name, write_shard
@@ -522,8 +522,7 @@ def train_tokenizer_main(argv: list[str] | None = None) -> int:
     BPE (`train.tokenizer.train_bpe`) trained on the train split of SOURCE (``kjv``,
     ``tfds:NAME``, file globs, or a prepared directory); writes DIR/tokenizer.json, which
     ``data.tokenizer="hf:DIR"`` names."""
-    parser = argparse.ArgumentParser(prog="python scripts/train_tokenizer.py",
-                                     description=train_tokenizer_main.__doc__.split("\n")[0])
+    parser = ArgumentParser("python scripts/train_tokenizer.py", train_tokenizer_main.__doc__)
     parser.add_argument("--data", required=True,
                         help="kjv, tfds:NAME, .txt/.jsonl globs, or a prepared directory")
     parser.add_argument("--vocab_size", type=int, required=True)
@@ -554,8 +553,7 @@ def train_tokenizer_main(argv: list[str] | None = None) -> int:
 def prepare_main(argv: list[str] | None = None) -> int:
     """``python scripts/prepare_data.py --source SOURCE --tokenizer SPEC --out DIR``: tokenize
     SOURCE into ArrayRecord shards (`prepare`); rerun with the same arguments to resume."""
-    parser = argparse.ArgumentParser(prog="python scripts/prepare_data.py",
-                                     description=prepare_main.__doc__.split("\n")[0])
+    parser = ArgumentParser("python scripts/prepare_data.py", prepare_main.__doc__)
     parser.add_argument("--source", required=True,
                         help="kjv, tfds:NAME, or comma-separated .txt/.jsonl globs")
     parser.add_argument("--tokenizer", default="byte",
