@@ -137,6 +137,7 @@ from flax import nnx
 from config.cli import ArgumentParser, UsageError, apply_override, parse_with_config, positive_int
 from sharding.pipeline import bubble_fraction, iterations, stage_transfer_bytes
 from train.instruments.timing import paired_ratio, time_interleaved
+from train.optim import decay_mask, make_optimizer
 from train.shards import loader_throughput
 from train.step import compile_train_step
 from train.tokenizer import check_vocab, tokenizer_of
@@ -168,9 +169,15 @@ def reference_runner(program, batch: jax.Array) -> Callable[[], None]:
     """One synced reference train step per call, from the same initial parameters."""
     from arch import reference
 
-    train_step = reference.make_train_step(program.config.model, program.optimizer)
-    params = nnx.to_pure_dict(program.init(program.config.seed)["params"])
-    carry = {"params": params, "opt_state": program.optimizer.init(params)}
+    config = program.config
+    state = program.init(config.seed)["params"]
+    # The framework's optimizer over the reference's plain dict: its decay mask read from the
+    # framework's parameter types, once.
+    optimizer = make_optimizer(config.optimizer, config.steps,
+                               mask=nnx.to_pure_dict(decay_mask(config.optimizer, state)))
+    train_step = reference.make_train_step(config.model, optimizer)
+    params = nnx.to_pure_dict(state)
+    carry = {"params": params, "opt_state": optimizer.init(params)}
 
     def step() -> None:
         carry["params"], carry["opt_state"], loss = train_step(

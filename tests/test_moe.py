@@ -175,7 +175,7 @@ def test_dense_models_have_no_aux_metrics():
     state = jax.eval_shape(program._init_state, 0)
     batch = jax.ShapeDtypeStruct((8, T + 1), jnp.int32)
     metrics = jax.eval_shape(program._step, state, batch)[1]
-    assert set(metrics) == {"loss", "grad_norm", "update_norm", "learning_rate"}
+    assert set(metrics) == {"loss", "grad_norm", "update_norm", "learning_rate", "finite"}
 
 
 def _moe_program(devices: int, data: int, expert: int) -> TrainProgram:

@@ -23,6 +23,7 @@ from config.cli import ArgumentParser, parse_with_config
 from config.validate import check_fields, check_training
 from sharding.launch import multiprocess_launch
 from train import rundir
+from train.tokenizer import check_vocab, tokenizer_of
 
 
 def parse(argv: list[str]) -> tuple[ml_collections.ConfigDict, str]:
@@ -35,6 +36,7 @@ def parse(argv: list[str]) -> tuple[ml_collections.ConfigDict, str]:
     if not args.workdir:
         parser.error("--workdir is required, e.g. --workdir runs/quickstart")
     check_fields(config)
+    check_vocab(config.model, tokenizer_of(config.data))  # vocab_size=0: the tokenizer's
     check_training(config)
     rundir.check_workdir(args.workdir)
     if not multiprocess_launch(os.environ):  # several processes: process 0 locks, in train()

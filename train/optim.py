@@ -55,9 +55,13 @@ def decay_mask(opt, params):
         decayed, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def make_optimizer(opt, steps: int) -> optax.GradientTransformation:
+def make_optimizer(opt, steps: int, mask=None) -> optax.GradientTransformation:
+    """AdamW with `schedule` and clipping. The weight-decay `mask` defaults to `decay_mask` of the
+    parameters (nnx.Variables); pass a tree of booleans to optimize a plain pytree instead (e.g.
+    `nnx.to_pure_dict(decay_mask(opt, params))` for the reference model)."""
     adamw = optax.adamw(schedule(opt, steps), b1=opt.b1, b2=opt.b2, eps=opt.eps,
-                        weight_decay=opt.weight_decay, mask=lambda p: decay_mask(opt, p))
+                        weight_decay=opt.weight_decay,
+                        mask=mask if mask is not None else lambda p: decay_mask(opt, p))
     if opt.grad_clip > 0:
         return optax.chain(optax.clip_by_global_norm(opt.grad_clip), adamw)
     return adamw
