@@ -175,8 +175,26 @@ class SeparateBranches(ResidualStream):
         return streams.astype(jnp.float32).sum(0).astype(streams.dtype)
 
 
+class _CopiedStreamsMechanism(ResidualMechanism):
+    """What HC and mHC share: n copies of the embedding as the state (`CopiedStreams`), and their
+    residual I/O and history (`_hyper_io`; the n streams)."""
+
+    @classmethod
+    def stream(cls, cfg, *, rngs: nnx.Rngs) -> nnx.Module:
+        return CopiedStreams(cfg.residual_streams)
+
+    @classmethod
+    def residual_io(cls, cfg) -> ResidualIO:
+        return _hyper_io(cfg)
+
+    @classmethod
+    def residual_history(cls, cfg) -> int:
+        """The n streams."""
+        return cfg.residual_streams
+
+
 @RESIDUALS.register("hc")
-class HyperConnection(ResidualMechanism):
+class HyperConnection(_CopiedStreamsMechanism):
     """Hyper-Connections (Zhu et al. 2024, "Hyper-Connections", arXiv 2409.19606; §2.1 static,
     §2.2 dynamic, §2.3 initialization, Appendix J Algorithm 2) with n = `model.residual_streams`
     streams H ∈ R^{n×d}. In the paper's orientation (A_m ∈ R^n reads, A_r ∈ R^{n×n} mixes,
@@ -228,19 +246,6 @@ class HyperConnection(ResidualMechanism):
         _resolve_hyper(cfg)
 
     @classmethod
-    def stream(cls, cfg, *, rngs: nnx.Rngs) -> nnx.Module:
-        return CopiedStreams(cfg.residual_streams)
-
-    @classmethod
-    def residual_io(cls, cfg) -> ResidualIO:
-        return _hyper_io(cfg)
-
-    @classmethod
-    def residual_history(cls, cfg) -> int:
-        """The n streams."""
-        return cfg.residual_streams
-
-    @classmethod
     def prune(cls, cfg, state, kept) -> None:
         _shift_read_offsets(cfg, state["blocks"], kept, "static_read", 1.0)
 
@@ -284,7 +289,7 @@ class HyperConnection(ResidualMechanism):
 
 
 @RESIDUALS.register("mhc")
-class ManifoldHyperConnection(ResidualMechanism):
+class ManifoldHyperConnection(_CopiedStreamsMechanism):
     """Manifold-constrained Hyper-Connections (Xie et al. 2025, DeepSeek-AI, "mHC:
     Manifold-Constrained Hyper-Connections", arXiv 2512.24880, §4 "Parameterization and Manifold
     Projection"). With the n streams x_l ∈ R^{n×d} (`model.residual_streams`), one sublayer F is
@@ -346,19 +351,6 @@ class ManifoldHyperConnection(ResidualMechanism):
         check(isinstance(cfg.mhc_sinkhorn_iters, int) and cfg.mhc_sinkhorn_iters >= 1,
               "model.mhc_sinkhorn_iters", cfg.mhc_sinkhorn_iters,
               "must be a positive integer (Sinkhorn-Knopp iterations; the paper uses 20)")
-
-    @classmethod
-    def stream(cls, cfg, *, rngs: nnx.Rngs) -> nnx.Module:
-        return CopiedStreams(cfg.residual_streams)
-
-    @classmethod
-    def residual_io(cls, cfg) -> ResidualIO:
-        return _hyper_io(cfg)
-
-    @classmethod
-    def residual_history(cls, cfg) -> int:
-        """The n streams."""
-        return cfg.residual_streams
 
     @classmethod
     def prune(cls, cfg, state, kept) -> None:

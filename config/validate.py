@@ -16,7 +16,6 @@ import os
 
 from config import ConfigError, check
 
-TOKENIZER_VOCAB_SIZE = 256  # the byte-level tokenizer of train/data.py
 SCHEDULES = ("cosine", "wsd")
 RESUME_MODES = ("resume", "finetune")
 NONFINITE_POLICIES = ("stop", "skip")
@@ -57,20 +56,14 @@ def check_fields(config) -> None:
 
 
 def check_training(config) -> None:
-    """Check what only training needs (after `check_fields`): a vocabulary that covers the
-    tokenizer's, data that can be split into windows, and the final sample's arguments. Not
+    """Check what only training needs (after `check_fields` and `train.tokenizer.check_vocab`):
+    data that can be split into windows, and the final sample's arguments. Not
     part of `train.config.validate`, which also serves runs that are only restored (e.g. an
     imported checkpoint with its own vocabulary, or a run whose text files have moved)."""
     model = config.model
-    if (config.data.tokenizer or "byte") == "byte":
-        check(_is_int(model.vocab_size) and (model.vocab_size == 0
-                                             or model.vocab_size >= TOKENIZER_VOCAB_SIZE),
-              "model.vocab_size", model.vocab_size,
-              f"must be at least the tokenizer's {TOKENIZER_VOCAB_SIZE} tokens (bytes), or 0 "
-              "to take the tokenizer's")
-    else:  # checked against the tokenizer's own size when train.loop loads it
-        check(_is_int(model.vocab_size) and model.vocab_size >= 0, "model.vocab_size",
-              model.vocab_size, "must be 0 (the tokenizer's size) or an integer covering it")
+    # Whether it covers the tokenizer is `train.tokenizer.check_vocab`'s (it fills 0), run first.
+    check(_is_int(model.vocab_size) and model.vocab_size >= 0, "model.vocab_size",
+          model.vocab_size, "must be 0 (the tokenizer's size) or an integer covering it")
     _check_data(config.data, config.seq_len)
     check(_is_int(config.sample_tokens) and config.sample_tokens >= 0, "sample_tokens",
           config.sample_tokens, "must be a non-negative integer (0 skips the final sample)")

@@ -235,6 +235,7 @@ GROUPED_CASES = {  # every one runs one AttnRes block per step of the layer scan
 
 
 @pytest.mark.parametrize("case", GROUPED_CASES.values(), ids=GROUPED_CASES.keys())
+@pytest.mark.slow
 def test_block_scan_gradient_equals_autodiff_of_the_naive_reads(case, monkeypatch):
     """The hand-written gradient of the layer scan over AttnRes blocks (`_block_scan`: no
     buffer saved per step, phase 1's sources read from the final buffer) against autodiff of the

@@ -65,6 +65,7 @@ def test_causal_batchnorm_model_is_causal_in_training():
     np.testing.assert_array_equal(model(tokens)[:, :10], model(changed)[:, :10])
 
 
+@pytest.mark.slow
 def test_data_parallel_statistics_equal_single_device():
     tokens = np.asarray(random_tokens((8, 17)))
     results = []

@@ -24,6 +24,7 @@ COMPARE = ("step_time_s", "step_time_vs_config", "temp_bytes", "temp_bytes_vs_co
            "decode_time_s", "decode_time_vs_config")
 
 
+@pytest.mark.slow
 def test_bench_json_with_baseline_compare_decode_and_depth_memory():
     env = one_device_env()
     env["JAX_PLATFORMS"] = "cpu"

@@ -250,6 +250,7 @@ def test_fp8_state_takes_half_the_bytes_of_bfloat16():
                                rtol=2.0**-4)
 
 
+@pytest.mark.slow
 def test_fp8_state_stays_close_to_the_float32_state_in_logits_and_gradients():
     """Accuracy cost of the FP8 state on the tiny model (same parameters; 4 sublayers, each
     re-rounding all branches to 3 mantissa bits): measured ≈ 6% relative RMS error in the logits

@@ -189,6 +189,7 @@ def test_heads_compose_with_the_model(variant):
         np.testing.assert_allclose(loss, nll, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_mos_under_tensor_parallelism_matches_single_device():
     """Two train steps of the MoS head (untied, with bias) on a (data=2, fsdp=2, tensor=2) mesh
     equal the same steps on one device; the second loss also checks the first step's update."""

@@ -222,6 +222,7 @@ def test_config_errors(field, value, message):
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
+@pytest.mark.slow
 def test_sharded_train_step_equals_single_device(sharded):
     program, state, single = sharded
     attention = state["params"]["blocks"]["attention"]

@@ -185,6 +185,7 @@ def _moe_program(devices: int, data: int, expert: int) -> TrainProgram:
     return TrainProgram(config, make_mesh(config.mesh, jax.devices()[:devices]))
 
 
+@pytest.mark.slow
 def test_expert_parallel_matches_single_device():
     tokens = np.asarray(random_tokens((8, T + 1)))
     losses = {}

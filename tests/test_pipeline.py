@@ -77,6 +77,7 @@ CASES = {  # residual, mesh, pipeline fields (block_attnres: the cached transfer
 
 
 @pytest.mark.parametrize("case", CASES)
+@pytest.mark.slow
 def test_pipeline_matches_single_device(case):
     residual, mesh, fields = CASES[case]
     state, tokens, (logits_1, loss_1, grads_1) = single_device(residual)
@@ -92,6 +93,7 @@ def test_pipeline_matches_single_device(case):
                  grads, grads_1)
 
 
+@pytest.mark.slow
 def test_attnres_stage_transfer_sends_only_new_slots():
     """The cached transfer (AttnRes report): each stage keeps its own copy of every microbatch's
     source buffer and is sent only the slots written in the P − 1 chunks since it last held it,
@@ -163,6 +165,7 @@ def losses(workdir) -> dict[int, float]:
     return {r["step"]: r["train_loss"] for r in records}
 
 
+@pytest.mark.slow
 def test_pipelined_training_resumes_on_one_stage(tmp_path, monkeypatch):
     """Train 3 steps with stage=2 × fsdp=4 (GPipe; checkpoints every step; a sample at the end:
     KV-cache decoding falls back to the sequential layer scan). Resume its step-1 checkpoint on

@@ -10,6 +10,7 @@ import pytest
 
 from arch.accounting import parameter_count
 from tests.helpers import tiny_config, write_run
+from train import data
 from train.instruments import probe_report, probes
 from train.restore import restore_for_analysis
 
@@ -22,9 +23,13 @@ def run(tmp_path_factory):
     config = tiny_config(num_layers=3)
     config.mesh.data = -1
     write_run(config, workdir, step=3)
+    # Prepare the embedded corpus here, once: its first preparation reports progress on stderr,
+    # which the one-line checks below would otherwise see in whichever test runs first.
+    data.load(config.data, "validation")
     return workdir, config
 
 
+@pytest.mark.slow
 def test_report_files_and_numbers(run, capsys):
     workdir, config = run
     out = workdir / "report"

@@ -127,6 +127,7 @@ def test_causal_finite_and_decode_matches_forward(reversible):
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_train_step_on_2x2x2_mesh_matches_one_device():
     tokens = np.asarray(random_tokens((8, 17)))
     results = []

@@ -123,6 +123,7 @@ CASES = [
 @pytest.mark.parametrize("residual,attention,mesh", CASES,
                          ids=[f"{r}-{a}-" + "x".join(f"{k}{v}" for k, v in m.items())
                               for r, a, m in CASES])
+@pytest.mark.slow
 def test_sequence_parallel_matches_single_device(residual, attention, mesh, single_device):
     variables, expected = single_device(residual)
     decode = residual == "prenorm"

@@ -47,6 +47,7 @@ def single_device():
 
 
 @pytest.mark.parametrize("mesh", [(8, 1, 1), (2, 4, 1), (2, 2, 2)], ids=str)
+@pytest.mark.slow
 def test_sharded_matches_single_device(mesh, single_device):
     tokens, params_1, logits_1, grads_1, losses_1 = single_device
     program = program_on(8, *mesh)

@@ -260,6 +260,7 @@ def losses(workdir: Path) -> dict[int, float]:
     return {r["step"]: r["train_loss"] for r in records}  # a replayed step: its last record
 
 
+@pytest.mark.slow
 def test_training_from_shards_resumes_after_sigkill_and_reshards_identically(
         kjv_bpe, bpe, tmp_path):
     """Uninterrupted on 8 devices in process; on 1 device in a subprocess, SIGKILLed after its

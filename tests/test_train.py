@@ -144,6 +144,7 @@ TINY_CLI = ["--config.steps=4", "--config.model.d_model=32", "--config.model.num
             "--config.optimizer.warmup_steps=1"]
 
 
+@pytest.mark.slow
 def test_cli_trains_evaluates_and_samples(tmp_path):
     run = cli("-m", "train", "--config", "experiments/quickstart.py", "--workdir", str(tmp_path),
               *TINY_CLI)

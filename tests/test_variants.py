@@ -86,6 +86,7 @@ def train_losses(devices: int, mesh, model: dict, steps: int = 20) -> list[float
 
 
 @pytest.mark.parametrize("name", VARIANTS)
+@pytest.mark.slow
 def test_variant_learns_and_sharding_changes_nothing(name):
     single = train_losses(1, (1, 1, 1), VARIANTS[name])
     sharded = train_losses(8, (2, 2, 2), VARIANTS[name])

@@ -35,10 +35,10 @@ import grain
 import numpy as np
 import tensorflow_datasets as tfds
 
-from config.validate import TOKENIZER_VOCAB_SIZE, text_files, text_split_sizes
-from train.tokenizer import tokenizer_of
+from config.validate import text_files, text_split_sizes
+from train.tokenizer import ByteTokenizer, tokenizer_of
 
-VOCAB_SIZE = TOKENIZER_VOCAB_SIZE  # byte-level tokenizer: 256
+VOCAB_SIZE = ByteTokenizer.vocab_size  # 256
 SPLITS = ("train", "validation")
 DEFAULT_DATA_DIR = "~/.cache/blockbench/tfds"
 VALIDATION_SEED = 0  # the same validation batches for every run, whatever its training seed
