@@ -22,7 +22,7 @@ from arch.init import group_init
 from arch.layers import Dense
 from arch.norms import RMSNorm
 from arch.registry import Registry
-from arch.residual import record
+from arch.residual import is_capturing, record
 from sharding.rules import constrain
 from sharding.sequence import ring_attention, sequence_shards
 
@@ -84,7 +84,7 @@ def attend(q_BxTxHxP, k_BxSxKxP, v_BxSxKxV, query_positions_BxT, key_positions_B
     without a cache must choose `xla` or `blocked`, which read the positions.
     Under `nnx.capture` of `recorder` (the probes) the explicit path runs, so that the
     probabilities exist to be recorded."""
-    if recorder is not None and hasattr(recorder, "__captures__"):
+    if recorder is not None and is_capturing(recorder):
         implementation = "xla"
     name = choose_implementation(
         implementation, backend=jax.default_backend(), query_len=q_BxTxHxP.shape[1],
