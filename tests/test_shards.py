@@ -322,6 +322,105 @@ def test_a_prepared_tfds_dataset_is_a_source(tmp_path):
                    "title")
 
 
+ROWS = ["In the beginning", "héllo wörld — 世界 🙂", None, "", "line one\nline two", "x" * 300,
+        "seventh", "eighth"]  # None: a null text, reported and skipped; "": an empty document
+
+
+def documents_of(directory: Path) -> dict[str, list[bytes]]:
+    metadata = json.loads((directory / "metadata.json").read_text())
+    return {split: [bytes(PreparedDataset(directory, split, load_tokenizer("byte")).document(i)
+                          .astype(np.uint8)) for i in range(info["documents"])]
+            for split, info in metadata["splits"].items() if info["documents"]}
+
+
+def write_jsonl(path: Path, rows: list) -> None:
+    path.write_text("".join(json.dumps({"text": text, "id": i}) + "\n"
+                            for i, text in enumerate(rows)))
+
+
+def test_parquet_files_give_the_documents_of_the_same_jsonl_rows(tmp_path):
+    """Two parquet files and the same rows as two .jsonl files: the same documents in the same
+    splits (every 3rd validation), the same content hash; a null or non-string text is
+    reported with file and row and skipped; an absent column is one line."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "pq").mkdir()
+    (tmp_path / "jsonl").mkdir()
+    for name, rows in (("a", ROWS[:5]), ("b", ROWS[5:])):
+        pq.write_table(pa.table({"id": list(range(len(rows))), "text": rows}),
+                       tmp_path / "pq" / f"{name}.parquet")
+        write_jsonl(tmp_path / "jsonl" / f"{name}.jsonl", rows)
+    pq.write_table(pa.table({"text": [7]}), tmp_path / "pq" / "c.parquet")  # int, not text
+    write_jsonl(tmp_path / "jsonl" / "c.jsonl", [7])
+    warnings: dict[str, list[str]] = {"pq": [], "jsonl": []}
+    metadata = {kind: prepare(str(tmp_path / kind / f"*.{ext}"), "byte", tmp_path / f"{kind}-out",
+                              docs_per_shard=2, validation_every=3, progress=False,
+                              warn=warnings[kind].append)
+                for kind, ext in (("pq", "parquet"), ("jsonl", "jsonl"))}
+    assert documents_of(tmp_path / "pq-out") == documents_of(tmp_path / "jsonl-out") == {
+        "train": [b"In the beginning", "héllo wörld — 世界 🙂".encode(), b"line one\nline two",
+                  b"x" * 300, b"eighth"],
+        "validation": [b"seventh"]}  # every 3rd of the 7 readable rows; "" (the 3rd) dropped
+    assert metadata["pq"]["content_hash"] == metadata["jsonl"]["content_hash"]
+    assert metadata["pq"]["splits"] == metadata["jsonl"]["splits"]
+    for kind in ("pq", "jsonl"):
+        assert (metadata[kind]["skipped_records"], metadata[kind]["empty_documents"]) == (2, 1)
+    assert warnings["pq"] == [
+        f"warning: {tmp_path / 'pq' / 'a.parquet'}[2]: field 'text' is null; record skipped",
+        f"warning: {tmp_path / 'pq' / 'c.parquet'}[0]: field 'text' is int, not a string "
+        "(set --text_key); record skipped"]
+    with pytest.raises(ConfigError) as error:
+        prepare(str(tmp_path / "pq" / "*.parquet"), "byte", tmp_path / "other",
+                text_key="body", progress=False)
+    one_line_error(error, f"--text_key='body' is invalid: {tmp_path / 'pq' / 'a.parquet'} has "
+                   "columns id, text")
+
+
+def test_a_saved_datasets_dataset_is_a_source(tmp_path, monkeypatch):
+    """A DatasetDict saved to disk keeps its splits (test as validation when it has none); a
+    saved Dataset is divided like files; a null text is skipped and counted; an absent column
+    or a missing package is one line."""
+    import datasets
+
+    readable = [text.encode() for text in ROWS if text]
+    datasets.DatasetDict({
+        "train": datasets.Dataset.from_dict({"text": ROWS, "id": list(range(len(ROWS)))}),
+        "test": datasets.Dataset.from_dict({"text": ["held out", None], "id": [0, 1]}),
+    }).save_to_disk(str(tmp_path / "dict"))
+    warnings: list[str] = []
+    metadata = prepare(f"hf_disk:{tmp_path / 'dict'}", "byte", tmp_path / "dict-out",
+                       docs_per_shard=3, progress=False, warn=warnings.append)
+    assert documents_of(tmp_path / "dict-out") == {"train": readable,
+                                                   "validation": [b"held out"]}
+    assert (metadata["skipped_records"], metadata["empty_documents"]) == (2, 1)
+    assert warnings == [f"warning: hf_disk:{tmp_path / 'dict'}/train[2]: field 'text' is null; "
+                        "record skipped", f"warning: hf_disk:{tmp_path / 'dict'}/validation[1]: "
+                        "field 'text' is null; record skipped"]
+
+    datasets.Dataset.from_dict({"text": ROWS}).save_to_disk(str(tmp_path / "one"))
+    write_jsonl(tmp_path / "one.jsonl", ROWS)
+    one = prepare(f"hf_disk:{tmp_path / 'one'}", "byte", tmp_path / "one-out",
+                  validation_every=3, progress=False, warn=warnings.append)
+    from_jsonl = prepare(str(tmp_path / "one.jsonl"), "byte", tmp_path / "jsonl-out",
+                         validation_every=3, progress=False, warn=warnings.append)
+    assert documents_of(tmp_path / "one-out") == documents_of(tmp_path / "jsonl-out")
+    assert one["content_hash"] == from_jsonl["content_hash"]
+
+    with pytest.raises(ConfigError) as error:
+        prepare(f"hf_disk:{tmp_path / 'dict'}", "byte", tmp_path / "other", text_key="body",
+                progress=False)
+    one_line_error(error, f"--text_key='body' is invalid: hf_disk:{tmp_path / 'dict'} has "
+                   "columns text, id")
+    with pytest.raises(ConfigError) as error:
+        prepare(f"hf_disk:{tmp_path / 'nothing'}", "byte", tmp_path / "other2", progress=False)
+    one_line_error(error, f"is invalid: {tmp_path / 'nothing'} is not a dataset saved with")
+    monkeypatch.setitem(sys.modules, "datasets", None)  # as if not installed
+    with pytest.raises(ConfigError) as error:
+        prepare(f"hf_disk:{tmp_path / 'dict'}", "byte", tmp_path / "other3", progress=False)
+    one_line_error(error, "needs the datasets package; pip install datasets")
+
+
 def test_a_sigkilled_preparation_continues_where_it_stopped(kjv_bpe, bpe, tmp_path):
     out = tmp_path / "out"
     command = [sys.executable, "scripts/prepare_data.py", "--source", "kjv", "--tokenizer", bpe,

@@ -30,6 +30,7 @@ import dataclasses
 import functools
 import glob
 import hashlib
+import importlib
 import itertools
 import json
 import multiprocessing
@@ -124,6 +125,98 @@ def _text_document(path: str, report: SourceReport) -> Iterator[tuple[str, str]]
         report.skip(f"{path}:{line}", f"invalid UTF-8 at byte {error.start}")
 
 
+def _optional(module: str, package: str, source: str) -> Any:
+    """``module``, imported when a source needs it: a ConfigError naming ``package`` if absent."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise ConfigError(f"--source={source!r} is invalid: reading it needs the {package} "
+                          f"package; pip install {package} (or pip install -e '.[data]')"
+                          ) from None
+
+
+def _row_texts(values: Iterator[Any], where: str, text_key: str, report: SourceReport
+               ) -> Iterator[tuple[str, str]]:
+    """(origin, text) of a column's values; ``where[i]`` names row ``i`` (from 0). A null, a
+    non-string value or bytes that are not UTF-8 are reported and skipped."""
+    for row, value in enumerate(values):
+        origin = f"{where}[{row}]"
+        if isinstance(value, bytes):
+            try:
+                value = value.decode("utf-8")
+            except UnicodeDecodeError as error:
+                report.skip(origin, f"field {text_key!r} is not UTF-8 at byte {error.start}")
+                continue
+        if value is None:
+            report.skip(origin, f"field {text_key!r} is null")
+        elif not isinstance(value, str):
+            report.skip(origin, f"field {text_key!r} is {type(value).__name__}, not a string "
+                        "(set --text_key)")
+        else:
+            yield origin, value
+
+
+def _parquet_documents(path: str, text_key: str, report: SourceReport, source: str
+                       ) -> Iterator[tuple[str, str]]:
+    """Column ``text_key`` of a parquet file, read one record batch at a time."""
+    # pyarrow is optional (the default sources do not need it): imported only for parquet
+    parquet = _optional("pyarrow.parquet", "pyarrow", source)
+    try:
+        file = parquet.ParquetFile(path)
+    except Exception as error:  # pyarrow raises ArrowInvalid/OSError for a non-parquet file
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error)
+        report.skip(path, f"not a readable parquet file ({reason})")
+        return
+    columns = file.schema_arrow.names
+    if text_key not in columns:
+        raise ConfigError(f"--text_key={text_key!r} is invalid: {path} has columns "
+                          f"{', '.join(columns)}")
+    values = (value for batch in file.iter_batches(batch_size=1024, columns=[text_key])
+              for value in batch.column(0).to_pylist())
+    yield from _row_texts(values, path, text_key, report)
+
+
+def _hf_disk_splits(path: str, source: str) -> dict[str, Any]:
+    """The splits of a ``datasets`` dataset saved on disk, by the split they prepare: a saved
+    ``Dataset`` is one split (``{"": dataset}``, divided by ``validation_every``); a saved
+    ``DatasetDict`` gives its ``train`` and ``validation`` splits, and ``test`` as validation
+    when it has no ``validation`` split; its other splits are not read."""
+    # datasets is optional (the default sources do not need it): imported only for hf_disk:
+    datasets = _optional("datasets", "datasets", source)
+    try:
+        loaded = datasets.load_from_disk(path)
+    except (FileNotFoundError, ValueError, OSError) as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error)
+        raise ConfigError(f"--source={source!r} is invalid: {path} is not a dataset saved with "
+                          f"datasets' save_to_disk ({reason})") from None
+    if isinstance(loaded, datasets.Dataset):
+        return {"": loaded}
+    splits = {split: loaded[split] for split in SPLITS if split in loaded}
+    if "validation" not in splits and "test" in loaded:
+        splits["validation"] = loaded["test"]
+    if not splits:
+        raise ConfigError(f"--source={source!r} is invalid: {path} has splits "
+                          f"{', '.join(loaded)}; it needs train, validation or test")
+    return splits
+
+
+def _hf_disk_documents(path: str, text_key: str, report: SourceReport,
+                       validation_every: int) -> Iterator[Document]:
+    source = f"hf_disk:{path}"
+    splits = _hf_disk_splits(path, source)
+    for dataset in splits.values():
+        if text_key not in dataset.column_names:
+            raise ConfigError(f"--text_key={text_key!r} is invalid: {source} has columns "
+                              f"{', '.join(dataset.column_names)}")
+    for name, dataset in splits.items():
+        values = (value for batch in dataset.select_columns([text_key]).iter(batch_size=1024)
+                  for value in batch[text_key])
+        where = f"{source}/{name}" if name else source
+        texts = _row_texts(values, where, text_key, report)
+        for index, (origin, text) in enumerate(texts):
+            yield Document(name or _split_of(index, validation_every), origin, text)
+
+
 def _tfds_documents(name: str, data_dir: str, text_key: str) -> Iterator[Document]:
     for split in SPLITS:
         try:
@@ -149,26 +242,39 @@ def read_documents(source: str, report: SourceReport, *, text_key: str = "text",
                    validation_every: int = DEFAULT_VALIDATION_EVERY, data_dir: str = ""
                    ) -> Iterator[Document]:
     """Documents of ``source``: ``"kjv"`` (the embedded corpus), ``"tfds:NAME"`` (a prepared
-    tfds dataset, its own splits), or comma-separated file globs: ``.jsonl`` files give one
-    document per line (field ``text_key``), other files one document each. Files are read in
-    sorted order and every ``validation_every``-th document is validation. Unreadable records
-    are reported (file and line) and skipped; empty documents are counted and dropped."""
+    tfds dataset, its own splits), ``"hf_disk:PATH"`` (a ``datasets`` Dataset or DatasetDict
+    saved with ``save_to_disk``: see `_hf_disk_splits`), or comma-separated file globs:
+    ``.jsonl`` files give one document per line and ``.parquet`` files one per row (field or
+    column ``text_key``), other files one document each. Files are read in sorted order and
+    every ``validation_every``-th document is validation (so is a saved Dataset's). Unreadable
+    records are reported (file and line, or row from 0) and skipped; empty documents are
+    counted and dropped. ``hf_disk:``, not ``hf:``: ``hf:PATH`` names a tokenizer.json in
+    ``--tokenizer``, beside this argument."""
     if source == "kjv":
         documents = _kjv_documents(report)
     elif source.startswith("tfds:"):
         documents = _tfds_documents(source[len("tfds:"):], data_dir, text_key)
+    elif source.startswith("hf_disk:"):
+        documents = _hf_disk_documents(os.path.expanduser(source[len("hf_disk:"):]), text_key,
+                                       report, validation_every)
     else:
         patterns = [os.path.expanduser(p.strip()) for p in source.split(",") if p.strip()]
         files = sorted({f for p in patterns for f in glob.glob(p, recursive=True)
                         if os.path.isfile(f)})
         if not files:
             raise ConfigError(f"--source={source!r} is invalid: it matches no file; pass 'kjv', "
-                              "'tfds:NAME' or globs of .txt/.jsonl files")
+                              "'tfds:NAME', 'hf_disk:PATH' or globs of .txt/.jsonl/.parquet "
+                              "files")
+
+        def texts_of(path: str) -> Iterator[tuple[str, str]]:
+            if path.endswith((".jsonl", ".json")):
+                return _jsonl_documents(path, text_key, report)
+            if path.endswith(".parquet"):
+                return _parquet_documents(path, text_key, report, source)
+            return _text_document(path, report)
 
         def from_files() -> Iterator[Document]:
-            texts = itertools.chain.from_iterable(
-                _jsonl_documents(path, text_key, report) if path.endswith((".jsonl", ".json"))
-                else _text_document(path, report) for path in files)
+            texts = itertools.chain.from_iterable(texts_of(path) for path in files)
             for index, (origin, text) in enumerate(texts):
                 yield Document(_split_of(index, validation_every), origin, text)
 
@@ -182,7 +288,8 @@ def read_documents(source: str, report: SourceReport, *, text_key: str = "text",
 
 def count_documents(source: str, data_dir: str = "") -> int:
     """About how many documents ``source`` holds (lines of .jsonl files, counted without
-    parsing), for the progress line's ETA."""
+    parsing; rows of parquet files and saved datasets, from their metadata), for the progress
+    line's ETA; 0 where it cannot tell."""
     if source == "kjv":
         with kjv_file().open("rb") as f:
             return len({(v["book"], v["chapter"]) for v in map(json.loads, f)})
@@ -192,6 +299,12 @@ def count_documents(source: str, data_dir: str = "") -> int:
                                             download=False)) for split in SPLITS)
         except Exception:  # not prepared: reading it reports that in one line
             return 0
+    if source.startswith("hf_disk:"):
+        try:
+            return sum(len(split) for split in _hf_disk_splits(
+                os.path.expanduser(source[len("hf_disk:"):]), source).values())
+        except ConfigError:  # reading it reports that in one line
+            return 0
     total = 0
     for pattern in (os.path.expanduser(p.strip()) for p in source.split(",") if p.strip()):
         for path in {f for f in glob.glob(pattern, recursive=True) if os.path.isfile(f)}:
@@ -199,6 +312,12 @@ def count_documents(source: str, data_dir: str = "") -> int:
                 with open(path, "rb") as f:
                     while block := f.read(1 << 24):
                         total += block.count(b"\n")
+            elif path.endswith(".parquet"):
+                try:
+                    parquet = _optional("pyarrow.parquet", "pyarrow", source)
+                    total += parquet.ParquetFile(path).metadata.num_rows
+                except Exception:  # missing pyarrow or a bad file: reading it reports that
+                    pass
             else:
                 total += 1
     return total
@@ -524,10 +643,12 @@ def train_tokenizer_main(argv: list[str] | None = None) -> int:
     ``data.tokenizer="hf:DIR"`` names."""
     parser = ArgumentParser("python scripts/train_tokenizer.py", train_tokenizer_main.__doc__)
     parser.add_argument("--data", required=True,
-                        help="kjv, tfds:NAME, .txt/.jsonl globs, or a prepared directory")
+                        help="kjv, tfds:NAME, hf_disk:PATH, .txt/.jsonl/.parquet globs, or a "
+                        "prepared directory")
     parser.add_argument("--vocab_size", type=int, required=True)
     parser.add_argument("--out", required=True, help="directory for tokenizer.json")
-    parser.add_argument("--text_key", default="text", help="field of .jsonl records")
+    parser.add_argument("--text_key", default="text",
+                        help="field of .jsonl records, column of parquet / hf_disk")
     parser.add_argument("--max_documents", type=int, default=0, help="0: all of them")
     args = parser.parse_args(argv)
     try:
@@ -555,7 +676,8 @@ def prepare_main(argv: list[str] | None = None) -> int:
     SOURCE into ArrayRecord shards (`prepare`); rerun with the same arguments to resume."""
     parser = ArgumentParser("python scripts/prepare_data.py", prepare_main.__doc__)
     parser.add_argument("--source", required=True,
-                        help="kjv, tfds:NAME, or comma-separated .txt/.jsonl globs")
+                        help="kjv, tfds:NAME, hf_disk:PATH (a datasets save_to_disk "
+                        "directory), or comma-separated .txt/.jsonl/.parquet globs")
     parser.add_argument("--tokenizer", default="byte",
                         help="byte, hf:PATH or sentencepiece:PATH (as data.tokenizer)")
     parser.add_argument("--out", required=True, help="directory of the shards")
@@ -564,7 +686,8 @@ def prepare_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--docs_per_shard", type=int, default=DEFAULT_DOCS_PER_SHARD)
     parser.add_argument("--validation_every", type=int, default=DEFAULT_VALIDATION_EVERY,
                         help="files: every N-th document is validation")
-    parser.add_argument("--text_key", default="text", help="field of .jsonl / tfds records")
+    parser.add_argument("--text_key", default="text",
+                        help="field of .jsonl / tfds records, column of parquet / hf_disk")
     parser.add_argument("--data_dir", default="", help="tfds data dir for tfds:NAME")
     args = parser.parse_args(argv)
     try:
