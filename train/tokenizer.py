@@ -14,6 +14,7 @@ covers every id. Errors are `config.ConfigError`s in one line naming the field.
 
 from __future__ import annotations
 
+import abc
 import functools
 import hashlib
 import json
@@ -32,7 +33,7 @@ SEPARATOR_TOKENS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eos|
 BYTE_SEPARATOR = 10  # b"\n", the separator the byte-level pipeline has always used
 
 
-class Tokenizer:
+class Tokenizer(abc.ABC):
     """Base class: ``encode(text) -> int32 ids``, ``decode(ids) -> text``, ``vocab_size``,
     ``separator`` (the id placed between packed documents), ``spec`` (as ``data.tokenizer``
     names it) and ``fingerprint``."""
@@ -42,14 +43,16 @@ class Tokenizer:
     separator: int
     fingerprint: str
 
+    @abc.abstractmethod
     def encode(self, text: str) -> np.ndarray:
-        raise NotImplementedError
+        """The int32 ids of `text`."""
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         return [self.encode(text) for text in texts]
 
+    @abc.abstractmethod
     def decode(self, ids: Any) -> str:
-        raise NotImplementedError
+        """The text of `ids`."""
 
     def token_dtype(self) -> np.dtype:
         """The smallest unsigned dtype holding every id (how shards store tokens)."""
