@@ -110,6 +110,7 @@ def base_config() -> ml_collections.ConfigDict:
         seed=0,
         steps=1000,
         batch_size=32,            # global, in sequences
+        accumulation_steps=1,     # microbatches per step (gradients summed in-step); divides batch
         seq_len=128,
         log_every=10,
         eval_every=200,

@@ -23,7 +23,8 @@ NONFINITE_POLICIES = ("stop", "skip")
 # trained context (quality aside); learned positions have a table of max_seq_len rows.
 BOUNDED_POSITIONS = ("learned",)
 POSITIVE_INTEGER_FIELDS = ("steps", "batch_size", "seq_len", "log_every", "eval_every",
-                           "checkpoint_every", "eval_batches", "keep_checkpoints")
+                           "checkpoint_every", "eval_batches", "keep_checkpoints",
+                           "accumulation_steps")
 
 
 def _is_int(value) -> bool:
@@ -40,6 +41,9 @@ def check_fields(config) -> None:
     for field in POSITIVE_INTEGER_FIELDS:
         check(_is_int(config[field]) and config[field] > 0, field, config[field],
               "must be a positive integer")
+    check(config.batch_size % config.accumulation_steps == 0, "accumulation_steps",
+          config.accumulation_steps, f"must divide batch_size={config.batch_size}: each "
+          "microbatch has batch_size / accumulation_steps sequences")
     check(_is_int(config.seed), "seed", config.seed, "must be an integer")
     model = config.model
     if model.max_seq_len is not None:

@@ -29,6 +29,7 @@ def validate(config, device_count: int, slice_count: int = 1) -> dict[str, int]:
     batch_shards = mesh["data"] * mesh["fsdp"] * mesh["expert"]
     check(config.batch_size % batch_shards == 0, "batch_size", config.batch_size,
           f"must be divisible by mesh.data×mesh.fsdp×mesh.expert = {batch_shards}")
+    _check_accumulation(config, batch_shards, mesh["stage"])
     tensor = mesh["tensor"]
     check(model.num_heads % tensor == 0, "model.num_heads", model.num_heads,
           f"must be divisible by mesh.tensor={tensor}")
@@ -43,6 +44,22 @@ def validate(config, device_count: int, slice_count: int = 1) -> dict[str, int]:
         _check_sequence_parallel(config, mesh["sequence"], mesh["stage"])
     validate_pipeline(config, mesh)  # mesh.stage
     return mesh
+
+
+def _check_accumulation(config, batch_shards: int, stages: int) -> None:
+    """Gradient accumulation (`train.step`): each microbatch keeps the batch sharding, and the
+    pipeline, which microbatches by itself, does not accumulate on top."""
+    steps = config.accumulation_steps
+    if steps == 1:
+        return
+    check(stages == 1, "accumulation_steps", steps,
+          f"does not compose with the pipeline (mesh.stage={stages}), which already "
+          "microbatches; use model.pipeline_microbatches or accumulation_steps=1")
+    micro = config.batch_size // steps
+    check(micro % batch_shards == 0, "accumulation_steps", steps,
+          f"leaves microbatches of batch_size/accumulation_steps = {micro} sequences, not "
+          f"divisible by mesh.data×mesh.fsdp×mesh.expert = {batch_shards}; lower "
+          "accumulation_steps or raise batch_size")
 
 
 def _check_sequence_parallel(config, shards: int, stages: int) -> None:

@@ -9,6 +9,15 @@ variable's logical axis names.
 Sequence parallelism (mesh.sequence = S > 1): the steps permute each batch's inputs, targets and
 positions into the striped order of `sharding.sequence.stripe_batch` (here and only here), so
 every sequence shard has equal causal work; the loss, a mean over positions, is unchanged.
+
+Gradient accumulation (accumulation_steps = k > 1): the train step splits the global batch into
+k microbatches of B/k sequences and scans over them, summing gradients, loss and metrics and
+threading the model state, then applies one update with the mean gradient. For a mean loss over
+equal microbatches, ∇L(B) = (1/k) Σ_i ∇L(B_i), so the update equals the unsplit batch's (exactly
+so up to float rounding, except where the loss couples the rows of a batch: MoE balancing and
+capacity, BatchNorm statistics, which are then per microbatch). Cost: activation memory of one
+microbatch plus one gradient-sized sum; the same FLOPs, with the gradient reduction across
+batch shards run once per microbatch.
 """
 
 from __future__ import annotations
@@ -26,7 +35,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from arch.model import TransformerLM
 from arch.moe import AuxLoss, DroppedFraction
 from sharding.mesh import make_mesh, maybe_initialize_distributed, slice_count
-from sharding.rules import named_sharding
+from sharding.rules import constrain, named_sharding
 from sharding.sequence import stripe_batch
 from train.config import validate
 from train.optim import make_optimizer, schedule
@@ -121,6 +130,46 @@ class TrainProgram:
         (value, metrics), grads = nnx.value_and_grad(loss, has_aux=True)(model)
         return value, grads, nnx.state(model, nnx.Not(nnx.Param)), metrics
 
+    def microbatches(self, tokens_BxT1: jax.Array) -> jax.Array:
+        """[B/k, k, T+1] microbatches of a batch (k = accumulation_steps), each keeping the batch
+        sharding: microbatch i holds rows i, k + i, 2k + i, ..., so a device holding a contiguous
+        block of rows keeps B/(k·shards) of them in every microbatch (no communication): a reshape
+        whose outer axis keeps the batch sharding, sliced along the unsharded inner axis."""
+        steps = self.config.accumulation_steps
+        batch, length = tokens_BxT1.shape
+        split = tokens_BxT1.reshape(batch // steps, steps, length)
+        return constrain(split, ("act_batch", None, None))
+
+    def _accumulated_loss_and_grads(self, params, model_state, tokens_BxT1: jax.Array):
+        """`_loss_and_grads` of the whole batch as the mean over `accumulation_steps`
+        microbatches, scanned: the carry holds the sums of gradients, loss and metrics, and
+        the model state, updated by each microbatch in turn. With one step, no scan."""
+        steps = self.config.accumulation_steps
+        if steps == 1:
+            return self._loss_and_grads(params, model_state, tokens_BxT1)
+        micro = self.microbatches(tokens_BxT1)
+        # Abstract first pass: the metrics' structure and dtypes, to start the sums at zero.
+        _, _, _, abstract_metrics = jax.eval_shape(self._loss_and_grads, params, model_state,
+                                                   micro[:, 0])
+
+        # The parameters ride in the carry, unchanged: nnx cannot merge a closed-over tracer.
+        def accumulate(carry, index):
+            params, loss_sum, grad_sum, model_state, metric_sum = carry
+            tokens = constrain(jax.lax.dynamic_index_in_dim(micro, index, 1, keepdims=False),
+                               ("act_batch", None))
+            loss, grads, model_state, metrics = self._loss_and_grads(params, model_state,
+                                                                     tokens)
+            return (params, loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads),
+                    model_state, jax.tree.map(jnp.add, metric_sum, metrics)), None
+
+        zeros = (params, jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params),
+                 model_state, jax.tree.map(lambda m: jnp.zeros(m.shape, m.dtype),
+                                           abstract_metrics))
+        (_, loss, grads, model_state, metrics), _ = jax.lax.scan(accumulate, zeros,
+                                                                 jnp.arange(steps))
+        loss, grads, metrics = jax.tree.map(lambda total: total / steps, (loss, grads, metrics))
+        return loss, grads, model_state, metrics
+
     def _evaluation_loss(self, params, model_state, tokens_BxT1):
         """Pure cross-entropy: auxiliary losses are training objectives, not evaluation."""
         model = nnx.merge(self.graphdef, params, model_state)
@@ -134,7 +183,7 @@ class TrainProgram:
         fused reduction). With config.nonfinite_policy="skip" a non-finite step keeps the
         previous parameters, model state and optimizer state (the step counter still advances:
         the batch is consumed) and metrics["skipped"] is 1."""
-        loss, grads, model_state, aux_metrics = self._loss_and_grads(
+        loss, grads, model_state, aux_metrics = self._accumulated_loss_and_grads(
             state["params"], state["model_state"], tokens_BxT1)
         updates, opt_state = self.optimizer.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
