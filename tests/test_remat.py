@@ -48,13 +48,14 @@ def _temp_bytes(policy: str) -> int:
 
 
 def test_temp_memory_is_ordered_as_the_policies_save():
-    """`full` keeps only each block's input, `save_attention_and_ffn_outputs` adds two B×T×D per
-    block, `none` keeps every residual: full ≤ save_attention_and_ffn_outputs ≤ none, and `none`
-    strictly above `full` at 8 layers."""
+    """`none` keeps every residual of every block, `full` only each block's input and
+    `save_attention_and_ffn_outputs` adds two B×T×D per block: both stay below `none` at 8
+    layers. `full` ≤ `save_attention_and_ffn_outputs` is not asserted: XLA:CPU does not separate
+    them structurally (at the quickstart's shape the saved outputs spare the recompute's own
+    scratch and come out below `full`; docs/performance.md#remat-policies)."""
     temp = {policy: _temp_bytes(policy) for policy in ("full", "save_attention_and_ffn_outputs",
                                                       "none")}
-    assert temp["full"] <= temp["save_attention_and_ffn_outputs"] <= temp["none"], temp
-    assert temp["full"] < temp["none"], temp
+    assert max(temp["full"], temp["save_attention_and_ffn_outputs"]) < temp["none"], temp
 
 
 def test_remat_true_means_full_and_contradictions_are_rejected():
