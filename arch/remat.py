@@ -30,7 +30,7 @@ REMAT_POLICIES: dict[str, str] = {
     # elementwise ops, softmax and norms are recomputed. Near `none` in memory; cheap recompute.
     "dots_saveable": "every matmul output (jax.checkpoint_policies.dots_saveable)",
     # The two sublayer outputs (B×T×D each); the sublayers' insides are recomputed. About two
-    # B×T×D per block in memory; the recompute skips nothing inside a sublayer.
+    # B×T×D per block in memory; each sublayer's inside is recomputed.
     "save_attention_and_ffn_outputs": "the attention and FFN sublayer outputs "
                                       "(save_only_these_names)",
     # As save_attention_and_ffn_outputs, but the two outputs go to pinned host memory and come
