@@ -27,10 +27,10 @@ REMAT_POLICIES: dict[str, str] = {
     # Only the block's inputs; the whole block is recomputed. Least memory, ~one extra forward.
     "full": "only the block's inputs (jax.checkpoint with no policy)",
     # Every matmul output (projections, FFN, and the batched attention scores and mixes);
-    # elementwise ops, softmax and norms are recomputed. Near `none` in memory; cheap recompute.
+    # elementwise ops, softmax and norms are recomputed. Between full and none; cheap recompute.
     "dots_saveable": "every matmul output (jax.checkpoint_policies.dots_saveable)",
-    # The two sublayer outputs (B×T×D each); the sublayers' insides are recomputed. About two
-    # B×T×D per block in memory; each sublayer's inside is recomputed.
+    # The two sublayer outputs; the sublayers' insides are recomputed. About two B×T×D per block
+    # beyond `full`; about `full`'s recompute.
     "save_attention_and_ffn_outputs": "the attention and FFN sublayer outputs "
                                       "(save_only_these_names)",
     # As save_attention_and_ffn_outputs, but the two outputs go to pinned host memory and come
