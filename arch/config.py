@@ -10,6 +10,7 @@ from arch.init import INITS
 from arch.norms import NORMS
 from arch.positions import POSITIONS
 from arch.registry import Registry
+from arch.remat import REMAT_POLICIES, host_offload_supported
 from arch.residual import RESIDUALS
 from config import ConfigError, check
 from config.defaults import INIT_GROUPS
@@ -54,6 +55,7 @@ def resolve_model(cfg) -> None:
           f"FixNorm is used with a tied output head; set model.head='tied' (got {cfg.head!r})")
     check(cfg.fixnorm_scale is None or cfg.fixnorm_scale > 0, "model.fixnorm_scale",
           cfg.fixnorm_scale, "must be positive (or None: unit-length rows)")
+    _resolve_remat(cfg)
     for field in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads",
                   "scan_unroll"):
         check(isinstance(cfg[field], int) and cfg[field] > 0, f"model.{field}", cfg[field],
@@ -100,6 +102,24 @@ def resolve_model(cfg) -> None:
     resolve_residual = getattr(RESIDUALS[cfg.residual], "resolve", None)
     if resolve_residual is not None:  # the mechanism's own fields (e.g. arch/attnres.py)
         resolve_residual(cfg)
+
+
+def _resolve_remat(cfg) -> None:
+    """`model.remat_policy` (arch/remat.py) from itself or `model.remat`: None resolves to `full`
+    when `remat=True`, else `none`; `remat=True` with `none` contradicts itself. Afterwards
+    `remat` is True exactly when a policy other than `none` is applied."""
+    policy = cfg.get("remat_policy")  # absent from configs saved before the field
+    if policy is None:
+        policy = "full" if cfg.remat else "none"
+    check(policy in REMAT_POLICIES, "model.remat_policy", policy,
+          f"valid: {', '.join(REMAT_POLICIES)}")
+    check(not (cfg.remat and policy == "none"), "model.remat_policy", policy,
+          "contradicts model.remat=True; set remat_policy=full (or another policy) or remat=False")
+    check(policy != "offload" or host_offload_supported(), "model.remat_policy", policy,
+          "the default device has no pinned_host memory to offload to; use "
+          "save_attention_and_ffn_outputs")
+    cfg.remat_policy = policy
+    cfg.remat = policy != "none"
 
 
 def _resolve_mla(cfg) -> None:

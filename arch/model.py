@@ -22,6 +22,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from arch.attention import ATTENTION
 from arch.ffn import FFNS
@@ -30,6 +31,7 @@ from arch.init import group_init
 from arch.layers import Embedding
 from arch.norms import make_norm
 from arch.positions import POSITIONS
+from arch.remat import ATTENTION_OUTPUT, FFN_OUTPUT, apply_remat
 from arch.residual import RESIDUALS, constrain_state, is_capturing
 from arch.reversible import run_reversible
 from config.derived import interleaves_moe
@@ -68,6 +70,8 @@ class Block(nnx.Module):
             update, cache = self.attention(h, positions_BxT, rotate, cache)
         else:
             update = self.ffn(h)
+        # What `model.remat_policy` save_attention_and_ffn_outputs / offload keep (arch/remat.py).
+        update = checkpoint_name(update, ATTENTION_OUTPUT if name == "attention" else FFN_OUTPUT)
         if tap is not None:
             update = tap(update)
         return constrain_state(residual.write(stream, update, read)), cache
@@ -177,8 +181,7 @@ class TransformerLM(nnx.Module):
             stream, layer_cache = block(stream, positions_BxT, self.position.rotate, layer_cache)
             return stream, (nnx.state(block, nnx.Not(nnx.Param)), layer_cache)
 
-        if self.cfg.remat:
-            run_unit = jax.checkpoint(run_unit)
+        run_unit = apply_remat(run_unit, self.cfg.remat_policy)  # arch/remat.py
         scan = (stream_module.scan if group
                 else functools.partial(jax.lax.scan, unroll=self.cfg.scan_unroll))
         return scan(run_unit, stream, (layer_params, layer_states, cache))
@@ -207,8 +210,7 @@ class TransformerLM(nnx.Module):
             stream, _ = block(stream, positions, self.position.rotate)
             return (stream, positions), nnx.state(block, nnx.Not(nnx.Param))
 
-        if cfg.remat:
-            run_block = jax.checkpoint(run_block)
+        run_block = apply_remat(run_block, cfg.remat_policy)
         # What crosses a stage boundary: the residual state (positions are in every stage's copy
         # of the microbatch), or what the next stage lacks (`ResidualStream.stage_message`: for a
         # mechanism with a history, the part written since that stage last held it).

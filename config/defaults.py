@@ -90,7 +90,8 @@ def model_config() -> ml_collections.ConfigDict:
         mos_tied=True,            # mos/moc: output projection = the input embedding
         final_norm=True,
         dtype="float32",          # compute dtype; parameters are always float32
-        remat=False,              # recompute each block in the backward pass
+        remat=False,              # recompute each block in the backward pass (= remat_policy full)
+        remat_policy=ml_collections.FieldReference(None, field_type=str),  # arch.remat; None: remat
         scan_unroll=1,            # layers per loop iteration of the layer scan (its unroll;
                                   # not the pipeline's nor two-phase AttnRes's own scan)
         # Pipeline parallelism, with mesh.stage > 1 (sharding/pipeline.py); bubble fraction

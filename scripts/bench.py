@@ -1,7 +1,7 @@
 """Benchmark one train step: `python scripts/bench.py --config PATH[:ARG] [--config.FIELD=VALUE ...]
 [--json] [--steps N] [--block K] [--depth_check] [--baseline FIELD=VALUE[,...]]
 [--depth_memory A,B] [--compare FIELD=VALUE[,...][;FIELD=VALUE[,...]...]] [--decode]
-[--decode_batch B] [--decode_steps N] [--data [--data_batches N]]`
+[--decode_batch B] [--decode_steps N] [--data [--data_batches N]] [--remat_policies A,B,...]`
 
 Runs on whatever devices exist (one CPU device normally) with random tokens of the config's
 batch_size × (seq_len + 1), and reports, in one run:
@@ -75,6 +75,13 @@ batch_size × (seq_len + 1), and reports, in one run:
                          each also reported as temp_bytes_layers_A / _B). Target for the
                          reversible stack (issue 3): ≤ 1.3 from 2 to 16 layers.
 
+  remat_policies         only with --remat_policies A,B,... (arch.remat.REMAT_POLICIES, e.g.
+                         `none,full,dots_saveable,save_attention_and_ffn_outputs`): the config
+                         run under policy A (model.remat_policy=A, model.remat=False), each
+                         other policy as a --compare variant (timed interleaved, ABBA); a dict
+                         policy → {temp_bytes, temp_bytes_vs_first, step_time_s,
+                         step_time_vs_first}, ratios to policy A. Measured:
+                         docs/performance.md#remat-policies.
 Each ratio of two timed programs' step times (vs_reference, *_time_vs_*) is paired: the median,
 over the ABBA rounds, of the ratio of the two programs' median step times in that round. They ran
 back to back, so a change of machine speed between rounds (on a shared CPU, one can last
@@ -241,13 +248,18 @@ def with_overrides(config, overrides: str, flag: str = "--baseline"):
     return config
 
 
+def parse_label(overrides: str) -> str:
+    """A --compare variant's label: its overrides with each field's leading "model." dropped."""
+    return ",".join(item.strip().removeprefix("model.")
+                    for item in overrides.split(",") if item.strip())
+
+
 def parse_compare(text: str | None) -> dict[str, str]:
     """--compare's variants: label → overrides, one per `;`-separated item. The label is the
     overrides with each field's leading "model." dropped."""
     variants = {}
     for overrides in filter(None, (item.strip() for item in (text or "").split(";"))):
-        label = ",".join(item.strip().removeprefix("model.")
-                         for item in overrides.split(",") if item.strip())
+        label = parse_label(overrides)
         if label in variants:
             raise UsageError(f"--compare: variant {label!r} is given twice")
         variants[label] = overrides
@@ -406,10 +418,35 @@ def bench(config, steps: int, block: int, depth_check: bool, baseline: str | Non
     return result
 
 
+REMAT_VARIANT = "model.remat=False,model.remat_policy={}"  # one --remat_policies variant
+
+
+def remat_policies(text: str | None) -> list[str]:
+    """--remat_policies' names, in order, each once (validated with the config)."""
+    policies = [name.strip() for name in (text or "").split(",") if name.strip()]
+    if len(set(policies)) != len(policies):
+        raise UsageError(f"--remat_policies: a policy is given twice in {text!r}")
+    return policies
+
+
+def remat_policy_ratios(result: dict, policies: list[str]) -> dict[str, dict[str, float]]:
+    """policy → temp bytes and step time, each also as a ratio to the first policy (the
+    benchmarked config; the others are its --compare variants, timed interleaved with it)."""
+    first = {"temp_bytes": result["temp_bytes"], "step_time_s": result["step_time_s"],
+             "temp_bytes_vs_first": 1.0, "step_time_vs_first": 1.0}
+    ratios = {policies[0]: first}
+    for policy in policies[1:]:
+        entry = result["compare"][parse_label(REMAT_VARIANT.format(policy))]
+        ratios[policy] = {"temp_bytes": entry["temp_bytes"], "step_time_s": entry["step_time_s"],
+                          "temp_bytes_vs_first": entry["temp_bytes_vs_config"],
+                          "step_time_vs_first": entry["step_time_vs_config"]}
+    return ratios
+
+
 def table(result: dict) -> str:
     rows = [f"{'metric':<24}{'value':>16}  target"]
     for name, value in result.items():
-        if name == "compare":
+        if name in ("compare", "remat_policies"):
             continue
         text = (f"{value:,}" if isinstance(value, int) else "n/a" if value is None
                 else f"{value:.3%}" if name == "mfu" else f"{value:.4g}")
@@ -419,6 +456,9 @@ def table(result: dict) -> str:
         rows.append(f"vs {label}:")
         rows.extend(f"  {name:<22}{value:>16.4g}  {TARGETS.get(name, '') * targeted}".rstrip()
                     for name, value in entry.items())
+    for policy, entry in result.get("remat_policies", {}).items():
+        rows.append(f"remat_policy={policy}:")
+        rows.extend(f"  {name:<22}{value:>16.4g}" for name, value in entry.items())
     return "\n".join(rows)
 
 
@@ -450,6 +490,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="also measure the data loader's tokens/s")
     parser.add_argument("--data_batches", type=positive_int, default=200,
                         help="batches read for --data")
+    parser.add_argument("--remat_policies", metavar="A,B,...", default=None,
+                        help="model.remat_policy values to compare, as ratios to the first")
     config, args = parse_with_config(parser, argv)
     depths = None
     if args.depth_memory:
@@ -463,12 +505,19 @@ def main(argv: list[str] | None = None) -> int:
     from config import ConfigError
 
     try:
+        compare, policies = args.compare, remat_policies(args.remat_policies)
+        if policies:
+            config.model.remat, config.model.remat_policy = False, policies[0]
+            compare = ";".join(filter(None, [compare, *(REMAT_VARIANT.format(policy)
+                                                       for policy in policies[1:])]))
         result = bench(config, args.steps, args.block, args.depth_check, args.baseline, depths,
-                       args.compare, args.decode, args.decode_batch, args.decode_steps,
+                       compare, args.decode, args.decode_batch, args.decode_steps,
                        args.data_batches if args.data else 0)
     except ConfigError as error:
         log(f"error: {error}")
         return 2
+    if policies:
+        result["remat_policies"] = remat_policy_ratios(result, policies)
     print(json.dumps(result) if args.json else table(result))
     return 0
 

@@ -66,3 +66,20 @@ def test_paired_ratio_cancels_a_change_of_machine_speed_between_rounds():
     # Blocks of two: rounds of 1.1, 1.1, and one that straddles the change (0.825).
     times = {"config": [1.0, 1.0, 2.0, 2.0, 2.0, 2.0], "variant": [1.1, 1.1, 2.2, 2.2, 1.1, 2.2]}
     assert paired_ratio(times, "variant", "config", block=2) == pytest.approx(1.1)
+
+
+def test_remat_policies_become_compare_variants_reported_as_ratios_to_the_first():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench
+
+    assert bench.remat_policies("none, full,dots_saveable") == ["none", "full", "dots_saveable"]
+    with pytest.raises(bench.UsageError, match="given twice"):
+        bench.remat_policies("full,full")
+    label = bench.parse_label(bench.REMAT_VARIANT.format("full"))
+    result = {"temp_bytes": 100, "step_time_s": 2.0,
+              "compare": {label: {"temp_bytes": 25, "step_time_s": 2.5,
+                                  "temp_bytes_vs_config": 0.25, "step_time_vs_config": 1.25}}}
+    ratios = bench.remat_policy_ratios(result, ["none", "full"])
+    assert ratios["none"]["temp_bytes_vs_first"] == ratios["none"]["step_time_vs_first"] == 1.0
+    assert ratios["full"] == {"temp_bytes": 25, "step_time_s": 2.5, "temp_bytes_vs_first": 0.25,
+                              "step_time_vs_first": 1.25}

@@ -1,0 +1,70 @@
+"""Rematerialization policies by name (`model.remat_policy`): what a block keeps for its
+backward pass, applied to the block function of the layer scan (and of the pipeline, and of the
+two-phase AttnRes block scan, which scan the same checkpointed function).
+
+`model.remat` is the older boolean: `remat=True` means `remat_policy="full"`, and
+`remat_policy=None` (the default) resolves to `full` or `none` from it (`arch.config`); after
+resolution `remat` is True exactly when a policy other than `none` is applied.
+
+Inside a block the attention and FFN sublayer outputs are named with
+`jax.ad_checkpoint.checkpoint_name` (`ATTENTION_OUTPUT`, `FFN_OUTPUT`), which is what
+`save_attention_and_ffn_outputs` and `offload` select.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+
+ATTENTION_OUTPUT = "attention_output"
+FFN_OUTPUT = "ffn_output"
+
+# name -> what a checkpointed block keeps for its backward pass.
+REMAT_POLICIES: dict[str, str] = {
+    # Everything autodiff keeps; no recomputation. Most memory, no extra compute.
+    "none": "no checkpoint: every residual of the forward pass is kept",
+    # Only the block's inputs; the whole block is recomputed. Least memory, ~one extra forward.
+    "full": "only the block's inputs (jax.checkpoint with no policy)",
+    # Every matmul output (projections, FFN, and the batched attention scores and mixes);
+    # elementwise ops, softmax and norms are recomputed. Between full and none; cheap recompute.
+    "dots_saveable": "every matmul output (jax.checkpoint_policies.dots_saveable)",
+    # The two sublayer outputs; the sublayers' insides are recomputed. About two B×T×D per block
+    # beyond `full`; about `full`'s recompute.
+    "save_attention_and_ffn_outputs": "the attention and FFN sublayer outputs "
+                                      "(save_only_these_names)",
+    # As save_attention_and_ffn_outputs, but the two outputs go to pinned host memory and come
+    # back for the backward pass. Device memory as `full`; host transfers instead of recompute.
+    "offload": "the attention and FFN sublayer outputs, offloaded to pinned host memory "
+               "(save_and_offload_only_these_names)",
+}
+
+
+def host_offload_supported() -> bool:
+    """Whether the default device has a `pinned_host` memory space to offload to."""
+    device = jax.devices()[0]
+    return any(memory.kind == "pinned_host" for memory in device.addressable_memories())
+
+
+def checkpoint_policy(name: str) -> Callable | None:
+    """The `jax.checkpoint` policy for a policy name other than `none` (None for `full`)."""
+    policies = jax.checkpoint_policies
+    names = [ATTENTION_OUTPUT, FFN_OUTPUT]
+    if name == "full":
+        return None
+    if name == "dots_saveable":
+        return policies.dots_saveable
+    if name == "save_attention_and_ffn_outputs":
+        return policies.save_only_these_names(*names)
+    if name == "offload":
+        return policies.save_and_offload_only_these_names(
+            names_which_can_be_saved=[], names_which_can_be_offloaded=names,
+            offload_src="device", offload_dst="pinned_host")
+    raise ValueError(f"model.remat_policy={name!r} is invalid; valid: {', '.join(REMAT_POLICIES)}")
+
+
+def apply_remat(fn: Callable, name: str) -> Callable:
+    """`fn` checkpointed under the named policy (`fn` itself for `none`)."""
+    if name == "none":
+        return fn
+    return jax.checkpoint(fn, policy=checkpoint_policy(name))
