@@ -34,6 +34,7 @@ def _loss_and_grads(**model):
 
 
 @pytest.mark.parametrize("residual", RESIDUALS.values(), ids=RESIDUALS.keys())
+@pytest.mark.slow
 def test_every_policy_gives_the_loss_and_gradients_of_none(residual):
     reference = _loss_and_grads(remat_policy="none", **residual)
     for policy in POLICIES[1:]:
