@@ -16,8 +16,6 @@ from config import ConfigError, check
 from config.defaults import INIT_GROUPS
 from sharding.sequence import SEQUENCE_ATTENTIONS
 
-__all__ = ["ConfigError", "check", "resolve_model"]
-
 
 def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]

@@ -110,8 +110,7 @@ def _billion_config(seq_len: int, batch: int, implementation: str = "auto"):
 
 
 def _compiled(config):
-    from train.loop import build_program
-    from train.step import compile_train_step
+    from train.step import build_program, compile_train_step
 
     program = build_program(config)
     _, compiled = compile_train_step(program)

@@ -46,7 +46,7 @@ def _lengths(text: str) -> list[int]:
 
 
 def memory(config, lengths: list[int], implementations: list[str]) -> dict:
-    from train.loop import build_program
+    from train.step import build_program
 
     temp = {name: {} for name in implementations}
     for name in implementations:

@@ -269,7 +269,7 @@ def parse_compare(text: str | None) -> dict[str, str]:
 def prepare(config, tokens: np.ndarray) -> dict:
     """A variant ready to time: its program (config validated in place), compiled memory and a
     train-step runner on `tokens` placed with its batch sharding."""
-    from train.loop import build_program
+    from train.step import build_program
 
     program = build_program(config)
     compile_time, compiled = compile_train_step(program)
@@ -286,7 +286,7 @@ def prepare(config, tokens: np.ndarray) -> dict:
 def depth_memory(config, depths: tuple[int, int]) -> dict[str, float]:
     """Compiled temp bytes of the train step at each of two depths (compile only), and the
     ratio of the second to the first."""
-    from train.loop import build_program
+    from train.step import build_program
 
     temp = {}
     for layers in depths:
@@ -303,7 +303,7 @@ def depth_memory(config, depths: tuple[int, int]) -> dict[str, float]:
 def depth_compile_ratio(config, repeats: int = 2) -> dict[str, float]:
     """Cold compile seconds of the train step at 4 and 24 layers (best of `repeats`, each a
     fresh program, alternating depths), and their ratio."""
-    from train.loop import build_program
+    from train.step import build_program
 
     seconds: dict[int, float] = {4: math.inf, 24: math.inf}
     for _ in range(repeats):

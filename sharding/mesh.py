@@ -24,7 +24,7 @@ from jax.experimental import mesh_utils
 from jax.sharding import AxisType
 
 from config import ConfigError
-from sharding.launch import multiprocess_launch  # noqa: F401 -- also this module's API
+from sharding.launch import multiprocess_launch
 from sharding.rules import MESH_AXES
 
 AUTO_AXES = (AxisType.Auto,) * len(MESH_AXES)

@@ -74,7 +74,7 @@ def write_run(config, workdir, step: int) -> None:
     """A run directory as `train.loop.train` leaves it (config.json, a checkpoint at `step`),
     holding the initial state: restoring is what the script tests, not training."""
     from train.checkpoint import Checkpointer
-    from train.loop import build_program
+    from train.step import build_program
 
     program = build_program(config)
     with Checkpointer(workdir) as checkpointer:

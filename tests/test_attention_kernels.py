@@ -23,7 +23,7 @@ from arch.attention_kernels import (
     cudnn_attention,
     splash_attention,
 )
-from arch.config import ConfigError
+from config import ConfigError
 from sharding.sequence import stripe_order
 from tests.helpers import prefill_then_decode, random_tokens, tiny_model
 from tests.test_sequence_parallel import loss_grads_logits, program_on

@@ -20,7 +20,7 @@ from arch.attnres import (
     softmax_read,
     two_phase_reads,
 )
-from arch.config import ConfigError
+from config import ConfigError
 from sharding.mesh import make_mesh
 from tests.helpers import prefill_then_decode, random_tokens, tiny_config, tiny_model
 from train.config import validate

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from arch.config import ConfigError, resolve_model
+from arch.config import resolve_model
 from arch.ffn import ACTIVATIONS, FFN_WIDTHS, FFNS, activation
+from config import ConfigError
 from experiments.common import model_config
 from tests.helpers import random_tokens, tiny_config, tiny_model
 from train.config import validate

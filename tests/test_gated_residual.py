@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from arch.config import ConfigError
 from arch.gated_residual import (
     GatedResidual,
     GatedResidualStream,
@@ -16,6 +15,7 @@ from arch.gated_residual import (
     load_fp8,
     store_fp8,
 )
+from config import ConfigError
 from tests.helpers import prefill_then_decode, random_tokens, tiny_config, tiny_model
 from train.config import validate
 

@@ -11,9 +11,9 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from arch.bottleneck import softmax_bottleneck
-from arch.config import ConfigError
 from arch.heads import HEADS
 from arch.layers import Embedding
+from config import ConfigError
 from experiments.common import model_config
 from sharding.mesh import make_mesh
 from tests.helpers import random_tokens, tiny_config, tiny_model

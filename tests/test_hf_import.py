@@ -16,8 +16,9 @@ import torch
 import transformers
 from flax import nnx
 
-from arch.config import ConfigError, resolve_model
+from arch.config import resolve_model
 from arch.hf_config import model_config_from_hf
+from config import ConfigError
 from experiments.common import model_config
 from train.instruments import import_hf
 from train.instruments.hf import (

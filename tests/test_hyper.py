@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from arch.config import ConfigError
 from arch.hyper import HyperConnection, ManifoldHyperConnection, StreamState, WidthBaseline
+from config import ConfigError
 from tests.helpers import prefill_then_decode, random_tokens, tiny_config, tiny_model
 from train.config import validate
 

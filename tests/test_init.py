@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from arch.config import ConfigError
 from arch.init import INITS, group_init
+from config import ConfigError
 from experiments.common import use_deepnorm
 from tests.helpers import random_tokens, tiny_config, tiny_model
 from train.config import validate

@@ -13,8 +13,9 @@ import jax
 import numpy as np
 import pytest
 
-from arch.config import ConfigError
-from sharding.mesh import hybrid_device_grid, ici_dcn_shapes, make_mesh, multiprocess_launch
+from config import ConfigError
+from sharding.launch import multiprocess_launch
+from sharding.mesh import hybrid_device_grid, ici_dcn_shapes, make_mesh
 from sharding.rules import MESH_AXES, logical_to_spec, named_sharding
 from tests.helpers import one_device_env
 from train.data import Dataset

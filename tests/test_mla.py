@@ -11,9 +11,9 @@ import pytest
 from flax import nnx
 
 from arch.attention import MultiHeadAttention, MultiHeadLatentAttention
-from arch.config import ConfigError
 from arch.model import TransformerLM
 from arch.positions import POSITIONS
+from config import ConfigError
 from sharding.mesh import make_mesh
 from sharding.rules import LOGICAL_RULES
 from tests.helpers import random_tokens, tiny_config

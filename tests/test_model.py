@@ -12,9 +12,9 @@ from flax import nnx
 from arch import reference
 from arch.accounting import flops_per_token, matmul_parameter_count, parameter_count
 from arch.attention import MultiHeadAttention, causal_mask
-from arch.config import ConfigError
 from arch.norms import LayerNorm, RMSNorm
 from arch.positions import RoPE
+from config import ConfigError
 from tests.helpers import prefill_then_decode, random_tokens, tiny_model
 
 VARIANTS = [dict(norm=n, position=p, ffn=f, head=h)

@@ -12,9 +12,9 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from arch.accounting import active_parameter_count, matmul_parameter_count, parameter_count
-from arch.config import ConfigError
 from arch.ffn import FFNS
 from arch.moe import AuxLoss, DroppedFraction, MixtureOfExperts, balance_loss, z_loss
+from config import ConfigError
 from sharding.mesh import make_mesh
 from tests.helpers import prefill_then_decode, random_tokens, tiny_config, tiny_model
 from train.config import validate

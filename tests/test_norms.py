@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from arch.config import ConfigError
 from arch.layers import Embedding
 from arch.norms import (
     NORMS,
@@ -23,6 +22,7 @@ from arch.norms import (
     ScaleNorm,
     make_norm,
 )
+from config import ConfigError
 from sharding.rules import LOGICAL_RULES
 from tests.helpers import random_tokens, tiny_config, tiny_model
 from train.config import validate

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from arch.config import ConfigError
+from config import ConfigError
 from sharding.mesh import make_mesh
 from sharding.pipeline import bubble_fraction, stage_transfer_bytes
 from tests.helpers import random_tokens, tiny_config

@@ -8,8 +8,8 @@ import chex
 import jax
 import pytest
 
-from arch.config import ConfigError
 from arch.remat import REMAT_POLICIES, host_offload_supported
+from config import ConfigError
 from sharding.mesh import make_mesh
 from tests.helpers import random_tokens, tiny_config
 from train.config import validate

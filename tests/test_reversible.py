@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from arch.config import ConfigError
 from arch.model import TransformerLM
 from arch.reversible import branches, invert
+from config import ConfigError
 from tests.helpers import random_tokens, tiny_config, tiny_model
 from tests.test_sharding import program_on
 from train.config import validate

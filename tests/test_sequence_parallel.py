@@ -8,9 +8,9 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from arch.config import ConfigError
 from arch.residual import RESIDUALS as RESIDUALS_REGISTRY
 from arch.residual import constrain_state
+from config import ConfigError
 from sharding.mesh import make_mesh
 from sharding.rules import STREAM, logical_to_spec
 from sharding.sequence import any_causal_pair, stripe_batch, stripe_order

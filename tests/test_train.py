@@ -16,14 +16,15 @@ import numpy as np
 import optax
 import pytest
 
-from arch.config import ConfigError
 from arch.residual import RESIDUALS, MixingParam
+from config import ConfigError
 from tests.helpers import one_device_env, tiny_config, tiny_model
 from train import data
 from train.checkpoint import Checkpointer
 from train.config import validate
-from train.loop import NonFiniteLoss, build_program, train
+from train.loop import NonFiniteLoss, train
 from train.optim import decay_mask, make_optimizer, schedule
+from train.step import build_program
 
 REPO = Path(__file__).resolve().parents[1]
 
