@@ -28,6 +28,7 @@ import difflib
 import importlib.util
 import os
 import sys
+import types
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
@@ -96,22 +97,29 @@ def split_overrides(argv: Sequence[str]) -> tuple[list[str], list[tuple[str, str
     return rest, overrides
 
 
-def load_experiment(value: str) -> ml_collections.ConfigDict:
-    """Run the experiment file PATH of `value` (PATH[:ARG]) and return `get_config(ARG)`, with a
-    one-line UsageError for a file that is missing, does not load or defines no `get_config`."""
-    path, _, arg = value.partition(":")
+def load_module(path: str, flag: str = "--config") -> types.ModuleType:
+    """Run the Python file `path` as a module and return it, with a one-line UsageError naming
+    `flag` for a file that is missing or does not load."""
     if not os.path.isfile(path):
-        raise UsageError(f"--config={path} does not exist; pass an experiment file such as "
+        raise UsageError(f"{flag}={path} does not exist; pass an experiment file such as "
                          "experiments/quickstart.py")
     spec = importlib.util.spec_from_file_location("blockbench_experiment", path)
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)
     except SyntaxError as error:
-        raise UsageError(f"--config={path} has a syntax error at line {error.lineno}: "
+        raise UsageError(f"{flag}={path} has a syntax error at line {error.lineno}: "
                          f"{error.msg}") from None
     except Exception as error:  # noqa: BLE001 -- any failure of the file is the user's to fix
-        raise UsageError(f"--config={path} fails to load: {_one_line(error)}") from None
+        raise UsageError(f"{flag}={path} fails to load: {_one_line(error)}") from None
+    return module
+
+
+def load_experiment(value: str) -> ml_collections.ConfigDict:
+    """Run the experiment file PATH of `value` (PATH[:ARG]) and return `get_config(ARG)`, with a
+    one-line UsageError for a file that is missing, does not load or defines no `get_config`."""
+    path, _, arg = value.partition(":")
+    module = load_module(path)
     get_config = getattr(module, "get_config", None)
     if not callable(get_config):
         raise UsageError(f"--config={path} defines no get_config(arg=None); an experiment file "
