@@ -165,7 +165,7 @@ def scaling_table(results: dict[str, dict[int, Result]], description: dict,
             else:
                 try:
                     m, low, high = study_stats.bootstrap_multiplier(points, base_points, at)
-                    multiplier = f"{m:.3g} [{low:.3g}, {high:.3g}]"
+                    multiplier = f"{m:.3f} [{low:.3f}, {high:.3f}]"
                 except ValueError as error:
                     multiplier = f"— (baseline: {error})"
             row = f"| {arm} | {fit.a:.4g} | {fit.b:.4g} | {multiplier} | {at:.3g} |"
@@ -211,6 +211,7 @@ def plot_scaling(results: dict[str, dict[int, Result]], fits: dict[str, study_st
                  arms: list[str], path: Path) -> None:
     """Final loss against training compute, log-log: every run, and each arm's fit."""
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -230,6 +231,8 @@ def plot_scaling(results: dict[str, dict[int, Result]], fits: dict[str, study_st
                       label=f"{arm}: {fit.a:.3g}·C^-{fit.b:.3g}")
     axes.set(xscale="log", yscale="log", xlabel="training compute C (FLOPs)",
              ylabel="final eval loss", title="Loss against compute")
+    for formatter in (axes.yaxis.set_major_formatter, axes.yaxis.set_minor_formatter):
+        formatter(matplotlib.ticker.FormatStrFormatter("%.4g"))  # losses, not powers of ten
     axes.legend(fontsize="small")
     figure.tight_layout()
     figure.savefig(path, dpi=120)

@@ -1,0 +1,341 @@
+"""Studies (docs/studies.md): the study loader's one-line errors, the statistics against hand
+computations, the sweep's launch commands, and a tiny local sweep end to end (a failing arm,
+a rerun that skips finished runs, the report with a missing run)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from config.cli import UsageError
+from tests.helpers import one_device_env, tiny_config
+from tests.test_launch import calls, fake_command
+from train import study as studies
+from train import study_stats
+from train.config import validate
+from train.study_report import describe, training_flops, write_report
+
+ROOT = Path(__file__).resolve().parents[1]
+
+TINY_STUDY = '''"""A tiny study for the tests: two learning rates (and an arm whose config is
+invalid) on a 2-layer byte model, 3 steps."""
+
+from experiments.common import base_config
+
+ARMS = ("low", "broken", "high")
+BASELINE = "low"
+SEEDS = (0, 1)
+SCALES = ("cpu", "paper")
+PAPER = {"high": 2.5}
+PAPER_METRIC = "final validation loss"
+
+
+def get_config(arg=None):
+    arm, _, scale = (arg or "low").partition(",")
+    config = base_config()
+    config.update(steps=3, batch_size=8, seq_len=16, log_every=1, eval_every=1000,
+                  eval_batches=1, checkpoint_every=1000, sample_tokens=0)
+    config.optimizer.warmup_steps = 1
+    config.mesh.data = 1
+    config.model.d_model, config.model.num_layers = 32, 2
+    config.optimizer.learning_rate = {"low": 1e-3, "high": 3e-3, "broken": -1.0}[arm]
+    return config
+'''
+
+
+def write_study(directory: Path, text: str = TINY_STUDY, name: str = "tiny.py") -> Path:
+    path = directory / name
+    path.write_text(text)
+    return path
+
+
+def sweep(*args: str) -> subprocess.CompletedProcess:
+    env = {**one_device_env(), "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / "sweep.py"), *args], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)
+
+
+# The loader ---------------------------------------------------------------------------------
+
+GOOD = {"doc": '"""A study."""', "get_config": "def get_config(arg=None):\n    return None",
+        "ARMS": "ARMS = ('a', 'b')", "BASELINE": "BASELINE = 'a'", "SEEDS": "SEEDS = (0, 1)",
+        "SCALES": "SCALES = ('cpu',)"}
+
+BROKEN = [
+    ({"ARMS": None}, "declares no ARMS"),
+    ({"BASELINE": "BASELINE = 'c'"}, "BASELINE='c' is not one of ARMS ('a', 'b')"),
+    ({"doc": None}, "has no docstring"),
+    ({"get_config": None}, "defines no get_config"),
+    ({"ARMS": "ARMS = ('a', 'a,b')"}, "ARMS has 'a,b', not a name"),
+    ({"ARMS": "ARMS = ()"}, "ARMS must be a non-empty tuple"),
+    ({"SEEDS": "SEEDS = (0, -1)"}, "SEEDS must be a non-empty tuple of distinct non-negative"),
+    ({"SCALES": "SCALES = 'cpu'"}, "SCALES must be a non-empty tuple of names"),
+    ({"PAPER": "PAPER = {'a': 1.0}"}, "declares PAPER without PAPER_METRIC"),
+    ({"PAPER": "PAPER = {'z': 1.0}\nPAPER_METRIC = 'x'"}, "PAPER names 'z', not one of ARMS"),
+    ({"SCALING": "SCALING = ('s',)"}, "has one size"),
+    ({"ARMS": "ARMS = (1"}, "has a syntax error at line"),
+]
+
+
+def study_text(**changes) -> str:
+    parts = {**GOOD, **changes}
+    return "\n".join(part for part in parts.values() if part is not None) + "\n"
+
+
+@pytest.mark.parametrize("changes, message", BROKEN, ids=[m for _, m in BROKEN])
+def test_the_loader_refuses_a_bad_study_in_one_line(tmp_path, changes, message):
+    path = write_study(tmp_path, study_text(**changes))
+    with pytest.raises(UsageError) as error:
+        studies.load_study(str(path))
+    assert message in str(error.value) and "\n" not in str(error.value)
+    assert str(error.value).startswith(f"--study={path}")
+
+
+def test_the_loader_reads_a_scaling_study(tmp_path):
+    path = write_study(tmp_path, study_text(SCALING="SCALING = ('s', 'm')",
+                                            PAPER="PAPER = {'b': 1.25}\nPAPER_METRIC = 'x'"))
+    study = studies.load_study(str(path))
+    assert study.cells() == ["a@s", "a@m", "b@s", "b@m"]
+    assert study.cells(("b",)) == ["b@s", "b@m"]
+    assert study.config_arg("b@m", "cpu") == f"{path}:b@m,cpu"
+    assert studies.split_cell("b@m") == ("b", "m") and studies.split_cell("b") == ("b", None)
+    assert study.paper == {"b": 1.25} and study.seeds == (0, 1)
+
+
+# The statistics, against hand computations --------------------------------------------------
+
+def test_mean_std_and_paired_difference_equal_hand_values():
+    mean, std, n = study_stats.mean_std([1.0, 2.0, 4.0])
+    assert (mean, n) == (pytest.approx(7 / 3), 3) and std == pytest.approx(math.sqrt(7 / 3))
+    assert math.isnan(study_stats.mean_std([5.0])[1])
+    # shared seeds 0 and 1: differences 0.5 and 1.0
+    mean, std, n = study_stats.paired_difference({0: 2.0, 1: 3.0, 2: 5.0},
+                                                 {0: 1.5, 1: 2.0, 3: 9.0})
+    assert (mean, n) == (pytest.approx(0.75), 2) and std == pytest.approx(math.sqrt(0.125))
+
+
+def test_a_power_law_fit_recovers_its_parameters():
+    compute = np.geomspace(1e15, 1e18, 6)
+    fit = study_stats.fit_power_law(compute, 3 * compute ** -0.05)
+    assert fit.a == pytest.approx(3, rel=1e-9) and fit.b == pytest.approx(0.05, rel=1e-9)
+    assert fit.compute(fit.loss(1e16)) == pytest.approx(1e16, rel=1e-9)
+    with pytest.raises(ValueError, match="two or more compute values"):
+        study_stats.fit_power_law([1e15, 1e15], [2.0, 2.1])
+
+
+def test_the_compute_multiplier_of_a_shifted_power_law_is_the_shift():
+    baseline = study_stats.PowerLaw(a=3.0, b=0.05)
+    arm = study_stats.PowerLaw(a=3.0 * 2 ** -0.05, b=0.05)  # L(C) = 3·(2C)^-0.05
+    for compute in (1e15, 1e17):
+        assert study_stats.compute_multiplier(arm, baseline, compute) == pytest.approx(2.0)
+    # different exponents, by hand: the baseline reaches 2.9·1e16^-0.06 at (3/L)^(1/0.05)
+    loss = 2.9 * 1e16 ** -0.06
+    assert study_stats.compute_multiplier(study_stats.PowerLaw(2.9, 0.06), baseline, 1e16) == \
+        pytest.approx((3 / loss) ** 20 / 1e16)
+
+
+def test_the_bootstrap_interval_surrounds_a_known_multiplier():
+    rng = np.random.default_rng(0)
+    sizes = np.geomspace(1e15, 1e17, 3)
+    noise = 1 + 0.001 * rng.standard_normal((2, 3, 8))  # 0.1% of the loss, 8 seeds per size
+    baseline = {c: list(3 * c ** -0.05 * noise[0, i]) for i, c in enumerate(sizes)}
+    arm = {c: list(3 * (1.5 * c) ** -0.05 * noise[1, i]) for i, c in enumerate(sizes)}
+    point, low, high = study_stats.bootstrap_multiplier(arm, baseline, sizes[-1], samples=300)
+    assert low < point < high and abs(point - 1.5) < 0.05 and 1.4 < low and high < 1.6
+    assert study_stats.bootstrap_multiplier(arm, baseline, sizes[-1], samples=300) == \
+        (point, low, high)  # a fixed resampling seed
+    exact = {c: [3 * (1.5 * c) ** -0.05] * 2 for c in sizes}
+    exact_base = {c: [3 * c ** -0.05] * 2 for c in sizes}
+    assert study_stats.bootstrap_multiplier(exact, exact_base, 1e16, samples=20) == \
+        pytest.approx((1.5, 1.5, 1.5))
+
+
+# The launch commands ------------------------------------------------------------------------
+
+def test_print_lists_one_train_command_per_arm_and_seed(tmp_path):
+    path = write_study(tmp_path)
+    root = tmp_path / "root"
+    done = sweep("--study", str(path), "--root", str(root), "--launch", "print", "--arms",
+                 "low,high", "--seeds", "3,4", "--", "--config.sample_prompt=In the",
+                 "--config.steps=2")
+    assert done.returncode == 0, done.stderr
+    expected = [["python", "-m", "train", "--config", f"{path}:{arm},cpu", "--workdir",
+                 str(root / arm / f"seed{seed}"), f"--config.seed={seed}",
+                 "--config.sample_prompt=In the", "--config.steps=2"]
+                for arm in ("low", "high") for seed in (3, 4)]
+    assert [shlex.split(line) for line in done.stdout.splitlines()] == expected
+    record = json.loads((root / "study.json").read_text())
+    assert record["cells"] == ["low", "high"] and record["seeds"] == [3, 4]
+    assert record["baseline"] == "low" and record["paper"] == {"high": 2.5}
+
+
+def test_slurm_writes_an_array_of_runs_that_the_sbatch_script_indexes(tmp_path):
+    path = write_study(tmp_path)
+    root = tmp_path / "root"
+    done = sweep("--study", str(path), "--root", str(root), "--launch", "slurm", "--scale",
+                 "paper", "--arms", "high", "--", "--config.steps=2")
+    assert done.returncode == 0, done.stderr
+    runs = root / "slurm_runs.txt"
+    assert shlex.split(done.stdout) == ["sbatch", "--array=0-1", "scripts/slurm_train.sbatch",
+                                        "--runs", str(runs)]
+    fake_command(tmp_path, "srun")
+    env = dict(os.environ, PATH=f"{tmp_path}:{os.environ['PATH']}", SLURM_GPUS_ON_NODE="2",
+               SLURM_JOB_ID="7", SLURM_ARRAY_TASK_ID="1")
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "slurm_train.sbatch"), "--runs",
+                           str(runs)], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    [srun] = calls(tmp_path)
+    assert srun["argv"] == ["--kill-on-bad-exit=1", "python", "-m", "train", "--config",
+                            f"{path}:high,paper", "--workdir", str(root / "high" / "seed1"),
+                            "--config.seed=1", "--config.steps=2"]
+
+
+def test_tpu_prints_one_pod_launch_per_run(tmp_path):
+    path = write_study(tmp_path)
+    done = sweep("--study", str(path), "--root", str(tmp_path / "r"), "--launch", "tpu",
+                 "--arms", "high", "--seeds", "0")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == (f'scripts/launch_tpu_pod.sh --tpu "$TPU" --zone "$ZONE" --config '
+                           f'{path}:high,cpu --workdir {tmp_path}/r/high/seed0 -- '
+                           "--config.seed=0\n")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--arms", "low,nope"], "--arms=low,nope: 'nope' is not one of the study's ARMS"),
+    (["--scale", "huge"], "--scale=huge is not one of the study's SCALES"),
+    (["--seeds", "0,x"], "--seeds=0,x is invalid"),
+    (["--", "--config.seed=3"], "--config.seed after -- is not allowed"),
+    (["--", "--config.model.no_such=1"], "has no field 'no_such'"),
+], ids=["arm", "scale", "seeds", "seed-override", "unknown-field"])
+def test_bad_sweep_arguments_are_one_line(tmp_path, args, message):
+    path = write_study(tmp_path)
+    done = sweep("--study", str(path), "--root", str(tmp_path / "r"), "--launch", "print", *args)
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and not done.stdout
+
+
+# A tiny sweep end to end --------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def swept(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """(root, result) of a local sweep of the tiny study: 2 arms × 2 seeds, and the broken arm
+    (its config's learning rate is invalid: exit 2) between them."""
+    directory = tmp_path_factory.mktemp("study")
+    path = write_study(directory)
+    root = directory / "root"
+    return root, sweep("--study", str(path), "--root", str(root))
+
+
+@pytest.mark.slow
+def test_a_local_sweep_reports_a_failing_arm_and_runs_the_others(swept):
+    root, done = swept
+    assert done.returncode == 1, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert [line.split(" ", 3)[:3] for line in lines[:6]] == [
+        [f"[{i}/6]", f"arm={arm}", f"seed={seed}"] for i, (arm, seed) in enumerate(
+            [("low", 0), ("low", 1), ("broken", 0), ("broken", 1), ("high", 0), ("high", 1)], 1)]
+    for line in lines[:2] + lines[4:6]:
+        assert " done in " in line and ", eval_loss " in line, line
+    assert "failed (exit 2)" in lines[2] and "optimizer.learning_rate=-1.0 is invalid" in lines[2]
+    assert lines[6] == "4 of 6 runs finished" and lines[7] == "2 failed:"
+    assert lines[8].startswith("  arm=broken seed=0: exit 2: error: optimizer.learning_rate")
+    for arm in ("low", "high"):
+        for seed in (0, 1):
+            assert studies.run_state(root / arm / f"seed{seed}")[0] == "finished"
+
+    again = sweep("--study", str(json.loads((root / "study.json").read_text())["study"]),
+                  "--root", str(root))
+    assert again.returncode == 1
+    rerun = again.stdout.splitlines()
+    for line in rerun[:2] + rerun[4:6]:
+        assert "finished already" in line and line.endswith(": skipped"), line
+    assert rerun[6] == "4 of 6 runs finished"
+
+
+@pytest.mark.slow
+def test_the_report_of_a_sweep_and_of_one_with_a_missing_run(swept, tmp_path):
+    root, _ = swept
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "study_report.py"), "--root",
+                           str(root)], cwd=ROOT, env={**one_device_env(), "PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    report = (root / "report.md").read_text()
+    assert (root / "loss_curves.png").stat().st_size > 0
+    losses = {arm: [studies.run_state(root / arm / f"seed{s}")[1] for s in (0, 1)]
+              for arm in ("low", "high")}
+    low = f"{np.mean(losses['low']):.4f} ± {np.std(losses['low'], ddof=1):.4f}"
+    assert f"| low (baseline) | 2 | {low} | (baseline) | — |" in report
+    differences = np.subtract(losses["high"], losses["low"])
+    high = f"{np.mean(losses['high']):.4f} ± {np.std(losses['high'], ddof=1):.4f}"
+    assert (f"| high | 2 | {high} | {differences.mean():.4f} ± "
+            f"{np.std(differences, ddof=1):.4f} (2) | 2.5 |") in report
+    assert "| broken | 0 | — | — (0) | — |" in report
+    assert "| broken | 1 | not started (no metrics.jsonl): error: optimizer.learning_rate" \
+        in report
+
+    copy = tmp_path / "copy"
+    shutil.copytree(root, copy)
+    shutil.rmtree(copy / "high" / "seed1")
+    write_report(copy, describe(copy, None))
+    report = (copy / "report.md").read_text()
+    assert f"| high | 1 | {losses['high'][0]:.4f} ± — | " in report
+    assert "| high | 1 | missing |" in report
+
+
+SCALING_STUDY = '''"""A scaling study for the tests: a mechanism-free arm pair over three widths."""
+
+ARMS = ("base", "better")
+BASELINE = "base"
+SEEDS = (0, 1)
+SCALES = ("cpu",)
+SCALING = ("s", "m", "l")
+PAPER = {"better": 1.25}
+PAPER_METRIC = "compute multiplier"
+
+
+def get_config(arg=None):
+    raise NotImplementedError("the test writes the run directories itself")
+'''
+
+
+def test_a_scaling_report_fits_each_arm_and_recovers_a_known_multiplier(tmp_path):
+    """Run directories written by hand (a resolved config.json and a metrics.jsonl whose final
+    loss follows a power law in the run's training FLOPs, the better arm worth 2× compute):
+    the report's fit and multiplier recover them."""
+    study = studies.load_study(str(write_study(tmp_path, SCALING_STUDY, "scaling.py")))
+    root = tmp_path / "root"
+    studies.record(root, study, "cpu", study.cells(), [0, 1], [])
+    for cell in study.cells():
+        arm, size = studies.split_cell(cell)
+        config = tiny_config(d_model={"s": 32, "m": 64, "l": 128}[size])
+        validate(config, 1)
+        for seed in (0, 1):
+            workdir = studies.run_dir(root, cell, seed)
+            workdir.mkdir(parents=True)
+            (workdir / "config.json").write_text(config.to_json_best_effort())
+            compute = training_flops(workdir) * (2 if arm == "better" else 1)
+            loss = 3 * compute ** -0.05 * (1 + 0.001 * (seed - 0.5))
+            (workdir / "metrics.jsonl").write_text(
+                json.dumps({"step": config.steps, "train_loss": loss, "eval_loss": loss}) + "\n")
+    write_report(root, describe(root, None))
+    report = (root / "report.md").read_text()
+    [better] = [line for line in report.splitlines() if line.startswith("| better |")]
+    a, b, multiplier = better.split(" | ")[1:4]
+    assert float(a) == pytest.approx(3 * 2 ** -0.05, rel=1e-3)
+    assert float(b) == pytest.approx(0.05, rel=1e-3)
+    point, interval = multiplier.split(" [")
+    low, high = (float(bound) for bound in interval.rstrip("]").split(", "))
+    assert float(point) == pytest.approx(2, abs=1e-3) and low <= 2 <= high
+    assert better.endswith("| 1.25 |")
+    assert "| base | " in report and "1 (baseline)" in report
+    assert (root / "loss_vs_compute.png").stat().st_size > 0
+    assert "None: every run finished." in report
