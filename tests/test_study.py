@@ -177,6 +177,16 @@ def test_print_lists_one_train_command_per_arm_and_seed(tmp_path):
     assert record["cells"] == ["low", "high"] and record["seeds"] == [3, 4]
     assert record["baseline"] == "low" and record["paper"] == {"high": 2.5}
 
+    done = sweep("--study", str(path), "--root", str(root), "--launch", "print", "--arms", "low")
+    assert done.returncode == 0, done.stderr
+    record = json.loads((root / "study.json").read_text())  # what was asked for, merged
+    assert record["cells"] == ["low", "high"] and record["seeds"] == [0, 1, 3, 4]
+    done = sweep("--study", str(path), "--root", str(root), "--launch", "print", "--scale",
+                 "paper")
+    assert done.returncode == 2 and not done.stdout
+    assert done.stderr == f"error: --root={root} holds a sweep of scale 'cpu', not 'paper'; " \
+                          "pass another --root\n"
+
 
 def test_slurm_writes_an_array_of_runs_that_the_sbatch_script_indexes(tmp_path):
     path = write_study(tmp_path)

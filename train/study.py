@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import re
 from pathlib import Path
 
@@ -209,7 +210,8 @@ def record(root: str | Path, study: Study, scale: str, cells: list[str], seeds: 
     A root holds one study at one scale: another is a UsageError. Returns the record."""
     previous = read_record(root) or {}
     for key, value in (("study", study.path), ("scale", scale)):
-        if previous.get(key, value) != value:
+        same = os.path.normpath if key == "study" else str
+        if same(previous.get(key, value)) != same(value):
             raise UsageError(f"--root={root} holds a sweep of {key} {previous[key]!r}, not "
                              f"{value!r}; pass another --root")
     merged_cells = list(previous.get("cells", []))
