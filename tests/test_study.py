@@ -349,3 +349,16 @@ def test_a_scaling_report_fits_each_arm_and_recovers_a_known_multiplier(tmp_path
     assert "| base | " in report and "1 (baseline)" in report
     assert (root / "loss_vs_compute.png").stat().st_size > 0
     assert "None: every run finished." in report
+
+    (root / "study.json").unlink()  # the study's own defaults: the same cells and seeds
+    write_report(root, describe(root, study.path))
+    assert (root / "report.md").read_text() == report
+
+
+def test_the_report_refuses_a_root_without_a_record_in_one_line(tmp_path):
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "study_report.py"), "--root",
+                           str(tmp_path)], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and not done.stdout
+    assert done.stderr == f"error: --root={tmp_path} has no study.json (scripts/sweep.py " \
+                          "writes it); pass --study experiments/STUDY.py\n"

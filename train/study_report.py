@@ -246,15 +246,21 @@ def describe(root: str | Path, study_path: str | None) -> dict:
     if recorded is None and study_path is None:
         raise UsageError(f"--root={root} has no {studies.RECORD} (scripts/sweep.py writes it); "
                          "pass --study experiments/STUDY.py")
-    description = dict(recorded or {})
-    if study_path is not None:
+    description = {"paper": {}, "paper_metric": "", "scaling": [], "overrides": [],
+                   **(recorded or {})}
+    if study_path is None:
+        lacking = [key for key in ("study", "scale", "baseline", "cells", "seeds")
+                   if key not in description]
+        if lacking:
+            raise UsageError(f"--root={root}: {studies.RECORD} lacks {lacking[0]!r}; pass "
+                             "--study experiments/STUDY.py")
+    else:
         study = studies.load_study(study_path)
         description.update(study=study.path, baseline=study.baseline, paper=study.paper,
                            paper_metric=study.paper_metric, scaling=list(study.scaling))
         description.setdefault("scale", study.scales[0])
         description.setdefault("cells", study.cells())
         description.setdefault("seeds", list(study.seeds))
-        description.setdefault("overrides", [])
     return description
 
 

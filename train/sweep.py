@@ -97,9 +97,9 @@ def _check_overrides(study: studies.Study, scale: str, overrides: list[str]) -> 
     cli.apply_overrides(config, fields)
 
 
-def parse(argv: list[str]) -> tuple[argparse.Namespace, studies.Study, list[Run]]:
-    """(arguments, study, runs) of the command line `argv` (without the program); a bad
-    argument or study exits 2 with one line."""
+def parse(argv: list[str]) -> tuple[argparse.Namespace, list[Run]]:
+    """(arguments, runs) of the command line `argv` (without the program), recorded in
+    ROOT/study.json; a bad argument or study exits 2 with one line."""
     parser = ArgumentParser("python scripts/sweep.py", __doc__)
     parser.add_argument("--study", required=True, metavar="PATH", help="the study file")
     parser.add_argument("--root", required=True, metavar="DIR", help="the sweep's directory")
@@ -118,7 +118,7 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, studies.Study, list[Run]
         if scale not in study.scales:
             raise UsageError(f"--scale={scale} is not one of the study's SCALES {study.scales}")
         seeds = _seeds(args.seeds) if args.seeds else list(study.seeds)
-        arms = tuple(args.arms.split(",")) if args.arms else study.arms
+        arms = tuple(dict.fromkeys(args.arms.split(","))) if args.arms else study.arms
         unknown = [arm for arm in arms if arm not in study.arms]
         if unknown:
             raise UsageError(f"--arms={args.arms}: {unknown[0]!r} is not one of the study's "
@@ -128,8 +128,7 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, studies.Study, list[Run]
         studies.record(args.root, study, scale, cells, seeds, overrides)
     except UsageError as error:
         parser.error(str(error))
-    args.scale = scale
-    return args, study, plan(study, args.root, scale, cells, seeds, overrides)
+    return args, plan(study, args.root, scale, cells, seeds, overrides)
 
 
 def expected_steps(run: Run) -> int:
@@ -204,7 +203,7 @@ def tpu(runs: list[Run]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args, _, runs = parse(sys.argv[1:] if argv is None else argv)
+    args, runs = parse(sys.argv[1:] if argv is None else argv)
     if args.launch == "print":
         print_commands(runs)
     elif args.launch == "slurm":
