@@ -161,6 +161,14 @@ def test_the_bootstrap_interval_surrounds_a_known_multiplier():
 
 # The launch commands ------------------------------------------------------------------------
 
+def test_the_runner_and_the_loader_import_no_jax():
+    probe = ("import sys, train.study, train.study_stats, train.sweep; "
+             "print(sorted(m for m in ('jax', 'flax', 'matplotlib') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stderr
+
+
 def test_print_lists_one_train_command_per_arm_and_seed(tmp_path):
     path = write_study(tmp_path)
     root = tmp_path / "root"

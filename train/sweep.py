@@ -63,6 +63,7 @@ class Run:
         return [f"--config.seed={self.seed}", *self.overrides]
 
     def label(self) -> str:
+        """The run as the progress lines name it."""
         return f"arm={self.cell} seed={self.seed}"
 
 
