@@ -66,7 +66,8 @@ def split_cell(cell: str) -> tuple[str, str | None]:
 
 
 def _names(value, what: str, flag: str, *, empty: bool = False) -> tuple[str, ...]:
-    """`value` as a tuple of distinct names, else a one-line UsageError about `what`."""
+    """`value` as a tuple of distinct names (none allowed if `empty`), else a one-line
+    UsageError about `what`."""
     if not isinstance(value, tuple | list) or (not value and not empty):
         raise UsageError(f"{flag}: {what} must be a non-empty tuple of names, e.g. "
                          f"('a', 'b'); got {value!r}")

@@ -86,6 +86,7 @@ def collect(root: str | Path, description: dict) -> tuple[dict[str, dict[int, Re
 
 
 def _value(mean: float, std: float, n: int, digits: int = 4) -> str:
+    """`mean ± std` to `digits` decimals; `—` for a std of one value and for no values."""
     if n == 0:
         return "—"
     spread = f"{std:.{digits}f}" if math.isfinite(std) else "—"
@@ -93,6 +94,7 @@ def _value(mean: float, std: float, n: int, digits: int = 4) -> str:
 
 
 def _baseline_cell(cell: str, baseline: str) -> str:
+    """The cell `cell` is compared with: the baseline arm (at the same size)."""
     _, size = studies.split_cell(cell)
     return f"{baseline}@{size}" if size else baseline
 
@@ -118,7 +120,7 @@ def loss_table(results: dict[str, dict[int, Result]], description: dict) -> list
             d_mean, d_std, d_n = study_stats.paired_difference(
                 {s: r.loss for s, r in runs.items()},
                 {s: r.loss for s, r in results.get(reference, {}).items()})
-            difference = f"{_value(d_mean, d_std, d_n, 4)} ({d_n})" if d_n else "— (0)"
+            difference = f"{_value(d_mean, d_std, d_n)} ({d_n})" if d_n else "— (0)"
             name = cell
         row = f"| {name} | {n} | {_value(mean, std, n)} | {difference} |"
         if description["scaling"]:
@@ -304,6 +306,7 @@ def write_report(root: str | Path, description: dict) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line (module docstring); returns the exit status."""
     parser = ArgumentParser("python scripts/study_report.py", __doc__)
     parser.add_argument("--root", required=True, metavar="DIR", help="the sweep's directory")
     parser.add_argument("--study", metavar="PATH", help="the study file (default: study.json's)")

@@ -74,6 +74,7 @@ def compute_multiplier(arm: PowerLaw, baseline: PowerLaw, compute: float) -> flo
 
 
 def _fit(points: Mapping[float, Sequence[float]]) -> PowerLaw:
+    """`fit_power_law` to every (compute, loss) of compute → losses."""
     compute = [c for c, losses in points.items() for _ in losses]
     return fit_power_law(compute, [loss for losses in points.values() for loss in losses])
 

@@ -75,6 +75,7 @@ def plan(study: studies.Study, root: str | Path, scale: str, cells: list[str], s
 
 
 def _seeds(text: str) -> list[int]:
+    """The seeds of `--seeds 0,1,2`; a one-line UsageError for anything else."""
     try:
         seeds = [int(part) for part in text.split(",")]
     except ValueError:
@@ -204,6 +205,7 @@ def tpu(runs: list[Run]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line (module docstring); returns the exit status."""
     args, runs = parse(sys.argv[1:] if argv is None else argv)
     if args.launch == "print":
         print_commands(runs)
