@@ -22,13 +22,16 @@ Initializer = nnx.initializers.Initializer
 
 def param(
     rngs: nnx.Rngs, init: Initializer, shape: Sequence[int], axes: Sequence[str | None],
-    kind: type[nnx.Param] = nnx.Param,
+    kind: type[nnx.Param] = nnx.Param, matrix: tuple[int, int] | None = None,
 ) -> nnx.Param:
     """A float32 parameter with logical axis names; it is sharded later, by the rules table.
     `kind`: a subclass of `nnx.Param` that filters select on (e.g. the weight-decay mask's
-    `arch.residual.MixingParam`)."""
+    `arch.residual.MixingParam`). `matrix=(n_in, n_out)` marks a linear map whose last n_in + n_out
+    axes are its input and output axes (any axes before them, such as experts or the stacked
+    layers, are a batch of matrices): the metadata Muon orthogonalizes by (`train.optim`)."""
     value = init(rngs.params(), tuple(shape), jnp.float32)
-    return kind(value, out_sharding=tuple(axes), eager_sharding=False)
+    metadata = {} if matrix is None else {"matrix": tuple(matrix)}
+    return kind(value, out_sharding=tuple(axes), eager_sharding=False, **metadata)
 
 
 class Dense(nnx.Module):
@@ -56,7 +59,8 @@ class Dense(nnx.Module):
         fan_out = math.prod(out_shape)
         initializer = init(fan_in, fan_out) if init else truncated_normal(fan_in**-0.5)
         self.kernel = param(rngs, initializer, in_shape + out_shape,
-                            tuple(in_axes) + tuple(out_axes))
+                            tuple(in_axes) + tuple(out_axes),
+                            matrix=(len(in_shape), len(out_shape)))
         self.bias = (param(rngs, nnx.initializers.zeros, out_shape, out_axes)
                      if use_bias else None)
         self.n_in = len(in_shape)

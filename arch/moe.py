@@ -127,10 +127,11 @@ class RoutedExperts(nnx.Module):
         self.activation = activation(cfg, expert_ffn.gate_activation if self.gated else None)
         input_init = group_init(cfg, "ffn_input")(d, f)
         inputs = ("experts", "embed", "mlp")
-        self.gate = param(rngs, input_init, (E, d, f), inputs) if self.gated else None
-        self.up = param(rngs, input_init, (E, d, f), inputs)
+        matrix = dict(matrix=(1, 1))  # one d×f (f×d) map per expert
+        self.gate = param(rngs, input_init, (E, d, f), inputs, **matrix) if self.gated else None
+        self.up = param(rngs, input_init, (E, d, f), inputs, **matrix)
         self.down = param(rngs, group_init(cfg, "ffn_output")(f, d), (E, f, d),
-                          ("experts", "mlp", "embed"))
+                          ("experts", "mlp", "embed"), **matrix)
         self.dtype = jnp.dtype(cfg.dtype)
 
     def __call__(self, x_BxExCxD: jax.Array) -> jax.Array:

@@ -129,6 +129,7 @@ def base_config() -> ml_collections.ConfigDict:
         top_k=40,
         model=model_config(),
         optimizer=dict(
+            name="adamw",         # "adamw", or "muon": Muon on the hidden matrices (train.optim)
             learning_rate=3e-3,
             schedule="cosine",    # "cosine" (warmup + cosine) or "wsd" (warmup-stable-decay)
             warmup_steps=100,
@@ -143,6 +144,8 @@ def base_config() -> ml_collections.ConfigDict:
             decay_biases=False,
             decay_mixing=False,   # residual mixing weights (arch.residual.MixingParam)
             grad_clip=1.0,        # global-norm clip; 0 disables
+            muon_momentum=0.95,   # muon: Nesterov momentum β of the orthogonalized matrices
+            muon_rms=0.2,         # muon: update RMS per matrix, so AdamW's lr and decay carry over
         ),
         data=dict(
             name="kjv",           # "kjv" (embedded), "text" (local files), "prepared" (shards

@@ -17,6 +17,7 @@ import os
 from config import ConfigError, check
 
 SCHEDULES = ("cosine", "wsd")
+OPTIMIZERS = ("adamw", "muon")
 RESUME_MODES = ("resume", "finetune")
 NONFINITE_POLICIES = ("stop", "skip")
 # Positions that are a function of the position index itself, so a sequence may run past the
@@ -83,6 +84,12 @@ def check_training(config) -> None:
 
 
 def _check_optimizer(opt, steps: int) -> None:
+    check(opt.name in OPTIMIZERS, "optimizer.name", opt.name,
+          f"valid optimizers: {', '.join(OPTIMIZERS)}")
+    check(_is_number(opt.muon_momentum) and 0 <= opt.muon_momentum < 1,
+          "optimizer.muon_momentum", opt.muon_momentum, "must be in [0, 1)")
+    check(_is_number(opt.muon_rms) and opt.muon_rms > 0, "optimizer.muon_rms", opt.muon_rms,
+          "must be > 0")
     check(opt.schedule in SCHEDULES, "optimizer.schedule", opt.schedule,
           f"valid schedules: {', '.join(SCHEDULES)}")
     check(_is_number(opt.learning_rate) and math.isfinite(opt.learning_rate)

@@ -243,3 +243,73 @@ def test_weight_decay_skips_residual_mixing_parameters(residual):
     mask = dict(nnx.to_flat_state(decay_mask(opt, params)))
     assert all(mask[path].get_value() for path in mixing if path[-1] not in (
         "scale", "alpha", "bias", "embedding", "table"))
+
+
+def test_muon_updates_hidden_matrices_as_optax_muon_and_the_rest_as_adamw():
+    from flax import nnx
+    from optax.contrib import MuonDimensionNumbers
+
+    from train.optim import muon_dimensions
+
+    _, model = tiny_model(position="learned", head="untied", ffn="moe", moe_experts=2)
+    params = nnx.state(model, nnx.Param)
+    opt = tiny_config().optimizer
+    opt.update(name="muon", warmup_steps=0, weight_decay=0.1, grad_clip=0.0)
+    grads = jax.tree.map(lambda x: jax.random.normal(jax.random.key(x.size), x.shape), params)
+    optimizer = make_optimizer(opt, steps=10)
+    updates, _ = optimizer.update(grads, optimizer.init(params), params)
+
+    dims = dict(nnx.to_flat_state(muon_dimensions(params)))
+    flat = dict(nnx.to_flat_state(params))
+    flat_grads, flat_updates = dict(nnx.to_flat_state(grads)), dict(nnx.to_flat_state(updates))
+    muon_paths = {path for path, d in dims.items() if d is not None}
+    # The blocks' projections (a leading layers axis; experts too) and nothing else.
+    assert {path[-1] for path in muon_paths} == {"kernel", "up", "down", "gate"}
+    assert not any(path[0] in ("head", "embed", "position") for path in muon_paths)
+    query = next(p for p in muon_paths if "query" in p)
+    assert flat[query].shape == (2, 32, 4, 8) and dims[query] == MuonDimensionNumbers((1,), (2, 3))
+    expert = next(p for p in muon_paths if p[-1] == "down")
+    assert flat[expert][...].ndim == 4 and dims[expert] == MuonDimensionNumbers((2,), (3,))
+
+    schedule_ = schedule(opt, 10)
+    reference = optax.contrib.muon(schedule_, beta=opt.muon_momentum, eps=opt.eps,
+                                   weight_decay=opt.weight_decay, consistent_rms=opt.muon_rms,
+                                   muon_weight_dimension_numbers=dims[query])
+    expected, _ = reference.update(flat_grads[query][...],
+                                   reference.init(flat[query][...]), flat[query][...])
+    np.testing.assert_allclose(flat_updates[query][...], expected, rtol=1e-5, atol=1e-7)
+
+    adam_opt = opt.copy_and_resolve_references()
+    adam_opt.name = "adamw"
+    adamw = make_optimizer(adam_opt, steps=10)
+    adam_updates, _ = adamw.update(grads, adamw.init(params), params)
+    for path, update in nnx.to_flat_state(adam_updates):
+        if path not in muon_paths:
+            np.testing.assert_allclose(flat_updates[path][...], update[...], rtol=1e-6,
+                                       err_msg=str(path))
+
+
+def test_muon_trains_and_a_sharded_step_equals_one_device():
+    from sharding.mesh import make_mesh
+    from tests.helpers import random_tokens
+    from train.step import TrainProgram
+
+    def run(devices, mesh):
+        config = tiny_config()
+        config.optimizer.update(name="muon", warmup_steps=0)
+        config.mesh.update(mesh)
+        validate(config, devices)
+        program = TrainProgram(config, make_mesh(config.mesh, jax.devices()[:devices]))
+        state, tokens = program.init(0), program.put_batch(np.asarray(random_tokens((8, 17))))
+        losses = []
+        for _ in range(4):
+            state, metrics = program.train_step(state, tokens)
+            losses.append(float(metrics["loss"]))
+        return losses, jax.device_get(state["params"])
+
+    losses, params = run(1, dict(data=1))
+    assert losses[-1] < losses[0] - 0.05, losses
+    sharded_losses, sharded_params = run(8, dict(data=2, fsdp=2, tensor=2))
+    np.testing.assert_allclose(sharded_losses, losses, rtol=2e-5)
+    for a, b in zip(jax.tree.leaves(sharded_params), jax.tree.leaves(params), strict=True):
+        np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-6)

@@ -55,6 +55,10 @@ def next_token_loss(logits_BxTxV: jax.Array, targets_BxT: jax.Array) -> jax.Arra
     return optax.softmax_cross_entropy_with_integer_labels(logits_BxTxV, targets_BxT).mean()
 
 
+def _masked(leaf) -> bool:
+    return isinstance(leaf, optax.MaskedNode)
+
+
 class TrainProgram:
     """The compiled pieces of one (config, mesh): model graph, optimizer, shardings and steps.
 
@@ -75,10 +79,11 @@ class TrainProgram:
             jax.tree.map(lambda x, spec: named_sharding(mesh, spec, x.shape),
                          abstract, nnx.get_partition_spec(abstract))
             for abstract in (abstract_params, abstract_model_state))
+        # A partitioned optimizer (Muon) holds MaskedNodes where a branch skips a parameter.
         opt_shardings = optax.tree_map_params(
-            self.optimizer, lambda _, sharding: sharding,
+            self.optimizer, lambda leaf, sharding: leaf if _masked(leaf) else sharding,
             jax.eval_shape(self.optimizer.init, abstract_params), param_shardings,
-            transform_non_params=lambda _: replicated)
+            transform_non_params=lambda _: replicated, is_leaf=_masked)
         self.state_shardings = {"step": replicated, "params": param_shardings,
                                 "model_state": model_state_shardings, "opt_state": opt_shardings}
         self.batch_sharding = named_sharding(mesh, ("act_batch", None))
