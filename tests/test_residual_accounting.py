@@ -266,3 +266,21 @@ def test_depth_mixing_refuses_plain_sums_and_missing_runs(tmp_path, capsys):
     assert depth_mixing.mixing_quantities(captured, batch=2, seq_len=8, d_model=32) == {}
     assert depth_mixing.main(["--workdir", str(tmp_path)]) == 2
     assert "holds no config.json" in capsys.readouterr().err
+
+
+def test_depth_summary_figures_of_a_hand_built_read():
+    rows = ["layer 0 attention", "layer 0 ffn", "layer 1 attention", "output"]
+    values = [np.array([1.0, 0, 0]), np.array([0.5, 0.5, 0]), np.array([0.2, 0.2, 0.6]),
+              3 * np.array([0.7, 0.1, 0.2])]  # unnormalized (sigmoid-like): same figures
+    summary = depth_mixing.depth_summary(rows, values)
+    assert summary["embedding_weight"] == pytest.approx((0.5 + 0.2 + 0.7) / 3)
+    assert summary["recent_weight"] == pytest.approx((0.5 + 0.6 + 0.2) / 3)
+    assert summary["mean_distance"] == pytest.approx((0.5 + 0.6 + 1.5) / 3)
+    entropy = -(2 * 0.2 * np.log(0.2) + 0.6 * np.log(0.6))
+    assert summary["breadth"] == pytest.approx({"ffn": 2.0, "attention": np.exp(entropy),
+                                                "output": summary["breadth"]["output"]})
+    uniform = (1 / 2 + 1 / 3 + 1 / 3) / 3
+    assert summary["source_share"] == pytest.approx(
+        {0: (0.5 + 0.2 + 0.7) / 3 / uniform, 1: (0.5 + 0.2 + 0.1) / 3 / uniform, 2: 1.2})
+    assert summary["sinks"] == []
+    assert depth_mixing.depth_summary(rows, values, sink_ratio=1.1)["sinks"] == [0, 2]

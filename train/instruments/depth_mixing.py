@@ -16,7 +16,9 @@ mixing_matrix, read_gates, ...), one heatmap per quantity:
            channels (a trailing axis of length d_model, e.g. channel-wise read gates).
 
 The numbers are written as JSON beside the PNG (same name, .json): for each quantity its row
-labels, the per-row shape after averaging and the per-row values. Plain sums record nothing: the
+labels, the per-row shape after averaging and the per-row values. For weights over depth
+sources (AttnRes's depth_weights) the JSON's "summary" and the printed lines state the AttnRes
+report's qualitative claims as figures (`depth_summary`). Plain sums record nothing: the
 script then exits with status 1 and one line saying so. --seq_len defaults to the run's seq_len;
 --batch must be divisible by the mesh's data axis (all local devices, as in generation).
 """
@@ -108,6 +110,48 @@ def capture_mixing(model, tokens_BxT) -> dict[str, dict]:
                              d_model=model.cfg.d_model)
 
 
+def depth_summary(rows: list[str], values: list[np.ndarray], sink_ratio: float = 2.0) -> dict:
+    """Figures of a sources-over-depth read (rows: sublayers in order, values: one weight per
+    source slot, 0 where the slot is not a source of that row, slot 0 the embedding).
+
+    Each row's weights are normalized, p_j = |α_j| / Σ|α| over its sources (a softmax read is
+    unchanged); the newest source is the last slot with a weight; rows with one source only
+    (sublayer 0 reads the embedding alone) are left out. Returned, as means over rows:
+      embedding_weight   p_0;
+      recent_weight      p of the newest source;
+      mean_distance      Σ_j p_j·(newest − j), in sources;
+      breadth            {"attention", "ffn", "output"}: exp of the entropy of p (the effective
+                         number of sources read), by kind of row;
+      source_share       per source j, its mean p over the rows that can read it, divided by the
+                         mean uniform share 1/|sources| of those rows;
+      sinks              the sources whose share is ≥ `sink_ratio` (default 2: read twice as
+                         much as uniform weights would).
+    """
+    weights = [np.abs(np.asarray(v, np.float64)) for v in values]
+    shares: dict[int, list[tuple[float, float]]] = {}
+    embedding, recent, distance = [], [], []
+    breadth: dict[str, list[float]] = {"attention": [], "ffn": [], "output": []}
+    for row, alpha in zip(rows, weights, strict=True):
+        sources = np.flatnonzero(alpha > 0)
+        if len(sources) < 2:
+            continue
+        p = alpha / alpha.sum()
+        newest = int(sources[-1])
+        embedding.append(p[0])
+        recent.append(p[newest])
+        distance.append(float(np.sum(p[sources] * (newest - sources))))
+        kind = row.rsplit(" ", 1)[-1]
+        breadth[kind].append(float(np.exp(-np.sum(p[sources] * np.log(p[sources])))))
+        for j in sources:
+            shares.setdefault(int(j), []).append((p[j], 1.0 / len(sources)))
+    share = {j: float(np.mean([w for w, _ in pairs]) / np.mean([u for _, u in pairs]))
+             for j, pairs in sorted(shares.items())}
+    return {"embedding_weight": float(np.mean(embedding)), "recent_weight": float(np.mean(recent)),
+            "mean_distance": float(np.mean(distance)),
+            "breadth": {kind: float(np.mean(v)) for kind, v in breadth.items() if v},
+            "source_share": share, "sinks": [j for j, r in share.items() if r >= sink_ratio]}
+
+
 def _matrix(values: list[np.ndarray]) -> np.ndarray:
     """Rows flattened (row-major) and padded with NaN to a common width."""
     flat = [np.ravel(v) for v in values]
@@ -178,9 +222,15 @@ def main(argv: list[str] | None = None) -> int:
     png_path = Path(args.out) if args.out else Path(args.workdir) / "mixing.png"
     png_path.parent.mkdir(parents=True, exist_ok=True)
     plot_mixing(quantities, png_path, f"{mechanism}, step {step}")
+    header = dict(mechanism=mechanism, step=step, batch=args.batch, seq_len=seq_len)
+    if "depth_weights" in quantities:
+        header["summary"] = summary = depth_summary(**quantities["depth_weights"])
+        breadth = ", ".join(f"{k} {v:.2f}" for k, v in summary["breadth"].items())
+        print(f"depth weights: embedding {summary['embedding_weight']:.3f}, newest source "
+              f"{summary['recent_weight']:.3f}, mean distance {summary['mean_distance']:.2f} "
+              f"sources, effective sources read ({breadth}), sinks {summary['sinks']}")
     json_path = png_path.with_suffix(".json")
-    json_path.write_text(json.dumps(to_json(quantities, mechanism=mechanism, step=step,
-                                            batch=args.batch, seq_len=seq_len)) + "\n")
+    json_path.write_text(json.dumps(to_json(quantities, **header)) + "\n")
     print(f"wrote {png_path} and {json_path}: {', '.join(quantities)}")
     return 0
 
