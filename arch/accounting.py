@@ -244,14 +244,18 @@ def residual_accounting(model_cfg) -> dict:
     }
 
 
-def books(model_cfg, seq_len: int) -> dict:
+def books(model_cfg, seq_len: int, sequence_shards: int = 1) -> dict:
     """Every accounting figure of a resolved model config at `seq_len` (capped at the model's
     max_seq_len), as a nested dict: parameters (`parameter_breakdown`), flops per token for
     training and inference, KV-cache bytes per token and per sequence, and the residual
-    mechanism's I/O, history and added parameters."""
+    mechanism's I/O, history and added parameters, with the history's bytes per sequence
+    (history elements × seq_len at the mechanism's `state_itemsize`: e.g. a prefill's AttnRes
+    sources, (N + 1)·T·d) and per device when `sequence_shards` devices split the sequence."""
     seq_len = min(seq_len, model_cfg.max_seq_len or seq_len)
     kv_per_token = kv_cache_bytes_per_token(model_cfg)
     residual = residual_accounting(model_cfg)
+    history_bytes = (residual["history_elements_per_token"] * seq_len
+                     * _mechanism(model_cfg, "state_itemsize").state_itemsize(model_cfg))
     return {
         "parameters": parameter_breakdown(model_cfg),
         "flops": {"seq_len": seq_len,
@@ -262,5 +266,7 @@ def books(model_cfg, seq_len: int) -> dict:
         "residual": {"mechanism": model_cfg.residual,
                      "io_per_token_per_sublayer_d": residual["io_per_token_per_sublayer"],
                      "history_elements_per_token": residual["history_elements_per_token"],
+                     "history_bytes_per_sequence": history_bytes,
+                     "history_bytes_per_device": history_bytes / sequence_shards,
                      "added_parameters": residual["added_parameters"]},
     }

@@ -15,8 +15,9 @@ For each model (an experiment file, and/or named reference shapes, `--shape all`
                     (`arch.accounting.flops_per_token`; what MFU divides by)
   kv_cache          bytes per token over all layers and per sequence of --seq_len, at the
                     compute dtype (MLA stores its latent) — `kv_cache_bytes_per_token`
-  residual          I/O per token per sublayer (units of d), history per token (elements) and
-                    the residual mechanism's added parameters — `residual_accounting`
+  residual          I/O per token per sublayer (units of d), history per token (elements),
+                    its bytes per sequence and per device (÷ mesh.sequence), and the residual
+                    mechanism's added parameters — `residual_accounting`
   published         for open models: the released checkpoint's parameter count, and whether
                     the total reproduces it exactly
 
@@ -132,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {error}", file=sys.stderr)
             return 2
         all_books[Path(args.config.partition(":")[0]).stem] = books(
-            config.model, args.seq_len or config.seq_len)
+            config.model, args.seq_len or config.seq_len, max(1, config.mesh.sequence))
     for name in names:
         print(f"accounting: {name}", file=sys.stderr)
         all_books[name] = shape_books(name, args.seq_len or 2048)

@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 
 from arch.accounting import (
+    books,
     added_parameters,
     parameter_count,
     residual_accounting,
@@ -284,3 +285,17 @@ def test_depth_summary_figures_of_a_hand_built_read():
         {0: (0.5 + 0.2 + 0.7) / 3 / uniform, 1: (0.5 + 0.2 + 0.1) / 3 / uniform, 2: 1.2})
     assert summary["sinks"] == []
     assert depth_mixing.depth_summary(rows, values, sink_ratio=1.1)["sinks"] == [0, 2]
+
+
+def test_attnres_prefill_history_bytes_per_sequence_and_per_device():
+    """The AttnRes report's example: a 128K-token prefill with eight blocks keeps about 15 GB of
+    block summaries (N·T·d at d = 7168 in bfloat16) before sequence sharding; the books count
+    the embedding source too, (N + 1)·T·d."""
+    cfg = resolved(residual="block_attnres", num_layers=8, attnres_block_size=2,
+                   d_model=7168, num_heads=56, num_kv_heads=8, dtype="bfloat16",
+                   max_seq_len=131072)
+    tokens, d, blocks = 131072, 7168, 8
+    history = books(cfg, tokens, sequence_shards=8)["residual"]
+    assert history["history_bytes_per_sequence"] == (blocks + 1) * tokens * d * 2
+    assert blocks * tokens * d * 2 / 1e9 == pytest.approx(15.03, abs=0.01)
+    assert history["history_bytes_per_device"] == history["history_bytes_per_sequence"] / 8
