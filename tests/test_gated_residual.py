@@ -441,3 +441,20 @@ def test_top_k_reads_keep_k_branches_per_token_and_k_equal_n_is_all(channelwise)
     assert not np.allclose(modules[2].read(state), modules[0].read(state), atol=1e-3)
     np.testing.assert_array_equal(modules[N].read(state), modules[0].read(state))
     np.testing.assert_array_equal(captured_gates(modules[N], state)[0], all_gates)
+
+
+@pytest.mark.parametrize("switches", [
+    dict(gr_read_top_k=2, gr_channelwise_read=False, gr_static=False),
+    dict(gr_init="random", gr_channelwise_write=False, gr_mixing=True)],
+    ids=["top2-scalar-reads-no-static", "random-init-scalar-writes-mixing"])
+@pytest.mark.slow
+def test_ablation_switches_learn_and_a_2x2x2_mesh_changes_nothing(switches):
+    """As tests/test_variants.py does for every mechanism: 20 training steps learn, and data ×
+    FSDP × tensor = 2×2×2 gives the one-device losses (the top-k ranks branches by a mean over
+    the tensor-sharded channels)."""
+    from tests.test_variants import train_losses
+    model = dict(residual="gated_residual", **switches)
+    single = train_losses(1, (1, 1, 1), model)
+    sharded = train_losses(8, (2, 2, 2), model)
+    assert np.mean(single[-5:]) < np.mean(single[:5]) - 0.5, single
+    np.testing.assert_allclose(sharded, single, rtol=2e-4)
