@@ -96,9 +96,11 @@ s, both B×T×n×W (W = D if that gate is channelwise, else 1); "mixing_matrix" 
 
 Parameters: `scale` (the branch gains g, n×D; a norm gain, kept out of weight decay by name),
 `read_gate.bias` and `write_gate.bias` (static logits, kept out as biases; absent with
-`gr_static=False`), `gate_down.kernel`,
-`read_gate.up.kernel`, `write_gate.up.kernel` (dynamic projections, decayed like GatedNorm's) and
-`mixing` (Δ, decayed toward M = I).
+`gr_static=False`), `gate_down.kernel`, `read_gate.up.kernel`, `write_gate.up.kernel` (dynamic
+projections, decayed like GatedNorm's) and `mixing` (Δ, decayed toward M = I). Per sublayer:
+nD + nDr·dyn + Σ_{read, write} (nW·static + rnW·dyn) + n²·mixing, W = D or 1 per gate
+(`arch.accounting.added_parameters` measures it from the built model, less the Pre-Norm gain d
+that GR replaces).
 """
 
 from __future__ import annotations
