@@ -16,19 +16,47 @@ still is):
     s   = 2σ(b_write + z W_write) ∈ (0,2)^{n×D} (n×1 if not channelwise)    write strengths
     x_m ← x_m + s_m ⊙ F(h)                                        (with mixing: Σ_k M_mk x_k + …)
 
+The static term of a gate is its logit bias, b_read or b_write (n×D, or n×1 if not
+channelwise; input-independent, it carries the initialization below); the dynamic term is
+z W_read or z W_write. Ablation switches (the report's Tables 5–6 ablate these [spec]; their
+exact form here is [ours]; each default is the mechanism above, bit for bit):
+- `gr_channelwise_read=False`: G_m = σ(b_read,m + z W_read,m) is one scalar per branch and token,
+  b_read ∈ R^{n×1}, W_read ∈ R^{r×n×1}; h = Σ_m G_m n̂_m. `gr_channelwise_write=False`: likewise
+  s_m is one scalar per branch and token. Each defaults to None, which follows
+  `gr_channelwise` (the switch for both).
+- `gr_static=False`: no b_read, b_write: G = σ(z W_read), s = 2σ(z W_write), so at z = 0 every
+  G_m = 1/2 and every s_m = 1 (h = (n/2)·RMSNorm(x) while the branches are equal). Needs
+  `residual_dynamic=True`. [ours] W_read and W_write are then initialized N(0, 1/r) (truncated
+  normal, fan-in r), not zero: zero up-projections would start every branch at the same gates
+  and give them equal gradients, so the branches would stay copies of one stream forever.
+- `gr_init="random"`: b_write[m, c] ~ U(logit(1/(2n)), logit(1 − 1/(2n))) i.i.d. per branch (and
+  channel, if the writes are channelwise), the range of the graded logits, i.e. s ∈
+  (1/n, 2 − 1/n); drawn with the `rngs.params()` key of that parameter, so a seed reproduces it
+  and every other parameter is the same as with "graded". Needs `gr_static`.
+- `gr_read_top_k=k` (1 ≤ k ≤ n; 0: off): per token, the branches are ranked by their read gate
+  (its mean over channels, if channelwise; ties to the lower index) and the gates of all but the
+  k largest are set to 0: h = Σ_{m ∈ top-k} G_m ⊙ n̂_m (no renormalization; gradient through the
+  kept gates only). The gates are still computed from all n branches and the read is applied
+  densely, so the residual I/O accounting is unchanged (a gathering kernel would read kd, not nd,
+  to apply the gates).
+
 [spec]: n branches normalized independently, each with its own gain; read gates in (0,1) per branch
 and per channel, predicted low-rank from all branches (not pooled first); read weights are not a
 softmax and need not sum to one; write strengths in (0,2) per branch; no branch-mixing matrix; GR
 replaces the pre-norm, one GR module per sublayer; ablations: channel-specific vs scalar reads and
-writes (`model.gr_channelwise`), a branch-mixing operator added back (`model.gr_mixing`), static
-vs dynamic gates (`model.residual_dynamic`); an FP8 residual state (`model.gr_state_dtype`).
+writes (`model.gr_channelwise`, or each alone: `gr_channelwise_read`, `gr_channelwise_write`), a
+branch-mixing operator added back (`model.gr_mixing`), static vs dynamic gates
+(`model.residual_dynamic`), the static term removed (`model.gr_static`), random instead of graded
+initialization (`model.gr_init`), top-k reads (`model.gr_read_top_k`); an FP8 residual state
+(`model.gr_state_dtype`).
 
 [ours]:
 - Dynamic part. W_down (truncated normal, variance 1/(n·D)) is shared by the read gates and the
   write strengths (HC/mHC also predict every dynamic weight from the sublayer's input); W_read and
   W_write are zero-initialized as GatedNorm's up-projection, so the gates start at their static
-  values and the up-projections get gradient from the first step. `residual_dynamic=False`: no
-  W_down/W_read/W_write, G = σ(b_read) and s = 2σ(b_write).
+  values and the up-projections get gradient from the first step (with `gr_static=False` they
+  are random: above). `residual_dynamic=False`: no W_down/W_read/W_write, G = σ(b_read) and
+  s = 2σ(b_write).
 - Initialization. g_m = 1. b_read = logit(1/n), so G_m = 1/n and Σ_m G_m = 1: while the branches
   are equal, h = RMSNorm(x) exactly as a Pre-Norm read (no GatedNorm-style 1/2 factor). b_write is
   graded over the branches, s_m = (2m + 1)/n for m = 0 … n−1 (n = 4: 0.25, 0.75, 1.25, 1.75),
@@ -62,13 +90,17 @@ vs dynamic gates (`model.residual_dynamic`); an FP8 residual state (`model.gr_st
   `read_with_context` returns its loaded branches and gate summary with h, and `Block` hands
   them to `write`, which reuses them (`write` alone loads the state itself).
 
-Recorded (`arch.residual.record`): "read_gates" G and "write_strengths" s, both B×T×n×W
-(W = D channelwise, else 1); "mixing_matrix" M (n×n) with `gr_mixing`.
+Recorded (`arch.residual.record`): "read_gates" G (after the top-k cut) and "write_strengths"
+s, both B×T×n×W (W = D if that gate is channelwise, else 1); "mixing_matrix" M (n×n) with
+`gr_mixing`.
 
 Parameters: `scale` (the branch gains g, n×D; a norm gain, kept out of weight decay by name),
-`read_gate.bias` and `write_gate.bias` (static logits, kept out as biases), `gate_down.kernel`,
-`read_gate.up.kernel`, `write_gate.up.kernel` (dynamic projections, decayed like GatedNorm's) and
-`mixing` (Δ, decayed toward M = I).
+`read_gate.bias` and `write_gate.bias` (static logits, kept out as biases; absent with
+`gr_static=False`), `gate_down.kernel`, `read_gate.up.kernel`, `write_gate.up.kernel` (dynamic
+projections, decayed like GatedNorm's) and `mixing` (Δ, decayed toward M = I). Per sublayer:
+nD + nDr·dyn + Σ_{read, write} (nW·static + rnW·dyn) + n²·mixing, W = D or 1 per gate
+(`arch.accounting.added_parameters` measures it from the built model, less the Pre-Norm gain d
+that GR replaces).
 """
 
 from __future__ import annotations
@@ -93,6 +125,7 @@ from config import check
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = float(jnp.finfo(FP8).max)  # 448
 STATE_DTYPES = ("float32", "bfloat16", "float8_e4m3fn")
+INITS = ("graded", "random")
 
 
 def power_of_two_scale(x: jax.Array) -> jax.Array:
@@ -153,26 +186,55 @@ def graded_write_strengths(n: int) -> list[float]:
     return [(2 * m + 1) / n for m in range(n)]
 
 
+def random_write_logits(key: jax.Array, shape, dtype, n: int) -> jax.Array:
+    """`gr_init="random"`: write logits i.i.d. U(logit(1/(2n)), logit(1 − 1/(2n))), the range of
+    the graded logits (module docstring)."""
+    low, high = _logit(graded_write_strengths(n)[0] / 2), _logit(graded_write_strengths(n)[-1] / 2)
+    return jax.random.uniform(key, shape, dtype, minval=low, maxval=high)
+
+
 class BranchGate(nnx.Module):
     """Gate logits per branch (and channel): bias + z W_up, n×B×T×W for a summary z (B×T×r), or
-    the bias alone (static gates, z = None). W_up is zero-initialized."""
+    the bias alone (static gates, z = None), or z W_up alone (`static=False`: no bias). W_up is
+    zero-initialized, or N(0, 1/r) without a bias (module docstring). `bias_init(key, shape,
+    dtype)` overrides the constant logits `bias_per_branch`."""
 
     def __init__(self, n: int, width: int, rank: int, bias_per_branch: list[float], *,
-                 dynamic: bool, rngs: nnx.Rngs):
+                 dynamic: bool, rngs: nnx.Rngs, static: bool = True, bias_init=None):
         channel_axis = "norm" if width > 1 else None
         values = jnp.broadcast_to(jnp.asarray(bias_per_branch, jnp.float32)[:, None], (n, width))
-        self.bias = param(rngs, lambda key, shape, dtype: values.astype(dtype), (n, width),
-                          (None, channel_axis))
+        bias_init = bias_init or (lambda key, shape, dtype: values.astype(dtype))
+        self.bias = (param(rngs, bias_init, (n, width), (None, channel_axis))
+                     if static else None)
+        up_init = (lambda fan_in, fan_out: nnx.initializers.zeros) if static else None
         self.up = (Dense((rank,), (n, width), ("norm_rank",),
-                         (None, "embed" if width > 1 else None), rngs=rngs,
-                         init=lambda fan_in, fan_out: nnx.initializers.zeros)
+                         (None, "embed" if width > 1 else None), rngs=rngs, init=up_init)
                    if dynamic else None)
 
     def __call__(self, summary_BxTxR: jax.Array | None) -> jax.Array:
-        bias_Nx1x1xW = self.bias[...][:, None, None, :]
         if summary_BxTxR is None:
-            return bias_Nx1x1xW
-        return bias_Nx1x1xW + jnp.moveaxis(self.up(summary_BxTxR), -2, 0)
+            return self.bias[...][:, None, None, :]
+        dynamic_NxBxTxW = jnp.moveaxis(self.up(summary_BxTxR), -2, 0)
+        if self.bias is None:
+            return dynamic_NxBxTxW
+        return self.bias[...][:, None, None, :] + dynamic_NxBxTxW
+
+
+def channelwise(cfg, which: str) -> bool:
+    """Whether the `which` ("read" or "write") gates are per channel: `gr_channelwise_<which>`,
+    or `gr_channelwise` where that is None."""
+    value = cfg[f"gr_channelwise_{which}"]
+    return cfg.gr_channelwise if value is None else value
+
+
+def top_k_mask(gates_NxBxTxW: jax.Array, k: int) -> jax.Array:
+    """1 for the k branches of largest gate (mean over channels) per token, else 0: n×B×T×1
+    (n×1×1×1 for static gates). Ties go to the lower branch index (`jax.lax.top_k`)."""
+    scores_BxTxN = jnp.moveaxis(jnp.mean(gates_NxBxTxW, axis=-1), 0, -1)
+    _, kept_BxTxK = jax.lax.top_k(jax.lax.stop_gradient(scores_BxTxN), k)
+    mask_BxTxN = jnp.sum(jax.nn.one_hot(kept_BxTxK, gates_NxBxTxW.shape[0],
+                                        dtype=gates_NxBxTxW.dtype), axis=-2)
+    return jnp.moveaxis(mask_BxTxN, -1, 0)[..., None]
 
 
 class GatedResidualStream(ResidualStream):
@@ -218,19 +280,25 @@ class GatedResidual(ResidualMechanism):
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         n, d, rank = cfg.residual_streams, cfg.d_model, cfg.gr_rank
-        width = d if cfg.gr_channelwise else 1
+        read_width = d if channelwise(cfg, "read") else 1
+        write_width = d if channelwise(cfg, "write") else 1
         self.n, self.eps = n, cfg.norm_eps
+        self.read_top_k = cfg.gr_read_top_k
         self.dtype = jnp.dtype(cfg.dtype)
         self.state_dtype = cfg.gr_state_dtype
         self.scale = param(rngs, nnx.initializers.ones, (n, d), (None, "norm"))
         dynamic = cfg.residual_dynamic
         self.gate_down = (Dense((n, d), (rank,), (None, "embed"), ("norm_rank",), rngs=rngs)
                           if dynamic else None)
-        self.read_gate = BranchGate(n, width, rank, [_logit(1.0 / n)] * n, dynamic=dynamic,
-                                    rngs=rngs)
-        self.write_gate = BranchGate(n, width, rank,
+        static = cfg.gr_static
+        self.read_gate = BranchGate(n, read_width, rank, [_logit(1.0 / n)] * n, dynamic=dynamic,
+                                    static=static, rngs=rngs)
+        random_init = ((lambda key, shape, dtype: random_write_logits(key, shape, dtype, n))
+                       if cfg.gr_init == "random" else None)
+        self.write_gate = BranchGate(n, write_width, rank,
                                      [_logit(s / 2) for s in graded_write_strengths(n)],
-                                     dynamic=dynamic, rngs=rngs)
+                                     dynamic=dynamic, static=static, bias_init=random_init,
+                                     rngs=rngs)
         self.mixing = (param(rngs, nnx.initializers.zeros, (n, n), (None, None))
                        if cfg.gr_mixing else None)
 
@@ -248,8 +316,21 @@ class GatedResidual(ResidualMechanism):
               "must be a positive integer (rank of the gate predictor)")
         check(cfg.gr_state_dtype in STATE_DTYPES, "model.gr_state_dtype", cfg.gr_state_dtype,
               f"valid: {', '.join(STATE_DTYPES)}")
-        for field in ("residual_dynamic", "gr_channelwise", "gr_mixing"):
+        for field in ("residual_dynamic", "gr_channelwise", "gr_mixing", "gr_static"):
             check(isinstance(cfg[field], bool), f"model.{field}", cfg[field], "must be a bool")
+        for field in ("gr_channelwise_read", "gr_channelwise_write"):
+            check(cfg[field] is None or isinstance(cfg[field], bool), f"model.{field}",
+                  cfg[field], "must be a bool, or None: follow model.gr_channelwise")
+        check(cfg.gr_static or cfg.residual_dynamic, "model.gr_static", cfg.gr_static,
+              "removing the static gate term needs model.residual_dynamic=True (with "
+              "residual_dynamic=False the gates have no other term)")
+        check(cfg.gr_init in INITS, "model.gr_init", cfg.gr_init, f"valid: {', '.join(INITS)}")
+        check(cfg.gr_init == "graded" or cfg.gr_static, "model.gr_init", cfg.gr_init,
+              "initializes the static write logits, which model.gr_static=False removes")
+        n, k = cfg.residual_streams, cfg.gr_read_top_k
+        check(isinstance(k, int) and not isinstance(k, bool) and 0 <= k <= n,
+              "model.gr_read_top_k", k,
+              f"must be an integer in [0, model.residual_streams={n}] (0: read all branches)")
 
     def _gates_input(self, state: dict):
         """Loaded branches (float32), normalized branches n̂ and the low-rank summary z."""
@@ -299,6 +380,8 @@ class GatedResidual(ResidualMechanism):
         loaded once per sublayer (the FP8 gradients need that, module docstring)."""
         branches, normalized, summary_BxTxR = self._gates_input(state)
         gates = jax.nn.sigmoid(self.read_gate(summary_BxTxR))  # n×B×T×W or n×1×1×W, in (0,1)
+        if self.read_top_k:
+            gates = gates * top_k_mask(gates, self.read_top_k)
         record(self, "read_gates", _per_token(gates, normalized.shape))
         return jnp.sum(gates * normalized, axis=0).astype(self.dtype), (branches, summary_BxTxR)
 

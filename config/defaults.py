@@ -76,6 +76,14 @@ def model_config() -> ml_collections.ConfigDict:
         attnres_window=0,         # attnres: attend to the W most recent sources only (0: all)
         gr_rank=16,               # gated_residual: rank of the read-gate predictor
         gr_channelwise=True,      # gated_residual: per-channel reads and writes (False: scalar)
+        gr_channelwise_read=ml_collections.FieldReference(None, field_type=bool),   # gr: reads
+        gr_channelwise_write=ml_collections.FieldReference(None, field_type=bool),  # gr: writes;
+                                  # per channel or scalar per branch; None: gr_channelwise
+        gr_static=True,           # gated_residual: static gate logits b_read, b_write (False:
+                                  # the gates are the dynamic part only; needs residual_dynamic)
+        gr_init="graded",         # gated_residual: write strengths "graded" or "random" at init
+        gr_read_top_k=0,          # gated_residual: read the k branches of largest gate per
+                                  # token, the others' gates zeroed (0: all n)
         gr_mixing=False,          # gated_residual: add back an n×n branch-mixing operator
         gr_state_dtype="float32",  # gated_residual: branch dtype: float32, bfloat16, float8_e4m3fn
         use_ffn=True,             # False: attention-only blocks (rank-collapse ablation)

@@ -1,5 +1,6 @@
 """Gated Residual (arch/gated_residual.py): its equations, gate ranges, initialization, reduction
-to Pre-Norm, composition with the zoo and decoding, and the FP8 residual state."""
+to Pre-Norm, composition with the zoo and decoding, the FP8 residual state, and the ablation
+switches (channelwise reads/writes apart, no static term, random init, top-k reads)."""
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +14,7 @@ from arch.gated_residual import (
     graded_write_strengths,
     load_branches,
     load_fp8,
+    random_write_logits,
     store_fp8,
 )
 from config import ConfigError
@@ -53,15 +55,23 @@ def reference(module: GatedResidual, branches, update, eps):
     x = np.asarray(branches, np.float64)
     normalized = x / np.sqrt(np.mean(x**2, -1, keepdims=True) + eps)
     normalized = normalized * np.asarray(module.scale[...])[:, None, None, :]
-    read_logits = np.asarray(module.read_gate.bias[...])[:, None, None, :]
-    write_logits = np.asarray(module.write_gate.bias[...])[:, None, None, :]
+    read_logits = write_logits = 0.0
+    if module.read_gate.bias is not None:  # the static term (absent with gr_static=False)
+        read_logits = np.asarray(module.read_gate.bias[...])[:, None, None, :]
+        write_logits = np.asarray(module.write_gate.bias[...])[:, None, None, :]
     if module.gate_down is not None:
         summary = np.einsum("nbtd,ndr->btr", normalized, np.asarray(module.gate_down.kernel[...]))
         read_logits = read_logits + np.einsum("btr,rnw->nbtw", summary,
                                               np.asarray(module.read_gate.up.kernel[...]))
         write_logits = write_logits + np.einsum("btr,rnw->nbtw", summary,
                                                 np.asarray(module.write_gate.up.kernel[...]))
-    h = np.sum(sigmoid(read_logits) * normalized, axis=0)
+    gates = sigmoid(read_logits)
+    if module.read_top_k:  # keep the k branches of largest (channel-mean) gate per token
+        order = np.argsort(-gates.mean(-1), axis=0, kind="stable")
+        kept = np.zeros(gates.shape[:-1] + (1,))
+        np.put_along_axis(kept, order[:module.read_top_k, ..., None], 1.0, axis=0)
+        gates = gates * kept
+    h = np.sum(gates * normalized, axis=0)
     mixing = np.eye(x.shape[0])
     if module.mixing is not None:
         mixing = mixing + np.asarray(module.mixing[...])
@@ -69,8 +79,12 @@ def reference(module: GatedResidual, branches, update, eps):
     return h, written
 
 
-@pytest.mark.parametrize("options", [dict(), dict(gr_channelwise=False, residual_dynamic=False),
-                                     dict(gr_mixing=True, gr_channelwise=False)])
+@pytest.mark.parametrize("options", [
+    dict(), dict(gr_channelwise=False, residual_dynamic=False),
+    dict(gr_mixing=True, gr_channelwise=False), dict(gr_channelwise_read=False),
+    dict(gr_channelwise=False, gr_channelwise_write=True), dict(gr_static=False),
+    dict(gr_init="random", gr_channelwise_write=False), dict(gr_read_top_k=2),
+    dict(gr_read_top_k=1, gr_channelwise=False, residual_dynamic=False)])
 def test_read_and_write_follow_their_equations(options):
     cfg = resolved(**options)
     module = GatedResidual(cfg, rngs=nnx.Rngs(0))
@@ -82,8 +96,13 @@ def test_read_and_write_follow_their_equations(options):
     np.testing.assert_allclose(module.read(state), expected_h, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(module.write(state, update)["branches"], expected_branches,
                                rtol=1e-5, atol=1e-5)
-    width = cfg.d_model if cfg.gr_channelwise else 1
-    assert module.read_gate.bias.shape == module.write_gate.bias.shape == (N, width)
+    for gate, which in ((module.read_gate, "read"), (module.write_gate, "write")):
+        switch = cfg[f"gr_channelwise_{which}"]
+        width = cfg.d_model if (cfg.gr_channelwise if switch is None else switch) else 1
+        if cfg.gr_static:
+            assert gate.bias.shape == (N, width)
+        if cfg.residual_dynamic:
+            assert gate.up.kernel.shape == (cfg.gr_rank, N, width)
     assert (module.gate_down is None) == (not cfg.residual_dynamic)
 
 
@@ -282,3 +301,160 @@ def test_fp8_state_stays_close_to_the_float32_state_in_logits_and_gradients():
     for small, gradient in zip(jax.tree.leaves(tiny_gradients8), jax.tree.leaves(gradients8),
                                strict=True):
         np.testing.assert_allclose(small * 2.0**30, gradient, rtol=1e-6, atol=0)
+
+
+# The ablation switches ---------------------------------------------------------------------
+
+def captured_gates(module: GatedResidual, state: dict) -> tuple[np.ndarray, np.ndarray]:
+    """(read gates, write strengths) the module records for `state`, B×T×n×W each."""
+    (h, context), read = nnx.capture(module.read_with_context, nnx.Intermediate)(state)
+    _, written = nnx.capture(module.write, nnx.Intermediate)(state, h, context)
+    return (np.asarray(read["read_gates"].get_value()[0]),
+            np.asarray(written["write_strengths"].get_value()[0]))
+
+
+@pytest.mark.parametrize("read,write", [(False, True), (True, False), (False, False)])
+def test_scalar_reads_or_writes_are_one_gate_per_branch_and_token(read, write):
+    """`gr_channelwise_read` / `_write` apart: a scalar gate (W = 1) per branch and token where
+    the switch is off, a gate per channel that does vary over the channels where it is on."""
+    cfg = resolved(gr_channelwise_read=read, gr_channelwise_write=write)
+    module = GatedResidual(cfg, rngs=nnx.Rngs(0))
+    randomize(module, 0.5)
+    branches = jax.random.normal(jax.random.key(1), (N, 2, 5, cfg.d_model))
+    gates, strengths = captured_gates(module, {"branches": branches})
+    for values, channelwise in ((gates, read), (strengths, write)):
+        assert values.shape == (2, 5, N, cfg.d_model if channelwise else 1)
+        assert (np.ptp(values, axis=-1).min() > 0) == channelwise  # varies over channels
+        assert np.ptp(values, axis=(0, 1)).min() > 0  # and over the tokens: input-dependent
+    assert module.read_gate.bias.shape == (N, cfg.d_model if read else 1)
+    assert module.write_gate.bias.shape == (N, cfg.d_model if write else 1)
+
+
+def test_channelwise_switches_default_to_gr_channelwise():
+    """None follows `gr_channelwise`: the same parameters, bit for bit, as setting both."""
+    for both in (True, False):
+        default = nnx.state(GatedResidual(resolved(gr_channelwise=both), rngs=nnx.Rngs(0)))
+        explicit = nnx.state(GatedResidual(resolved(gr_channelwise=not both,
+                                                    gr_channelwise_read=both,
+                                                    gr_channelwise_write=both),
+                                           rngs=nnx.Rngs(0)))
+        for a, b in zip(jax.tree.leaves(default), jax.tree.leaves(explicit), strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_without_the_static_term_the_gates_are_the_dynamic_part_alone():
+    """`gr_static=False`: no bias parameters; zero dynamic input (z = 0, here from zero
+    branches) gives σ(0) = 1/2 read gates and 2σ(0) = 1 write strengths; the random W_up
+    already tells the branches apart at initialization (equal branches, unequal gates)."""
+    cfg = resolved(gr_static=False)
+    module = GatedResidual(cfg, rngs=nnx.Rngs(0))
+    assert module.read_gate.bias is None and module.write_gate.bias is None
+    names = {"/".join(map(str, path)) for path, _ in nnx.to_flat_state(nnx.state(module))}
+    assert not any("bias" in name for name in names), names
+    assert np.std(module.read_gate.up.kernel[...]) > 0.5 * cfg.gr_rank**-0.5
+    zero = {"branches": jnp.zeros((N, 2, 5, cfg.d_model))}
+    gates, strengths = captured_gates(module, zero)
+    np.testing.assert_array_equal(gates, 0.5)
+    np.testing.assert_array_equal(strengths, 1.0)
+    x = jax.random.normal(jax.random.key(0), (2, 5, cfg.d_model))
+    gates, _ = captured_gates(module, GatedResidualStream(cfg).begin(x))
+    assert np.ptp(gates, axis=2).min() > 0  # every token and channel: branches differ
+    with pytest.raises(ConfigError) as error:
+        resolved(gr_static=False, residual_dynamic=False)
+    assert str(error.value) == ("model.gr_static=False is invalid: removing the static gate term "
+                                "needs model.residual_dynamic=True (with residual_dynamic=False "
+                                "the gates have no other term)")
+
+
+def test_graded_init_is_exact_and_random_init_is_seeded_and_in_the_graded_range():
+    graded = GatedResidual(resolved(), rngs=nnx.Rngs(0))
+    expected_logits = np.log([s / (2 - s) for s in graded_write_strengths(N)]).astype(np.float32)
+    np.testing.assert_array_equal(graded.write_gate.bias[...][:, 0], expected_logits)
+    np.testing.assert_allclose(2 * sigmoid(np.asarray(graded.write_gate.bias[...], np.float64)),
+                               np.broadcast_to(np.array(graded_write_strengths(N))[:, None],
+                                               graded.write_gate.bias.shape), rtol=1e-6)
+
+    def random_logits(seed):
+        return GatedResidual(resolved(gr_init="random"), rngs=nnx.Rngs(seed))
+
+    first, again, other = random_logits(0), random_logits(0), random_logits(1)
+    logits = np.asarray(first.write_gate.bias[...])
+    np.testing.assert_array_equal(logits, again.write_gate.bias[...])  # reproducible
+    assert not np.allclose(logits, other.write_gate.bias[...])  # seeded
+    assert not np.allclose(logits, graded.write_gate.bias[...])
+    assert len(np.unique(logits)) == logits.size  # i.i.d. per branch and channel
+    low, high = expected_logits[0], expected_logits[-1]
+    assert low <= logits.min() and logits.max() <= high
+    assert logits.min() < low + 0.5 and logits.max() > high - 0.5  # fills the range
+    key = jax.random.key(3)
+    np.testing.assert_array_equal(random_write_logits(key, (N, 7), jnp.float32, N),
+                                  random_write_logits(key, (N, 7), jnp.float32, N))
+    # Every other parameter is the graded module's (same seed, same stream of keys).
+    flat = dict(nnx.to_flat_state(nnx.state(graded, nnx.Param)))
+    for path, variable in nnx.to_flat_state(nnx.state(first, nnx.Param)):
+        if path != ("write_gate", "bias"):
+            np.testing.assert_array_equal(variable[...], flat[path][...])
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("gr_init", "uniform", "model.gr_init='uniform' is invalid: valid: graded, random"),
+    ("gr_read_top_k", 5, "model.gr_read_top_k=5 is invalid: must be an integer in "
+                         "[0, model.residual_streams=4] (0: read all branches)"),
+    ("gr_read_top_k", -1, "model.gr_read_top_k=-1 is invalid: must be an integer in "
+                          "[0, model.residual_streams=4] (0: read all branches)"),
+])
+def test_invalid_switches_are_one_line_config_errors(field, value, message):
+    with pytest.raises(ConfigError) as error:
+        resolved(**{field: value})
+    assert str(error.value) == message
+
+
+def test_random_init_without_the_static_term_is_a_one_line_error():
+    with pytest.raises(ConfigError) as error:
+        resolved(gr_init="random", gr_static=False)
+    assert str(error.value) == ("model.gr_init='random' is invalid: initializes the static write "
+                                "logits, which model.gr_static=False removes")
+
+
+@pytest.mark.parametrize("channelwise", [True, False])
+def test_top_k_reads_keep_k_branches_per_token_and_k_equal_n_is_all(channelwise):
+    """k = 2: exactly 2 branches with nonzero read gates per token (the 2 of largest gate), and
+    h is the gated sum over those alone; k = n: bit for bit the model that reads all (k = 0)."""
+    modules = {k: GatedResidual(resolved(gr_read_top_k=k, gr_channelwise=channelwise),
+                                rngs=nnx.Rngs(0)) for k in (0, 2, N)}
+    for module in modules.values():
+        randomize(module, 0.5)
+    d = modules[0].scale.shape[-1]
+    branches = jax.random.normal(jax.random.key(1), (N, 2, 5, d))
+    state = {"branches": branches}
+    all_gates, _ = captured_gates(modules[0], state)  # B×T×n×W
+    gates, _ = captured_gates(modules[2], state)
+    nonzero = np.any(gates != 0, axis=-1)  # B×T×n
+    np.testing.assert_array_equal(nonzero.sum(-1), 2)
+    largest = np.argsort(-all_gates.mean(-1), axis=-1)[..., :2]
+    np.testing.assert_array_equal(np.sort(np.nonzero(nonzero)[-1].reshape(2, 5, 2)),
+                                  np.sort(largest))
+    np.testing.assert_array_equal(gates, np.where(nonzero[..., None], all_gates, 0))
+    _, normalized, _ = modules[2]._gates_input(state)
+    expected = np.sum(np.moveaxis(gates, 2, 0) * np.asarray(normalized), axis=0)
+    np.testing.assert_allclose(modules[2].read(state), expected, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(modules[2].read(state), modules[0].read(state), atol=1e-3)
+    np.testing.assert_array_equal(modules[N].read(state), modules[0].read(state))
+    np.testing.assert_array_equal(captured_gates(modules[N], state)[0], all_gates)
+
+
+@pytest.mark.parametrize("switches", [
+    dict(gr_read_top_k=2, gr_channelwise_read=False, gr_static=False),
+    dict(gr_init="random", gr_channelwise_write=False, gr_mixing=True)],
+    ids=["top2-scalar-reads-no-static", "random-init-scalar-writes-mixing"])
+@pytest.mark.slow
+def test_ablation_switches_learn_and_a_2x2x2_mesh_changes_nothing(switches):
+    """As tests/test_variants.py does for every mechanism: 20 training steps learn, and data ×
+    FSDP × tensor = 2×2×2 gives the one-device losses (the top-k ranks branches by a mean over
+    the tensor-sharded channels)."""
+    from tests.test_variants import train_losses
+    model = dict(residual="gated_residual", **switches)
+    single = train_losses(1, (1, 1, 1), model)
+    sharded = train_losses(8, (2, 2, 2), model)
+    assert np.mean(single[-5:]) < np.mean(single[:5]) - 0.5, single
+    np.testing.assert_allclose(sharded, single, rtol=2e-4)

@@ -126,9 +126,11 @@ def expected_added_parameters(cfg) -> int:
     if cfg.residual == "width":
         return L * n
     if cfg.residual == "gated_residual":  # gains, W_down, two gates (bias + W_up) − the norm
-        width = d if cfg.gr_channelwise else 1
-        gate = n * width + r * n * width * cfg.residual_dynamic
-        return L * (n * d + n * d * r * cfg.residual_dynamic + 2 * gate
+        def gate(which):
+            switch = cfg[f"gr_channelwise_{which}"]
+            width = d if (cfg.gr_channelwise if switch is None else switch) else 1
+            return n * width * cfg.gr_static + r * n * width * cfg.residual_dynamic
+        return L * (n * d + n * d * r * cfg.residual_dynamic + gate("read") + gate("write")
                     + n * n * cfg.gr_mixing - d)
     raise AssertionError(cfg.residual)
 
@@ -137,7 +139,11 @@ MECHANISMS = [dict(residual="attnres"), dict(residual="block_attnres", attnres_b
               dict(residual="hc"), dict(residual="hc", residual_dynamic=False),
               dict(residual="mhc"), dict(residual="width"), dict(residual="gated_residual"),
               dict(residual="gated_residual", gr_channelwise=False, gr_mixing=True,
-                   gr_state_dtype="float8_e4m3fn")]
+                   gr_state_dtype="float8_e4m3fn"),
+              dict(residual="gated_residual", gr_channelwise_read=False),
+              dict(residual="gated_residual", gr_channelwise=False, gr_channelwise_write=True),
+              dict(residual="gated_residual", gr_static=False),
+              dict(residual="gated_residual", gr_init="random", gr_read_top_k=2)]
 
 
 @pytest.mark.parametrize("model", MECHANISMS, ids=lambda m: ",".join(map(str, m.values())))

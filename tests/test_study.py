@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from config.cli import UsageError
+from config.cli import UsageError, load_module
+from config.validate import check_fields
 from tests.helpers import one_device_env, tiny_config
 from tests.test_launch import calls, fake_command
 from train import study as studies
@@ -109,6 +110,59 @@ def test_the_loader_reads_a_scaling_study(tmp_path):
     assert study.config_arg("b@m", "cpu") == f"{path}:b@m,cpu"
     assert studies.split_cell("b@m") == ("b", "m") and studies.split_cell("b") == ("b", None)
     assert study.paper == {"b": 1.25} and study.seeds == (0, 1)
+
+
+# The repository's study files --------------------------------------------------------------
+
+STUDY_FILES = ("experiments/attnres_ablation.py", "experiments/gated_residual_table.py")
+
+
+@pytest.mark.parametrize("path", STUDY_FILES)
+def test_every_arm_of_a_study_file_is_a_valid_config_at_every_scale(path):
+    """The study loads; every arm builds at every scale and passes the JAX-free field checks
+    (`config.validate.check_fields`, what the CLI runs first) and the model and mesh checks
+    (`train.config.validate`: each mechanism's `resolve`; the tokenizer's vocabulary filled in
+    where the study leaves it to the data, and the paper scale on 8 devices); "ARM" is
+    "ARM,<first scale>"; and no two arms of a scale are the same config."""
+    study = studies.load_study(str(ROOT / path))
+    module = load_module(str(ROOT / path), "--study")
+    assert study.baseline in study.arms and study.seeds == (0, 1, 2)
+    assert study.scales == ("cpu", "paper")
+    for scale in study.scales:
+        seen = {}
+        for arm in study.arms:
+            config = module.get_config(f"{arm},{scale}")
+            if scale == study.scales[0]:
+                assert config.to_dict() == module.get_config(arm).to_dict()
+            check_fields(config)
+            assert config.sample_tokens == 0
+            if not config.model.vocab_size:
+                config.model.vocab_size = 32_000
+            validate(config, 1 if scale == "cpu" else 8)
+            key = config.to_json_best_effort(sort_keys=True)
+            assert key not in seen, (arm, seen.get(key))
+            seen[key] = arm
+    with pytest.raises(ValueError, match="unknown arm"):
+        module.get_config("no_such_arm")
+
+
+def test_the_gated_residual_table_arms_change_what_they_name():
+    module = load_module(str(ROOT / "experiments/gated_residual_table.py"), "--study")
+    models = {arm: module.get_config(f"{arm},cpu").model for arm in module.ARMS}
+    assert models["prenorm"].residual == "prenorm"
+    assert models["mhc_static"].residual_dynamic is False and models["mhc"].residual_dynamic
+    gr = models["gr"]
+    assert (gr.residual, gr.residual_streams, gr.gr_channelwise, gr.gr_static, gr.gr_init,
+            gr.gr_read_top_k, gr.gr_mixing) == ("gated_residual", 4, True, True, "graded", 0,
+                                                False)
+    changed = {"gr_no_channel_read": ("gr_channelwise_read", False),
+               "gr_no_channel_write": ("gr_channelwise_write", False),
+               "gr_mixing": ("gr_mixing", True), "gr_no_static": ("gr_static", False),
+               "gr_random_init": ("gr_init", "random"), "gr_top2": ("gr_read_top_k", 2)}
+    for arm, (field, value) in changed.items():
+        differences = {name for name, setting in models[arm].items() if setting != gr[name]}
+        assert differences == {field} and models[arm][field] == value, (arm, differences)
+    assert module.get_config("gr,paper").data.name == "prepared"
 
 
 # The statistics, against hand computations --------------------------------------------------

@@ -1,0 +1,108 @@
+"""Gated Residual against the multi-stream residuals, and the Gated Residual ablations.
+
+Provenance: the Qwen team's Gated Residual report (the Qwen3.8-Next architecture report, §2.2,
+"Gated Residual", built on GatedNorm; arch/gated_residual.py), Tables 5–6. We have the issue's
+summary of those tables, not their numbers, so this study declares no PAPER values: it checks
+the direction of the report's claims, stated here in words only.
+
+Claims (the metric is the final validation loss; lower is better):
+- Table 5, the residual mechanisms ordered from worst to best, i.e. by decreasing loss: plain
+  Pre-Norm, worse than the width baseline (4 branches, round-robin writes), which is no better
+  than Hyper-Connections, then static mHC, then dynamic mHC, then the Gated Residual, the best
+  (Pre-Norm < width ≤ HC ≤ static mHC ≤ dynamic mHC ≤ GR in quality).
+- Table 6 ablates the Gated Residual's design one choice at a time, and the report keeps the
+  full design, so the claim checked is that no ablation beats the full Gated Residual: scalar
+  instead of channel-specific reads; scalar instead of channel-specific writes; a branch-mixing
+  operator added back; the static gate term removed (dynamic gates only); random instead of
+  graded initialization of the write strengths; reading only the top-2 branches per token.
+
+Arms (the config argument is "ARM" or "ARM,SCALE"; n = 4 streams or branches throughout):
+    prenorm             Pre-Norm sum (the baseline)
+    width               the width baseline: 4 branches, a learned read mixture, round-robin
+                        writes (residual="width")
+    hc                  Hyper-Connections, dynamic (residual="hc")
+    mhc_static          mHC with static weights only (residual="mhc", residual_dynamic=False)
+    mhc                 mHC, dynamic (residual="mhc")
+    gr                  Gated Residual (residual="gated_residual"; channelwise reads and writes,
+                        static + dynamic gates, graded write strengths, no mixing, all reads)
+    gr_no_channel_read  GR with one read gate per branch and token (gr_channelwise_read=False)
+    gr_no_channel_write GR with one write strength per branch and token
+                        (gr_channelwise_write=False)
+    gr_mixing           GR with the n×n branch-mixing operator added back (gr_mixing=True)
+    gr_no_static        GR without the static gate logits b_read, b_write (gr_static=False)
+    gr_random_init      GR with random instead of graded initial write strengths
+                        (gr_init="random")
+    gr_top2             GR reading only the 2 branches of largest read gate per token
+                        (gr_read_top_k=2)
+How each GR switch changes the equations: arch/gated_residual.py's module docstring.
+
+Scales (both are our choice, not the report's: its model sizes and budgets are not in the
+summary we have):
+- `cpu` (default): d = 128, 8 layers (16 sublayers), 4 heads, RoPE, SwiGLU, tied head, batch
+  16 × 128 bytes of the embedded corpus, AdamW 3e-3 with 60 warmup steps and cosine decay, 600
+  steps, evaluated every 100 on 16 batches. About ten minutes per run on a 2-core CPU (not
+  measured for this file: experiments/residuals.py trains this size and budget in about that;
+  the 4-branch arms are the slower ones).
+- `paper`: d = 1024, 24 layers, 16 heads (≈ 0.3B parameters besides the embedding), seq 4096,
+  batch 256 (≈ 1M tokens per step), 10 000 steps (≈ 10B tokens), subword data
+  (`data.name="prepared"` shards of `scripts/prepare_data.py` in data/prepared, with its
+  vocabulary), bfloat16 compute, AdamW 3e-4 with 1000 warmup steps and cosine decay. Sized for
+  one accelerator host (8 × 80 GB GPUs or a v5p-8): ≈ 2–3·10¹⁹ training FLOPs per run, a few
+  hours each at 40% utilization; the 4-branch arms keep 4 residual copies per token (set
+  model.remat=True if memory is short).
+
+Commands:
+    python scripts/sweep.py --study experiments/gated_residual_table.py \\
+        --root runs/gated_residual_table --scale cpu --seeds 0,1,2 --arms prenorm,gr
+    python scripts/study_report.py --root runs/gated_residual_table
+"""
+
+from experiments.common import base_config
+
+ARMS = ("prenorm", "width", "hc", "mhc_static", "mhc", "gr", "gr_no_channel_read",
+        "gr_no_channel_write", "gr_mixing", "gr_no_static", "gr_random_init", "gr_top2")
+BASELINE = "prenorm"
+SEEDS = (0, 1, 2)
+SCALES = ("cpu", "paper")
+
+# Arm → the model fields it changes; the GR ablations start from the full Gated Residual.
+_GR = dict(residual="gated_residual", residual_streams=4)
+_ARMS = {
+    "prenorm": dict(residual="prenorm"),
+    "width": dict(residual="width", residual_streams=4),
+    "hc": dict(residual="hc", residual_streams=4),
+    "mhc_static": dict(residual="mhc", residual_streams=4, residual_dynamic=False),
+    "mhc": dict(residual="mhc", residual_streams=4),
+    "gr": _GR,
+    "gr_no_channel_read": dict(_GR, gr_channelwise_read=False),
+    "gr_no_channel_write": dict(_GR, gr_channelwise_write=False),
+    "gr_mixing": dict(_GR, gr_mixing=True),
+    "gr_no_static": dict(_GR, gr_static=False),
+    "gr_random_init": dict(_GR, gr_init="random"),
+    "gr_top2": dict(_GR, gr_read_top_k=2),
+}
+
+
+def get_config(arg: str | None = None):
+    arm, _, scale = (arg or BASELINE).partition(",")
+    if arm not in _ARMS:
+        raise ValueError(f"unknown arm {arm!r}; arms: {', '.join(ARMS)}")
+    scale = scale or SCALES[0]
+    if scale not in SCALES:
+        raise ValueError(f"unknown scale {scale!r}; scales: {', '.join(SCALES)}")
+    config = base_config()
+    model = config.model
+    if scale == "cpu":
+        config.update(steps=600, batch_size=16, seq_len=128, eval_every=100, eval_batches=16,
+                      checkpoint_every=200, sample_tokens=0)
+        model.update(d_model=128, num_layers=8, num_heads=4, num_kv_heads=4)
+        config.optimizer.update(learning_rate=3e-3, warmup_steps=60, schedule="cosine")
+    else:
+        config.update(steps=10_000, batch_size=256, seq_len=4096, eval_every=1000,
+                      eval_batches=16, checkpoint_every=1000, sample_tokens=0)
+        config.data.update(name="prepared", path="data/prepared")
+        model.update(d_model=1024, num_layers=24, num_heads=16, num_kv_heads=16, vocab_size=0,
+                     dtype="bfloat16")
+        config.optimizer.update(learning_rate=3e-4, warmup_steps=1000, schedule="cosine")
+    model.update(_ARMS[arm])
+    return config
