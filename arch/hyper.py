@@ -304,9 +304,13 @@ class ManifoldHyperConnection(_CopiedStreamsMechanism):
         H_pre = σ(H̃_pre),   H_post = 2σ(H̃_post),   H_res = Sinkhorn-Knopp(H̃_res)
 
     with `sinkhorn` run for `model.mhc_sinkhorn_iters` iterations (the paper's t_max = 20). So the
-    read weights lie in (0, 1), the write strengths in (0, 2), and H_res is doubly stochastic: its
-    product over depth stays doubly stochastic, so the mixing neither amplifies nor attenuates
-    the mean of the streams. φ_pre, φ_post ∈ R^{nd×n}, φ_res ∈ R^{nd×n²} (`read_projection`,
+    read weights lie in (0, 1), the write strengths in (0, 2), and H_res is approximately doubly
+    stochastic: its rows sum to 1 (to float rounding), its columns only as far as the iterations
+    converge, which they do not when the logits spread. For n = 4 and 20 iterations, on 10,000
+    random logit matrices N(0, σ²) (`jax.random.key(0)`), the largest column-sum error is 0.001,
+    0.034, 0.063 and 0.25 at σ = 1, 2, 4, 8 (medians 6e-8, 8e-7, 0.003, 0.025). Where it is
+    doubly stochastic, its product over depth stays so, and the mixing neither amplifies nor
+    attenuates the mean of the streams. φ_pre, φ_post ∈ R^{nd×n}, φ_res ∈ R^{nd×n²} (`read_projection`,
     `write_projection`, `mixing_projection`), α (`read_scale`, `write_scale`, `mixing_scale`),
     b (`read_bias`, `write_bias`, `mixing_bias`). `model.residual_dynamic=False`: the static
     variant, H̃ = b.
@@ -320,7 +324,8 @@ class ManifoldHyperConnection(_CopiedStreamsMechanism):
     and is added to `read_bias` (initialized to 0), as in `HyperConnection`; it breaks the
     symmetry between the streams, which otherwise would stay identical copies forever. As all
     streams start equal and H_res has unit row sums, every stream equals the Pre-Norm stream at
-    initialization (the read is a multiple of it, which the read norm removes).
+    initialization, and the read is a multiple of it: the model equals Pre-Norm only because the
+    read norm is scale-invariant (RMSNorm, LayerNorm; not with a norm that keeps the scale).
     """
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
