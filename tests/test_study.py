@@ -114,7 +114,8 @@ def test_the_loader_reads_a_scaling_study(tmp_path):
 
 # The repository's study files --------------------------------------------------------------
 
-STUDY_FILES = ("experiments/attnres_ablation.py", "experiments/gated_residual_table.py")
+STUDY_FILES = ("experiments/attnres_ablation.py", "experiments/attnres_scaling.py",
+               "experiments/gated_residual_table.py")
 
 
 @pytest.mark.parametrize("path", STUDY_FILES)
@@ -123,14 +124,17 @@ def test_every_arm_of_a_study_file_is_a_valid_config_at_every_scale(path):
     (`config.validate.check_fields`, what the CLI runs first) and the model and mesh checks
     (`train.config.validate`: each mechanism's `resolve`; the tokenizer's vocabulary filled in
     where the study leaves it to the data, and the paper scale on 8 devices); "ARM" is
-    "ARM,<first scale>"; and no two arms of a scale are the same config."""
+    "ARM,<first scale>"; and no two cells (arms, or ARM@SIZE in a scaling study) of a scale
+    are the same config."""
     study = studies.load_study(str(ROOT / path))
     module = load_module(str(ROOT / path), "--study")
-    assert study.baseline in study.arms and study.seeds == (0, 1, 2)
+    assert study.baseline in study.arms and len(study.seeds) >= 2
     assert study.scales == ("cpu", "paper")
+    cells = ([f"{arm}@{size}" for arm in study.arms for size in study.scaling]
+             if study.scaling else study.arms)
     for scale in study.scales:
         seen = {}
-        for arm in study.arms:
+        for arm in cells:
             config = module.get_config(f"{arm},{scale}")
             if scale == study.scales[0]:
                 assert config.to_dict() == module.get_config(arm).to_dict()
@@ -142,7 +146,7 @@ def test_every_arm_of_a_study_file_is_a_valid_config_at_every_scale(path):
             key = config.to_json_best_effort(sort_keys=True)
             assert key not in seen, (arm, seen.get(key))
             seen[key] = arm
-    with pytest.raises(ValueError, match="unknown arm"):
+    with pytest.raises(ValueError, match="unknown"):
         module.get_config("no_such_arm")
 
 

@@ -1,0 +1,79 @@
+"""AttnRes scaling: the compute multiplier of Block and Full Attention Residuals over Pre-Norm.
+
+Paper: Kimi Team 2026, "Attention Residuals" (arXiv 2603.15031), the scaling-law comparison:
+fitted over five model sizes (194M–528M activated parameters, Kimi Linear MoE proxies), Block
+AttnRes reaches the baseline's loss with 1/1.25 of its compute, i.e. it matches a baseline
+trained with 1.25× the compute. This study fits L = a·C^(−b) per arm over sizes and reports the
+multiplier at matched loss with a bootstrap interval over seeds (docs/studies.md).
+
+Arms: `baseline` (Pre-Norm), `block` (Block AttnRes with N = 4 blocks at every size, S = 2L/4
+sublayers per block), `full` (Full AttnRes).
+
+Scales (the config argument is "ARM@SIZE" or "ARM@SIZE,SCALE"; SIZE is xs, s, m, l or xl):
+- `cpu` (default): five sizes, d × layers = 64×4, 96×6, 128×8, 160×8, 192×8 (MHA, heads of 32, GELU
+  MLP, learned positions, untied head, as the ablation study's acceptance model), all trained
+  for the same 400 steps of 16 × 128 bytes of the embedded corpus, AdamW 3e-3, 40 warmup
+  steps, cosine decay. Compute spans ≈ 15× from the smallest to the largest (a model-size scan
+  at fixed data, not a compute-optimal frontier).
+- `paper`: five dense sizes spanning the report's range of activated parameters, d × layers =
+  1024×10, 1024×14, 1280×14, 1280×18, 1408×18 (0.19B–0.52B with a 32K vocabulary and an untied
+  head; the report's proxies are MoE, these are dense), heads of 128, SwiGLU at the MLP's
+  budget (`ffn_width="match_mlp"`), RoPE, seq 8192
+  with the blocked attention kernel, subword data
+  (`data.name="prepared"` shards of `scripts/prepare_data.py` in data/prepared), bfloat16,
+  batch 128 (1M tokens per step), 5,000 steps. Sized for 8 × 80 GB GPUs or a v5p-8 each; check
+  a size with `python scripts/dry_run.py --config experiments/attnres_scaling.py:block@xl,paper
+  --devices 8 --mesh fsdp=8 --config.model.vocab_size=32768`.
+
+Commands (results: docs/results/attnres_scaling/):
+    python scripts/sweep.py --study experiments/attnres_scaling.py \\
+        --root runs/attnres_scaling --scale cpu --seeds 0,1
+    python scripts/study_report.py --root runs/attnres_scaling
+"""
+
+from experiments.common import base_config
+
+ARMS = ("baseline", "block", "full")
+BASELINE = "baseline"
+SEEDS = (0, 1)
+SCALES = ("cpu", "paper")
+SCALING = ("xs", "s", "m", "l", "xl")
+PAPER = {"block": 1.25}
+PAPER_METRIC = "compute multiplier at matched loss"
+
+# Scale → size → (d_model, num_layers).
+SIZES = {"cpu": {"xs": (64, 4), "s": (96, 6), "m": (128, 8), "l": (160, 8), "xl": (192, 8)},
+         "paper": {"xs": (1024, 10), "s": (1024, 14), "m": (1280, 14), "l": (1280, 18),
+                   "xl": (1408, 18)}}
+_RESIDUAL = {"baseline": dict(residual="prenorm"), "full": dict(residual="attnres"),
+             "block": dict(residual="block_attnres")}
+
+
+def get_config(arg: str | None = None):
+    cell, _, scale = (arg or "baseline@xs").partition(",")
+    arm, _, size = cell.partition("@")
+    scale = scale or SCALES[0]
+    if arm not in _RESIDUAL or size not in SCALING or scale not in SCALES:
+        raise ValueError(f"unknown {arg!r}: ARM@SIZE[,SCALE] with ARM in {', '.join(ARMS)}, "
+                         f"SIZE in {', '.join(SCALING)}, SCALE in {', '.join(SCALES)}")
+    d_model, layers = SIZES[scale][size]
+    config = base_config()
+    model = config.model
+    heads = d_model // (32 if scale == "cpu" else 128)
+    model.update(d_model=d_model, num_layers=layers, num_heads=heads, num_kv_heads=heads,
+                 **_RESIDUAL[arm])
+    if arm == "block":
+        model.attnres_block_size = 2 * layers // 4  # N = 4 blocks of S sublayers
+    if scale == "cpu":
+        config.update(steps=400, batch_size=16, seq_len=128, eval_every=100, eval_batches=16,
+                      checkpoint_every=200, sample_tokens=0)
+        model.update(position="learned", ffn="mlp", activation="gelu", head="untied")
+        config.optimizer.update(learning_rate=3e-3, warmup_steps=40)
+    else:
+        config.update(steps=5_000, batch_size=128, seq_len=8192, eval_every=500,
+                      checkpoint_every=500, sample_tokens=0)
+        config.data.update(name="prepared", path="data/prepared")
+        model.update(vocab_size=0, dtype="bfloat16", attention_implementation="blocked",
+                     head="untied", ffn_width="match_mlp")
+        config.optimizer.update(learning_rate=1e-3, warmup_steps=500, schedule="wsd")
+    return config
