@@ -310,10 +310,10 @@ class ManifoldHyperConnection(_CopiedStreamsMechanism):
     random logit matrices N(0, σ²) (`jax.random.key(0)`), the largest column-sum error is 0.001,
     0.034, 0.063 and 0.25 at σ = 1, 2, 4, 8 (medians 6e-8, 8e-7, 0.003, 0.025). Where it is
     doubly stochastic, its product over depth stays so, and the mixing neither amplifies nor
-    attenuates the mean of the streams. φ_pre, φ_post ∈ R^{nd×n}, φ_res ∈ R^{nd×n²} (`read_projection`,
-    `write_projection`, `mixing_projection`), α (`read_scale`, `write_scale`, `mixing_scale`),
-    b (`read_bias`, `write_bias`, `mixing_bias`). `model.residual_dynamic=False`: the static
-    variant, H̃ = b.
+    attenuates the mean of the streams. φ_pre, φ_post ∈ R^{nd×n}, φ_res ∈ R^{nd×n²}
+    (`read_projection`, `write_projection`, `mixing_projection`), α (`read_scale`,
+    `write_scale`, `mixing_scale`), b (`read_bias`, `write_bias`, `mixing_bias`).
+    `model.residual_dynamic=False`: the static variant, H̃ = b.
 
     Initialization: the gating factors α = `model.hc_dynamic_scale` (the paper's 0.01); the
     paper does not fix φ and b, and we choose HC's Pre-Norm initialization (Zhu et al. 2024,

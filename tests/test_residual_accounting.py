@@ -11,8 +11,8 @@ import pytest
 from flax import nnx
 
 from arch.accounting import (
-    books,
     added_parameters,
+    books,
     parameter_count,
     residual_accounting,
     residual_history,
