@@ -23,7 +23,7 @@ from tests.test_launch import calls, fake_command
 from train import study as studies
 from train import study_stats
 from train.config import validate
-from train.study_report import describe, training_flops, write_report
+from train.study_report import Result, describe, loss_table, training_flops, write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -365,6 +365,20 @@ def test_the_report_of_a_sweep_and_of_one_with_a_missing_run(swept, tmp_path):
     report = (copy / "report.md").read_text()
     assert f"| high | 1 | {losses['high'][0]:.4f} ± — | " in report
     assert "| high | 1 | missing |" in report
+
+
+def test_the_loss_table_puts_the_papers_difference_beside_the_paired_one():
+    def runs(*losses):
+        return {seed: Result(loss, [], None) for seed, loss in enumerate(losses)}
+
+    description = {"baseline": "base", "scaling": [], "paper_metric": "final loss",
+                   "paper": {"base": 1.766, "block": 1.746}}
+    table = loss_table({"base": runs(2.0, 2.1, 2.3), "block": runs(1.9, 2.05),
+                        "other": runs(2.2)}, description)
+    assert table[0].endswith("| Paper (final loss) | Paper Δ |")
+    assert table[2] == "| base (baseline) | 3 | 2.1333 ± 0.1528 | (baseline) | 1.766 | (baseline) |"
+    assert table[3] == "| block | 2 | 1.9750 ± 0.1061 | -0.0750 ± 0.0354 (2) | 1.746 | -0.020 |"
+    assert table[4] == "| other | 1 | 2.2000 ± — | 0.2000 ± — (1) | — | — |"
 
 
 SCALING_STUDY = '''"""A scaling study for the tests: a mechanism-free arm pair over three widths."""

@@ -7,12 +7,13 @@ and paper numbers) and every run directory ROOT/<cell>/seed<k>, and writes:
 
 - ROOT/report.md: per cell, the final validation loss (the run's last `eval_loss`) as mean ±
   sample std over its finished seeds (n shown), the paired difference to the baseline over the
-  seeds both finished, and the paper's number; for a scaling study, per arm the power law
-  L = a·C^(−b) of final loss against training compute C (FLOPs: `arch.accounting.
-  flops_per_token(model, seq_len, training=True)` × steps × batch_size × seq_len, from each
-  run's config.json) and the compute multiplier at matched loss vs the baseline at the arm's
-  largest compute, with a 95% bootstrap interval over seeds (`train.study_stats`); and a
-  section listing the runs that are missing, unfinished or without an eval_loss;
+  seeds both finished, and the paper's number (with its difference to the paper's baseline
+  when the paper gives one); for a scaling study, per arm the power law L = a·C^(−b) of final
+  loss against training compute C (FLOPs: `arch.accounting.flops_per_token(model, seq_len,
+  training=True)` × steps × batch_size × seq_len, from each run's config.json) and the
+  compute multiplier at matched loss vs the baseline at the arm's largest compute, with a 95%
+  bootstrap interval over seeds (`train.study_stats`); and a section listing the runs that
+  are missing, unfinished or without an eval_loss;
 - ROOT/loss_curves.png: eval_loss against step per cell, mean ± std over seeds;
 - ROOT/loss_vs_compute.png (scaling studies): final loss against compute, log-log, with fits.
 
@@ -103,12 +104,15 @@ def loss_table(results: dict[str, dict[int, Result]], description: dict) -> list
     """The Markdown table of final losses per cell."""
     baseline, paper = description["baseline"], description["paper"]
     show_paper = bool(paper) and not description["scaling"]
+    paper_difference = show_paper and baseline in paper  # the paper's Δ beside ours
     header = "| Arm | n | Final eval loss | Δ vs baseline (n) |"
     rule = "|---|---|---|---|"
     if description["scaling"]:
         header, rule = header + " Training FLOPs |", rule + "---|"
     if show_paper:
         header, rule = header + f" Paper ({description['paper_metric']}) |", rule + "---|"
+    if paper_difference:
+        header, rule = header + " Paper Δ |", rule + "---|"
     lines = [header, rule]
     for cell, runs in results.items():
         arm, _ = studies.split_cell(cell)
@@ -128,6 +132,9 @@ def loss_table(results: dict[str, dict[int, Result]], description: dict) -> list
             row += f" {np.mean(computes):.3g} |" if computes else " — |"
         if show_paper:
             row += f" {paper[arm]:g} |" if arm in paper else " — |"
+        if paper_difference:
+            row += (" (baseline) |" if arm == baseline else
+                    f" {paper[arm] - paper[baseline]:+.3f} |" if arm in paper else " — |")
         lines.append(row)
     return lines
 
