@@ -92,7 +92,11 @@ initialization (`model.gr_init`), top-k reads (`model.gr_read_top_k`); an FP8 re
 
 Recorded (`arch.residual.record`): "read_gates" G (after the top-k cut) and "write_strengths"
 s, both B×T×n×W (W = D if that gate is channelwise, else 1); "mixing_matrix" M (n×n) with
-`gr_mixing`.
+`gr_mixing`. Recorded as `arch.residual.PathTerm` (only for a caller that captures that kind: the
+path decomposition, `train.instruments.gr_paths`): "read_inverse_rms" 1/sqrt(mean(x_m²) + ε)
+(B×T×n×1), "branch_gains" g (n×D), "read" h before its cast to `model.dtype` (B×T×D),
+"sublayer_output" F(h) (B×T×D, float32), and, from the stream's `begin`, "embedding" x⁰ (B×T×D,
+float32).
 
 Parameters: `scale` (the branch gains g, n×D; a norm gain, kept out of weight decay by name),
 `read_gate.bias` and `write_gate.bias` (static logits, kept out as biases; absent with
@@ -114,6 +118,7 @@ from flax import nnx
 from arch.layers import Dense, param
 from arch.residual import (
     RESIDUALS,
+    PathTerm,
     ResidualIO,
     ResidualMechanism,
     ResidualStream,
@@ -247,6 +252,7 @@ class GatedResidualStream(ResidualStream):
         self.dtype = jnp.dtype(cfg.dtype)
 
     def begin(self, x_BxTxD) -> dict:
+        record(self, "embedding", x_BxTxD.astype(jnp.float32), PathTerm)
         branches = jnp.broadcast_to(x_BxTxD.astype(jnp.float32), (self.n, *x_BxTxD.shape))
         return store_branches(branches, self.state_dtype)
 
@@ -333,14 +339,14 @@ class GatedResidual(ResidualMechanism):
               f"must be an integer in [0, model.residual_streams={n}] (0: read all branches)")
 
     def _gates_input(self, state: dict):
-        """Loaded branches (float32), normalized branches n̂ and the low-rank summary z."""
+        """Loaded branches (float32), their inverse rms (n×B×T×1), normalized branches n̂ and the
+        low-rank summary z."""
         branches = load_branches(state)
-        mean_square = jnp.mean(branches**2, axis=-1, keepdims=True)
-        normalized = branches * jax.lax.rsqrt(mean_square + self.eps)
-        normalized = normalized * self.scale[...][:, None, None, :]
+        inverse_rms = jax.lax.rsqrt(jnp.mean(branches**2, axis=-1, keepdims=True) + self.eps)
+        normalized = branches * inverse_rms * self.scale[...][:, None, None, :]
         summary_BxTxR = (self.gate_down(jnp.moveaxis(normalized, 0, -2))
                          if self.gate_down is not None else None)
-        return branches, normalized, summary_BxTxR
+        return branches, inverse_rms, normalized, summary_BxTxR
 
     @classmethod
     def residual_io(cls, cfg) -> ResidualIO:
@@ -378,20 +384,25 @@ class GatedResidual(ResidualMechanism):
     def read_with_context(self, state: dict) -> tuple[jax.Array, tuple]:
         """(h, (loaded branches, gate summary z)): `write` reuses both, so each stored state is
         loaded once per sublayer (the FP8 gradients need that, module docstring)."""
-        branches, normalized, summary_BxTxR = self._gates_input(state)
+        branches, inverse_rms, normalized, summary_BxTxR = self._gates_input(state)
         gates = jax.nn.sigmoid(self.read_gate(summary_BxTxR))  # n×B×T×W or n×1×1×W, in (0,1)
         if self.read_top_k:
             gates = gates * top_k_mask(gates, self.read_top_k)
         record(self, "read_gates", _per_token(gates, normalized.shape))
-        return jnp.sum(gates * normalized, axis=0).astype(self.dtype), (branches, summary_BxTxR)
+        read_BxTxD = jnp.sum(gates * normalized, axis=0)
+        record(self, "read_inverse_rms", jnp.moveaxis(inverse_rms, 0, 2), PathTerm)
+        record(self, "branch_gains", self.scale[...], PathTerm)
+        record(self, "read", read_BxTxD, PathTerm)
+        return read_BxTxD.astype(self.dtype), (branches, summary_BxTxR)
 
     def write(self, state: dict, update_BxTxD: jax.Array, read_context=None) -> dict:
         if read_context is not None:
             branches, summary_BxTxR = read_context
         else:
-            branches, _, summary_BxTxR = self._gates_input(state)
+            branches, _, _, summary_BxTxR = self._gates_input(state)
         strengths = 2.0 * jax.nn.sigmoid(self.write_gate(summary_BxTxR))  # in (0,2)
         record(self, "write_strengths", _per_token(strengths, branches.shape))
+        record(self, "sublayer_output", update_BxTxD.astype(jnp.float32), PathTerm)
         if self.mixing is not None:
             mixing_NxN = jnp.eye(self.n, dtype=jnp.float32) + self.mixing[...]
             record(self, "mixing_matrix", mixing_NxN)

@@ -84,6 +84,14 @@ def record(module: nnx.Module, name: str, value, kind: type[nnx.Variable] = nnx.
         module.sow(kind, name, value)
 
 
+class PathTerm(nnx.Intermediate):
+    """A term of a mechanism's read/write path decomposition (sublayer outputs, normalization
+    scales, the embedding): recorded only under `nnx.capture(model, PathTerm)`, so the depth-mixing
+    heatmaps (`nnx.Intermediate`) do not plot them (`train.instruments.gr_paths` reads them).
+    Capturing both kinds at once, name PathTerm first: `nnx.capture` splits what it collected by
+    isinstance, in the order given, and a PathTerm is an `nnx.Intermediate`."""
+
+
 def sublayer_count(cfg) -> int:
     """L: residual sublayers in the network (attention and FFN per block, or attention only)."""
     return cfg.num_layers * (2 if cfg.use_ffn else 1)

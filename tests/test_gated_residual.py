@@ -435,7 +435,7 @@ def test_top_k_reads_keep_k_branches_per_token_and_k_equal_n_is_all(channelwise)
     np.testing.assert_array_equal(np.sort(np.nonzero(nonzero)[-1].reshape(2, 5, 2)),
                                   np.sort(largest))
     np.testing.assert_array_equal(gates, np.where(nonzero[..., None], all_gates, 0))
-    _, normalized, _ = modules[2]._gates_input(state)
+    _, _, normalized, _ = modules[2]._gates_input(state)
     expected = np.sum(np.moveaxis(gates, 2, 0) * np.asarray(normalized), axis=0)
     np.testing.assert_allclose(modules[2].read(state), expected, rtol=1e-5, atol=1e-6)
     assert not np.allclose(modules[2].read(state), modules[0].read(state), atol=1e-3)
