@@ -57,17 +57,17 @@ def _sublayer_label(block: int, module: str) -> str:
     return f"layer {block} {module.removesuffix('_residual')}"
 
 
-def mixing_quantities(intermediates: nnx.State, *, batch: int, seq_len: int,
-                      d_model: int) -> dict[str, dict]:
-    """The recorded quantities of a captured State, one entry per name:
-    {"rows": [labels], "values": [per-row arrays]}, rows in network order.
+def recorded(intermediates: nnx.State) -> tuple[dict[str, dict], dict[str, np.ndarray]]:
+    """The recorded values of a captured State as float32 arrays, unaveraged: ({name: {"rows":
+    [labels], "values": [per-sublayer arrays]}}, rows in network order; {name: array} for the
+    model-level stream's records).
 
     Paths are ("blocks", module, name) with a leading layers axis, ("blocks", "block_j",
     module, name) with a leading groups axis when MoE blocks are interleaved (block g·k + j), and
-    ("residual_stream", name) for the model-level read. A name sown k > 1 times per call becomes
-    k quantities "name[i]"."""
-    per_sublayer: dict[str, dict[tuple[int, int], np.ndarray]] = {}
-    output: dict[str, np.ndarray] = {}
+    ("residual_stream", name) for the model-level stream. A name sown k > 1 times per call
+    becomes k names "name[i]"."""
+    per_sublayer: dict[str, dict[tuple[int, int, int], np.ndarray]] = {}
+    stream: dict[str, np.ndarray] = {}
     group_size = 1
     for path, variable in nnx.to_flat_state(intermediates):
         path = tuple(str(p) for p in path)
@@ -76,7 +76,7 @@ def mixing_quantities(intermediates: nnx.State, *, batch: int, seq_len: int,
             name = path[-1] if len(sown) == 1 else f"{path[-1]}[{index}]"
             value = np.asarray(jax.device_get(value), dtype=np.float32)
             if path[0] == STREAM_MODULE:
-                output[name] = _per_row(value, batch, seq_len, d_model)
+                stream[name] = value
                 continue
             if path[0] != "blocks" or path[-2] not in RESIDUAL_MODULES:
                 continue
@@ -86,14 +86,31 @@ def mixing_quantities(intermediates: nnx.State, *, batch: int, seq_len: int,
                 group_size = max(group_size, member + 1)
             order = RESIDUAL_MODULES.index(path[-2])
             for stacked, row in enumerate(value):
-                per_sublayer.setdefault(name, {})[(stacked, member, order)] = _per_row(
-                    row, batch, seq_len, d_model)
+                per_sublayer.setdefault(name, {})[(stacked, member, order)] = row
     quantities = {}
     for name, rows in per_sublayer.items():
         keys = sorted(rows)  # (stacked index, member of the group, attention before ffn)
         quantities[name] = {
             "rows": [_sublayer_label(g * group_size + j, RESIDUAL_MODULES[o]) for g, j, o in keys],
             "values": [rows[key] for key in keys]}
+    return quantities, stream
+
+
+def mixing_quantities(intermediates: nnx.State, *, batch: int, seq_len: int,
+                      d_model: int) -> dict[str, dict]:
+    """The recorded quantities of a captured State (`recorded`), one entry per name, each row
+    averaged (`_per_row`): {"rows": [labels], "values": [per-row arrays]}, rows in network
+    order, plus a row "output" for a model-level record of the same shape (a model-level record
+    of another shape becomes its own quantity "name (output)")."""
+    def average(value):
+        return _per_row(value, batch, seq_len, d_model)
+
+    recorded_rows, stream = recorded(intermediates)
+    output = {name: average(value) for name, value in stream.items()}
+    quantities = {}
+    for name, quantity in recorded_rows.items():
+        quantities[name] = {"rows": quantity["rows"],
+                            "values": [average(v) for v in quantity["values"]]}
         if name in output and output[name].shape == quantities[name]["values"][0].shape:
             quantities[name]["rows"].append("output")
             quantities[name]["values"].append(output.pop(name))
