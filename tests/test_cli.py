@@ -233,7 +233,8 @@ def test_apply_overrides_in_order(experiment):
 
 ENTRY_POINTS = ["train.__main__", "train.generate", "scripts.dry_run", "scripts.accounting",
                 "scripts.bench", "scripts.attention_bench", "train.instruments.probe_report",
-                "train.instruments.depth_mixing", "train.instruments.import_hf",
+                "train.instruments.depth_mixing", "train.instruments.gr_paths",
+                "train.instruments.import_hf",
                 "train.shards:train_tokenizer_main", "train.shards:prepare_main",
                 "train.data_memory"]
 

@@ -1,6 +1,6 @@
 """Instruments that run a model: per-depth probes, pruning and head ablation (`probes`), the
-probe report of a run (`probe_report`), depth-mixing heatmaps (`depth_mixing`) and Hugging Face
-checkpoint import (`hf`, `import_hf`).
+probe report of a run (`probe_report`), depth-mixing heatmaps (`depth_mixing`), the Gated
+Residual path decomposition (`gr_paths`) and Hugging Face checkpoint import (`hf`, `import_hf`).
 
 They sit above the trainer: an instrument may import anything in `train`, `arch`, `sharding` and
 `config`; nothing outside this package imports it (the import-linter contracts in
