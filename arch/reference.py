@@ -138,10 +138,12 @@ def unsupported(cfg) -> str | None:
     return None
 
 
-def logits(cfg, params: dict, tokens_BxT: jax.Array) -> jax.Array:
+def logits(cfg, params: dict, tokens_BxT: jax.Array, unrolled: bool = False) -> jax.Array:
     """Float32 logits of the Pre-Norm (or AttnRes) decoder described by `cfg` (a resolved model
     config). Initialization does not matter here (parameters come in), so `model.init` is
-    ignored."""
+    ignored. The Pre-Norm blocks run in a `lax.scan` over the stacked layers, or with
+    `unrolled`, a Python loop (one copy of the block per layer in the program); the AttnRes
+    stack is a Python loop either way."""
     if reason := unsupported(cfg):
         raise ValueError(reason)
     dtype = jnp.dtype(cfg.dtype)
@@ -149,7 +151,11 @@ def logits(cfg, params: dict, tokens_BxT: jax.Array) -> jax.Array:
     x = table[tokens_BxT].astype(dtype)
     if cfg.position == "learned":
         x = x + params["position"]["table"][: tokens_BxT.shape[1]].astype(dtype)
-    if cfg.residual == "prenorm":
+    if cfg.residual == "prenorm" and unrolled:
+        for layer in range(cfg.num_layers):
+            x = _block(cfg, x, jax.tree.map(lambda a, layer=layer: a[layer], params["blocks"]),
+                       dtype)
+    elif cfg.residual == "prenorm":
         x, _ = jax.lax.scan(lambda x, p: (_block(cfg, x, p, dtype), None), x, params["blocks"])
     else:
         x = _attnres_stack(cfg, x, params, dtype)
@@ -159,16 +165,17 @@ def logits(cfg, params: dict, tokens_BxT: jax.Array) -> jax.Array:
     return (x @ w.astype(dtype)).astype(jnp.float32)
 
 
-def loss(cfg, params, tokens_BxT1):
-    lg = logits(cfg, params, tokens_BxT1[:, :-1])
+def loss(cfg, params, tokens_BxT1, unrolled: bool = False):
+    lg = logits(cfg, params, tokens_BxT1[:, :-1], unrolled)
     return optax.softmax_cross_entropy_with_integer_labels(lg, tokens_BxT1[:, 1:]).mean()
 
 
-def make_train_step(cfg, optimizer: optax.GradientTransformation):
-    """A plain jitted AdamW step on the pure-dict parameters (buffers donated)."""
+def make_train_step(cfg, optimizer: optax.GradientTransformation, unrolled: bool = False):
+    """A plain jitted AdamW step on the pure-dict parameters (buffers donated); `unrolled`: the
+    layers in a Python loop (`logits`)."""
 
     def step(params, opt_state, tokens_BxT1):
-        value, grads = jax.value_and_grad(lambda p: loss(cfg, p, tokens_BxT1))(params)
+        value, grads = jax.value_and_grad(lambda p: loss(cfg, p, tokens_BxT1, unrolled))(params)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, value
 
