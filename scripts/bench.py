@@ -1,7 +1,8 @@
 """Benchmark one train step: `python scripts/bench.py --config PATH[:ARG] [--config.FIELD=VALUE ...]
 [--json] [--steps N] [--block K] [--depth_check] [--baseline FIELD=VALUE[,...]]
 [--depth_memory A,B] [--compare FIELD=VALUE[,...][;FIELD=VALUE[,...]...]] [--decode]
-[--decode_batch B] [--decode_steps N] [--data [--data_batches N]] [--remat_policies A,B,...]`
+[--decode_batch B] [--decode_steps N] [--data [--data_batches N]] [--remat_policies A,B,...]
+[--vs_torch] [--vs_unrolled]`
 
 Runs on whatever devices exist (one CPU device normally) with random tokens of the config's
 batch_size × (seq_len + 1), and reports, in one run:
@@ -20,6 +21,22 @@ batch_size × (seq_len + 1), and reports, in one run:
                          Framework and reference steps run in alternating blocks of --block steps
                          (ABBA order), so machine noise hits both alike. null (and not timed) for
                          variants the reference does not implement.
+  torch_step_time_s      only with --vs_torch: median step time of an eager PyTorch train step of
+                         the same model (`train/instruments/torch_model.py`: torch's
+                         scaled_dot_product_attention, fused AdamW with the config's schedule,
+                         betas, eps, weight decay and decay mask, global-norm clipping) from the
+                         same initial parameters, on the same batch, timed interleaved with the
+                         framework step (ABBA blocks), and
+  vs_torch               torch_step_time_s / step_time_s (paired): > 1 means the framework is
+                         faster (the inverse of vs_reference's direction). Both null, with one
+                         line on stderr, when torch is not importable or the config is not one
+                         the PyTorch model implements (the line lists what it does: Pre-LN,
+                         LayerNorm, learned positions, MHA, ffn=mlp with tanh GELU, float32).
+  unrolled_step_time_s   only with --vs_unrolled: median step time of the reference step with its
+                         layers in a Python loop instead of lax.scan (`arch.reference`,
+                         unrolled=True), timed interleaved, and
+  vs_unrolled            unrolled_step_time_s / step_time_s (paired): > 1 means the framework's
+                         scanned step is faster. Both null where the reference is.
   compile_24_over_4      only with --depth_check (off by default: it compiles four more
                          programs): cold compile time at num_layers=24 over
                          num_layers=4, the rest of the config as given, best of two fresh compiles
@@ -82,11 +99,11 @@ batch_size × (seq_len + 1), and reports, in one run:
                          policy → {temp_bytes, temp_bytes_vs_first, step_time_s,
                          step_time_vs_first}, ratios to policy A. Measured:
                          docs/performance.md#remat-policies.
-Each ratio of two timed programs' step times (vs_reference, *_time_vs_*) is paired: the median,
-over the ABBA rounds, of the ratio of the two programs' median step times in that round. They ran
-back to back, so a change of machine speed between rounds (on a shared CPU, one can last
-minutes) cancels, where the ratio of the two overall medians can mix states; it may therefore
-differ a little from the quotient of the reported medians.
+Each ratio of two timed programs' step times (vs_reference, vs_torch, vs_unrolled, *_time_vs_*)
+is paired: the median, over the ABBA rounds, of the ratio of the two programs' median step times
+in that round. They ran back to back, so a change of machine speed between rounds (on a shared
+CPU, one can last minutes) cancels, where the ratio of the two overall medians can mix states; it
+may therefore differ a little from the quotient of the reported medians.
 Why: docs/performance.md#method-paired-abba-ratios.
 
 Targets are reported, never asserted. `--json` prints exactly one JSON object on stdout; progress
@@ -172,8 +189,9 @@ def framework_runner(program, batch: jax.Array) -> Callable[[], None]:
     return step
 
 
-def reference_runner(program, batch: jax.Array) -> Callable[[], None]:
-    """One synced reference train step per call, from the same initial parameters."""
+def reference_runner(program, batch: jax.Array, unrolled: bool = False) -> Callable[[], None]:
+    """One synced reference train step per call, from the same initial parameters; `unrolled`:
+    its layers in a Python loop rather than a scan."""
     from arch import reference
 
     config = program.config
@@ -182,7 +200,7 @@ def reference_runner(program, batch: jax.Array) -> Callable[[], None]:
     # framework's parameter types, once.
     optimizer = make_optimizer(config.optimizer, config.steps,
                                mask=nnx.to_pure_dict(decay_mask(config.optimizer, state)))
-    train_step = reference.make_train_step(config.model, optimizer)
+    train_step = reference.make_train_step(config.model, optimizer, unrolled)
     params = nnx.to_pure_dict(state)
     carry = {"params": params, "opt_state": optimizer.init(params)}
 
@@ -191,6 +209,27 @@ def reference_runner(program, batch: jax.Array) -> Callable[[], None]:
             carry["params"], carry["opt_state"], batch)
         jax.block_until_ready((carry["params"], carry["opt_state"], loss))
     return step
+
+
+def torch_runner(program, tokens: np.ndarray) -> Callable[[], None] | None:
+    """One eager PyTorch train step per call (`train.instruments.torch_model`) of the same model
+    from the same initial parameters, on the same tokens; None, with one line on stderr, when
+    torch is not importable or the config is not one the PyTorch model implements."""
+    try:
+        from train.instruments import torch_model
+    except ModuleNotFoundError as error:
+        if error.name != "torch":
+            raise
+        log("no PyTorch comparison: torch is not importable (pip install torch)")
+        return None
+    if reason := torch_model.unsupported(program.config):
+        log(f"no PyTorch comparison: {reason}")
+        return None
+    params = program.init(program.config.seed)["params"]
+    trainer = torch_model.TorchTrainer(
+        program.config, nnx.to_pure_dict(params),
+        nnx.to_pure_dict(decay_mask(program.config.optimizer, params)))
+    return functools.partial(trainer.step, np.asarray(tokens, np.int64))
 
 
 def decode_runner(program, prompt_BxP: jax.Array, length: int) -> Callable[[], None]:
@@ -320,7 +359,7 @@ def depth_compile_ratio(config, repeats: int = 2) -> dict[str, float]:
 def bench(config, steps: int, block: int, depth_check: bool, baseline: str | None = None,
           depths: tuple[int, int] | None = None, compare: str | None = None,
           decode: bool = False, decode_batch: int = 1, decode_steps: int = 400,
-          data_batches: int = 0) -> dict:
+          data_batches: int = 0, vs_torch: bool = False, vs_unrolled: bool = False) -> dict:
     from arch import reference
     from arch.accounting import flops_per_token
     from train.metrics import measure_matmul_peak
@@ -345,6 +384,10 @@ def bench(config, steps: int, block: int, depth_check: bool, baseline: str | Non
         log(f"no reference comparison: {reason}")
     else:
         runners["reference"] = reference_runner(program, program.put_batch(tokens))
+        if vs_unrolled:
+            runners["unrolled"] = reference_runner(program, program.put_batch(tokens), True)
+    if vs_torch and (run_torch := torch_runner(program, tokens)):
+        runners["torch"] = run_torch
     log(f"timing {steps} steps each of {', '.join(runners)}, in blocks of {block}...")
     times = time_interleaved(runners, steps, block)
     medians = {label: statistics.median(seconds) for label, seconds in times.items()}
@@ -376,6 +419,12 @@ def bench(config, steps: int, block: int, depth_check: bool, baseline: str | Non
         "vs_reference": ratio("framework", "reference") if reference_time else None,
         "flops_per_token": flops, "devices": jax.device_count(), "steps": steps,
     }
+    if vs_torch:
+        result.update(torch_step_time_s=medians.get("torch"),
+                      vs_torch=ratio("torch", "framework") if "torch" in times else None)
+    if vs_unrolled:
+        result.update(unrolled_step_time_s=medians.get("unrolled"),
+                      vs_unrolled=ratio("unrolled", "framework") if "unrolled" in times else None)
     if decode:
         result["decode_time_s"] = decode_times["framework"]
     if (stages := program.mesh.shape["stage"]) > 1:
@@ -490,6 +539,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="also measure the data loader's tokens/s")
     parser.add_argument("--data_batches", type=positive_int, default=200,
                         help="batches read for --data")
+    parser.add_argument("--vs_torch", action="store_true",
+                        help="also time an eager PyTorch train step of the same model")
+    parser.add_argument("--vs_unrolled", action="store_true",
+                        help="also time the reference step with its layers unrolled")
     parser.add_argument("--remat_policies", metavar="A,B,...", default=None,
                         help="model.remat_policy values to compare, as ratios to the first")
     config, args = parse_with_config(parser, argv)
@@ -512,7 +565,7 @@ def main(argv: list[str] | None = None) -> int:
                                                        for policy in policies[1:])]))
         result = bench(config, args.steps, args.block, args.depth_check, args.baseline, depths,
                        compare, args.decode, args.decode_batch, args.decode_steps,
-                       args.data_batches if args.data else 0)
+                       args.data_batches if args.data else 0, args.vs_torch, args.vs_unrolled)
     except ConfigError as error:
         log(f"error: {error}")
         return 2
