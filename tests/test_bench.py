@@ -8,16 +8,44 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
+import numpy as np
 import pytest
+from flax import nnx
 
-from tests.helpers import one_device_env
+from arch import reference
+from sharding.mesh import make_mesh
+from tests.helpers import one_device_env, tiny_config
+from train.config import validate
 from train.instruments.timing import paired_ratio
+from train.optim import decay_mask, make_optimizer
+from train.step import TrainProgram
 
 ROOT = Path(__file__).resolve().parents[1]
 REQUIRED = ("tokens_per_sec", "step_time_s", "compile_time_s", "mfu", "peak_flops",
             "temp_bytes", "vs_reference", "reference_step_time_s")
 BASELINE = ("baseline_step_time_s", "step_time_vs_baseline", "temp_bytes_vs_baseline",
             "temp_bytes_layers_1", "temp_bytes_layers_2", "temp_bytes_depth_ratio")
+
+
+# The family of configs the PyTorch model implements (train/instruments/torch_model.py).
+TORCH_MODEL = dict(norm="layernorm", position="learned", ffn="mlp", activation="gelu",
+                   head="untied", num_kv_heads=4)
+TINY = ["--config", str(ROOT / "experiments" / "quickstart.py"), "--config.model.d_model=32",
+        "--config.model.num_heads=4", "--config.model.num_layers=2", "--config.seq_len=16",
+        "--config.batch_size=4", "--json", "--block", "1"]
+
+
+def one_device_program(config) -> TrainProgram:
+    validate(config, 1)  # tiny_config's mesh.data=1, on the first of conftest's devices
+    return TrainProgram(config, make_mesh(config.mesh, jax.devices()[:1]))
+
+
+def run_bench(*arguments: str) -> subprocess.CompletedProcess:
+    env = one_device_env()
+    env["JAX_PLATFORMS"] = "cpu"
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), *TINY, *arguments],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
 COMPARE = ("step_time_s", "step_time_vs_config", "temp_bytes", "temp_bytes_vs_config",
@@ -83,3 +111,89 @@ def test_remat_policies_become_compare_variants_reported_as_ratios_to_the_first(
     assert ratios["none"]["temp_bytes_vs_first"] == ratios["none"]["step_time_vs_first"] == 1.0
     assert ratios["full"] == {"temp_bytes": 25, "step_time_s": 2.5, "temp_bytes_vs_first": 0.25,
                               "step_time_vs_first": 1.25}
+
+
+@pytest.mark.parametrize("overrides", [{}, {"head": "tied", "linear_bias": True,
+                                            "final_norm": False}])
+def test_torch_model_trains_like_the_framework_from_its_parameters(overrides):
+    pytest.importorskip("torch")
+    from train.instruments import torch_model
+
+    config = tiny_config(**{**TORCH_MODEL, **overrides})
+    config.batch_size, config.optimizer.warmup_steps = 4, 1  # learning rates 0, then 3e-3
+    program = one_device_program(config)
+    assert torch_model.unsupported(config) is None
+    state = program.init(config.seed)
+    trainer = torch_model.TorchTrainer(
+        config, nnx.to_pure_dict(state["params"]),
+        nnx.to_pure_dict(decay_mask(config.optimizer, state["params"])))
+    tokens = np.random.default_rng(0).integers(0, 256, (4, 17), dtype=np.int32)
+    model = nnx.merge(program.graphdef, state["params"], state["model_state"])
+    expected = model(tokens[:, :-1], np.broadcast_to(np.arange(16), (4, 16)))
+    np.testing.assert_allclose(trainer.logits(tokens[:, :-1]), expected, rtol=1e-4, atol=1e-5)
+    batch, losses = program.put_batch(tokens), []
+    for _ in range(3):  # the third loss follows one update at 3e-3 (the first is at rate 0)
+        state, metrics = program.train_step(state, batch)
+        losses.append((float(metrics["loss"]), trainer.step(tokens)))
+    framework, eager = np.array(losses).T
+    assert framework[2] < framework[0] - 0.1  # the update changed the model
+    np.testing.assert_allclose(eager, framework, rtol=1e-5)  # float32, fused AdamW vs optax
+
+
+def test_torch_model_refuses_what_it_does_not_implement_in_one_line():
+    pytest.importorskip("torch")
+    from train.instruments import torch_model
+
+    config = tiny_config(**{**TORCH_MODEL, "ffn": "swiglu"})
+    reason = torch_model.unsupported(config)
+    assert reason.startswith("the PyTorch model has no model.ffn='swiglu'; it models Pre-LN")
+    assert "\n" not in reason
+    config = tiny_config(**{**TORCH_MODEL, "num_kv_heads": 2})
+    assert "num_kv_heads=2" in torch_model.unsupported(config)
+
+
+def test_unrolled_reference_step_equals_the_scanned_one():
+    config = tiny_config(**TORCH_MODEL)
+    program = one_device_program(config)
+    params = program.init(config.seed)["params"]
+    optimizer = make_optimizer(config.optimizer, config.steps,
+                               mask=nnx.to_pure_dict(decay_mask(config.optimizer, params)))
+    tokens = jax.numpy.asarray(np.random.default_rng(0).integers(0, 256, (8, 17), np.int32))
+    results = []
+    for unrolled in (False, True):
+        pure = jax.tree.map(jax.numpy.copy, nnx.to_pure_dict(params))  # the step donates it
+        step = reference.make_train_step(config.model, optimizer, unrolled)
+        state = (pure, optimizer.init(pure))
+        for _ in range(3):
+            *state, loss = step(*state, tokens)
+        results.append((state[0], loss))
+    (scanned, scanned_loss), (unrolled, unrolled_loss) = results
+    np.testing.assert_allclose(unrolled_loss, scanned_loss, rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
+                 unrolled, scanned)
+
+
+@pytest.mark.slow
+def test_bench_json_vs_torch_and_vs_unrolled():
+    pytest.importorskip("torch")
+    done = run_bench("--steps", "2", "--vs_torch", "--vs_unrolled",
+                     *(f"--config.model.{field}={value}" for field, value in TORCH_MODEL.items()))
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout)
+    for key in ("torch_step_time_s", "vs_torch", "unrolled_step_time_s", "vs_unrolled"):
+        assert math.isfinite(result[key]) and result[key] > 0, (key, result.get(key))
+    assert "no PyTorch comparison" not in done.stderr
+
+
+@pytest.mark.slow
+def test_bench_vs_torch_refuses_an_unsupported_config_in_one_line():
+    pytest.importorskip("torch")
+    done = run_bench("--steps", "1", "--vs_torch")  # the quickstart: RMSNorm, RoPE, SwiGLU, GQA
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout)
+    assert result["torch_step_time_s"] is None and result["vs_torch"] is None
+    refusals = [line for line in done.stderr.splitlines() if "no PyTorch comparison" in line]
+    assert len(refusals) == 1
+    assert refusals[0].startswith("no PyTorch comparison: the PyTorch model has no "
+                                  "model.norm='rmsnorm'; it models Pre-LN")
+    assert "vs_unrolled" not in result  # opt-in, as --vs_torch is
