@@ -21,9 +21,11 @@ Scales (the config argument is "ARM@SIZE" or "ARM@SIZE,SCALE"; SIZE is xs, s, m,
   budget (`ffn_width="match_mlp"`), RoPE, seq 8192
   with the blocked attention kernel, subword data
   (`data.name="prepared"` shards of `scripts/prepare_data.py` in data/prepared), bfloat16,
-  batch 128 (1M tokens per step), 5,000 steps. Sized for 8 × 80 GB GPUs or a v5p-8 each; check
+  batch 128 (1M tokens per step) in 8 accumulation steps with whole-block rematerialization,
+  5,000 steps. Sized for 8 × 80 GB GPUs or a v5p-8 each: at xl, parameters 0.25 GB and AdamW
+  state 0.5 GB per device under FSDP on 8 (activations not compiled here); check
   a size with `python scripts/dry_run.py --config experiments/attnres_scaling.py:block@xl,paper
-  --devices 8 --mesh fsdp=8 --config.model.vocab_size=32768`.
+  --devices 8 --mesh data=1,fsdp=8 --config.model.vocab_size=32768 --no_compile`.
 
 Commands (results: docs/results/attnres_scaling/):
     python scripts/sweep.py --study experiments/attnres_scaling.py \\
@@ -71,9 +73,9 @@ def get_config(arg: str | None = None):
         config.optimizer.update(learning_rate=3e-3, warmup_steps=40)
     else:
         config.update(steps=5_000, batch_size=128, seq_len=8192, eval_every=500,
-                      checkpoint_every=500, sample_tokens=0)
+                      checkpoint_every=500, sample_tokens=0, accumulation_steps=8)
         config.data.update(name="prepared", path="data/prepared")
         model.update(vocab_size=0, dtype="bfloat16", attention_implementation="blocked",
-                     head="untied", ffn_width="match_mlp")
+                     head="untied", ffn_width="match_mlp", remat=True)
         config.optimizer.update(learning_rate=1e-3, warmup_steps=500, schedule="wsd")
     return config

@@ -48,8 +48,8 @@ summary we have):
   (`data.name="prepared"` shards of `scripts/prepare_data.py` in data/prepared, with its
   vocabulary), bfloat16 compute, AdamW 3e-4 with 1000 warmup steps and cosine decay. Sized for
   one accelerator host (8 × 80 GB GPUs or a v5p-8): ≈ 2–3·10¹⁹ training FLOPs per run, a few
-  hours each at 40% utilization; the 4-branch arms keep 4 residual copies per token (set
-  model.remat=True if memory is short).
+  hours each at 40% utilization; 8 accumulation steps and whole-block rematerialization,
+  since the 4-branch arms keep 4 residual copies per token.
 
 Commands:
     python scripts/sweep.py --study experiments/gated_residual_table.py \\
@@ -99,10 +99,11 @@ def get_config(arg: str | None = None):
         config.optimizer.update(learning_rate=3e-3, warmup_steps=60, schedule="cosine")
     else:
         config.update(steps=10_000, batch_size=256, seq_len=4096, eval_every=1000,
-                      eval_batches=16, checkpoint_every=1000, sample_tokens=0)
+                      eval_batches=16, checkpoint_every=1000, sample_tokens=0,
+                      accumulation_steps=8)
         config.data.update(name="prepared", path="data/prepared")
         model.update(d_model=1024, num_layers=24, num_heads=16, num_kv_heads=16, vocab_size=0,
-                     dtype="bfloat16")
+                     dtype="bfloat16", remat=True)
         config.optimizer.update(learning_rate=3e-4, warmup_steps=1000, schedule="cosine")
     model.update(_ARMS[arm])
     return config
