@@ -215,16 +215,25 @@ def to_json(quantities: dict[str, dict], **header) -> dict:
         for name, q in quantities.items()}}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = ArgumentParser("python scripts/depth_mixing.py", __doc__)
+def analysis_run(prog: str, doc: str, png_name: str, argv: list[str] | None):
+    """The command line shared by the scripts that analyse a run (--workdir, --out, --batch,
+    --seq_len) and the run it names (`restore_for_analysis`): (args, program, step, model,
+    tokens B×(T+1)), with args.out a Path (default WORKDIR/`png_name`). Raises
+    FileNotFoundError or ConfigError in one line."""
+    parser = ArgumentParser(prog, doc)
     parser.add_argument("--workdir", required=True)
-    parser.add_argument("--out", default=None, help="PNG path; default WORKDIR/mixing.png")
+    parser.add_argument("--out", default=None, help=f"PNG path; default WORKDIR/{png_name}")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq_len", type=int, default=None, help="default: the run's seq_len")
     args = parser.parse_args(argv)
+    args.out = Path(args.out) if args.out else Path(args.workdir) / png_name
+    return (args, *restore_for_analysis(args.workdir, args.batch, args.seq_len))
+
+
+def main(argv: list[str] | None = None) -> int:
     try:
-        program, step, model, tokens_BxT1 = restore_for_analysis(args.workdir, args.batch,
-                                                                 args.seq_len)
+        args, program, step, model, tokens_BxT1 = analysis_run(
+            "python scripts/depth_mixing.py", __doc__, "mixing.png", argv)
     except (FileNotFoundError, ConfigError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -236,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"model.residual={mechanism!r} records no mixing weights (a plain sum has "
               "none); nothing to plot", file=sys.stderr)
         return 1
-    png_path = Path(args.out) if args.out else Path(args.workdir) / "mixing.png"
+    png_path = args.out
     png_path.parent.mkdir(parents=True, exist_ok=True)
     plot_mixing(quantities, png_path, f"{mechanism}, step {step}")
     header = dict(mechanism=mechanism, step=step, batch=args.batch, seq_len=seq_len)

@@ -66,7 +66,6 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -74,9 +73,7 @@ from flax import nnx
 
 from arch.residual import PathTerm, sublayers_per_block
 from config import ConfigError
-from config.cli import ArgumentParser
-from train.instruments.depth_mixing import plot_mixing, recorded
-from train.restore import restore_for_analysis
+from train.instruments.depth_mixing import analysis_run, plot_mixing, recorded
 
 GATES = ("read_gates", "write_strengths")  # nnx.Intermediate
 TERMS = ("read_inverse_rms", "branch_gains", "sublayer_output", "read")  # PathTerm
@@ -181,15 +178,9 @@ def _listed(values: np.ndarray) -> list:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = ArgumentParser("python scripts/gr_paths.py", __doc__)
-    parser.add_argument("--workdir", required=True)
-    parser.add_argument("--out", default=None, help="PNG path; default WORKDIR/gr_paths.png")
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq_len", type=int, default=None, help="default: the run's seq_len")
-    args = parser.parse_args(argv)
     try:
-        program, step, model, tokens_BxT1 = restore_for_analysis(args.workdir, args.batch,
-                                                                 args.seq_len)
+        args, program, step, model, tokens_BxT1 = analysis_run(
+            "python scripts/gr_paths.py", __doc__, "gr_paths.png", argv)
     except (FileNotFoundError, ConfigError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -204,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     per_block = sublayers_per_block(config.model)
     layers = per_layer(result["contribution"], per_block)
-    png_path = Path(args.out) if args.out else Path(args.workdir) / "gr_paths.png"
+    png_path = args.out
     png_path.parent.mkdir(parents=True, exist_ok=True)
     plot_mixing(_heatmaps(result), png_path, f"{mechanism}, step {step}: path contributions")
     written = dict(
