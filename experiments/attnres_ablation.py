@@ -43,7 +43,7 @@ Commands (results: docs/results/attnres_ablation/):
     python scripts/study_report.py --root runs/attnres_ablation
 """
 
-from experiments.common import base_config
+from experiments.common import arm_and_scale, base_config
 
 ARMS = ("baseline", "full", "block", "block2", "block8", "block16", "window", "input_query",
         "heads4", "sigmoid", "no_key_norm", "static", "mhc")
@@ -73,12 +73,7 @@ _ARMS = {
 
 
 def get_config(arg: str | None = None):
-    arm, _, scale = (arg or BASELINE).partition(",")
-    if arm not in _ARMS:
-        raise ValueError(f"unknown arm {arm!r}; arms: {', '.join(ARMS)}")
-    scale = scale or SCALES[0]
-    if scale not in SCALES:
-        raise ValueError(f"unknown scale {scale!r}; scales: {', '.join(SCALES)}")
+    arm, scale = arm_and_scale(arg, ARMS, SCALES, BASELINE)
     config = base_config()
     model = config.model
     model.update(position="learned", ffn="mlp", activation="gelu", head="untied")

@@ -57,7 +57,7 @@ Commands:
     python scripts/study_report.py --root runs/gated_residual_table
 """
 
-from experiments.common import base_config
+from experiments.common import arm_and_scale, base_config
 
 ARMS = ("prenorm", "width", "hc", "mhc_static", "mhc", "gr", "gr_no_channel_read",
         "gr_no_channel_write", "gr_mixing", "gr_no_static", "gr_random_init", "gr_top2")
@@ -84,12 +84,7 @@ _ARMS = {
 
 
 def get_config(arg: str | None = None):
-    arm, _, scale = (arg or BASELINE).partition(",")
-    if arm not in _ARMS:
-        raise ValueError(f"unknown arm {arm!r}; arms: {', '.join(ARMS)}")
-    scale = scale or SCALES[0]
-    if scale not in SCALES:
-        raise ValueError(f"unknown scale {scale!r}; scales: {', '.join(SCALES)}")
+    arm, scale = arm_and_scale(arg, ARMS, SCALES, BASELINE)
     config = base_config()
     model = config.model
     if scale == "cpu":
