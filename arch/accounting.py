@@ -47,7 +47,7 @@ def _routed_expert_share(model_cfg, model) -> tuple[int, int, int]:
     if model_cfg.ffn != "moe":
         return 0, 1, 1
     routed = nnx.state(model, lambda path, _: "routed_experts" in path)
-    return _size(routed), model_cfg.moe_top_k, model_cfg.moe_experts
+    return _size(routed), model_cfg.moe.top_k, model_cfg.moe.experts
 
 
 def active_parameter_count(model_cfg) -> int:

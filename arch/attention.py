@@ -1,4 +1,5 @@
-"""Attention. Registry: `ATTENTION[name](cfg, rngs=...)`; called as
+"""Attention. Registry: `ATTENTION[name](cfg, execution=..., rngs=...)` (the model section and
+the `execution` section: kernel, tile, sequence attention; default `execution_config()`); called as
 `attention(x_BxTxD, positions_BxT, rotate, cache) -> (y_BxTxD, cache)`.
 
 Shapes: B batch, T query positions, S key positions, D = d_model, H query heads, K key/value
@@ -23,6 +24,7 @@ from arch.layers import Dense
 from arch.norms import RMSNorm
 from arch.registry import Registry
 from arch.residual import is_capturing, record
+from config.defaults import execution_config
 from sharding.rules import constrain
 from sharding.sequence import ring_attention, sequence_shards
 
@@ -73,7 +75,7 @@ def attend(q_BxTxHxP, k_BxSxKxP, v_BxSxKxV, query_positions_BxT, key_positions_B
            implementation: str = "xla", chunk: int = 128, scale: float | None = None,
            in_order: bool = False, recorder: nnx.Module | None = None) -> jax.Array:
     """Causal attention softmax(QKᵀ·scale + M)V by `implementation`
-    (`model.attention_implementation`; `arch.attention_kernels`): `xla` (explicit scores,
+    (`execution.attention_implementation`; `arch.attention_kernels`): `xla` (explicit scores,
     `dot_product_attention`), `blocked` (online softmax over `chunk`-position tiles, O(T·chunk)
     memory), `cudnn`, `splash`, or `auto` (`choose_implementation`: the fastest exact path for
     the backend and shape). All are the same function; tests/test_attention_kernels.py checks it.
@@ -119,12 +121,12 @@ class MultiHeadAttention(nnx.Module):
     writes its keys/values at those slots and attends to every slot at or before its position.
 
     Sequence parallelism (`sharding/sequence.py`): queries stay sharded over `sequence`; keys and
-    values are all-gathered (`model.sequence_attention="all_gather"`) or, without a KV cache,
+    values are all-gathered (`execution.sequence_attention="all_gather"`) or, without a KV cache,
     rotated around the ring (`"ring"`, which records no attention weights). With a KV cache
     (decoding) the cache is gathered like the keys, whatever the setting.
     """
 
-    def __init__(self, cfg, *, rngs: nnx.Rngs):
+    def __init__(self, cfg, *, execution=None, rngs: nnx.Rngs):
         d, h, k, p = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         dtype, bias = jnp.dtype(cfg.dtype), cfg.linear_bias
         self.query = Dense((d,), (h, p), ("embed",), ("heads", "head_dim"), rngs=rngs, dtype=dtype,
@@ -135,9 +137,10 @@ class MultiHeadAttention(nnx.Module):
                            dtype=dtype, use_bias=bias, init=group_init(cfg, "value"))
         self.output = Dense((h, p), (d,), ("heads", "head_dim"), ("embed",), rngs=rngs, dtype=dtype,
                             use_bias=bias, init=group_init(cfg, "attention_output"))
-        self.ring = cfg.sequence_attention == "ring"
-        self.implementation = cfg.attention_implementation
-        self.chunk = cfg.attention_chunk
+        execution = execution or execution_config()
+        self.ring = execution.sequence_attention == "ring"
+        self.implementation = execution.attention_implementation
+        self.chunk = execution.attention_chunk
 
     @staticmethod
     def score_flops_per_token(cfg, seq_len: int) -> float:
@@ -180,18 +183,18 @@ class MultiHeadLatentAttention(nnx.Module):
     """Multi-head Latent Attention (DeepSeek-AI 2024, "DeepSeek-V2", §2.1.2–2.1.3, eqs. 9–19).
 
     Keys and values of all H heads are read from one shared per-token latent c_KV (width C =
-    `mla_kv_rank`), so the KV cache holds C + R numbers per token instead of MHA's 2·H·P:
+    `mla.kv_rank`), so the KV cache holds C + R numbers per token instead of MHA's 2·H·P:
 
         c_KV = RMSNorm(x W_DKV)                  d → C                          (eq. 9)
         k^C = c_KV W_UK,  v = c_KV W_UV          C → H×N,  C → H×V              (eqs. 10–11)
-        c_Q = RMSNorm(x W_DQ)                    d → C'   (C' = `mla_q_rank`)   (eq. 12)
+        c_Q = RMSNorm(x W_DQ)                    d → C'   (C' = `mla.q_rank`)   (eq. 12)
         q^C = c_Q W_UQ,  q^R = RoPE(c_Q W_QR)    C' → H×N,  C' → H×R            (eqs. 13–14)
         k^R = RoPE(x W_KR)                       d → R, ONE head shared by all  (eq. 15)
         q_i = [q^C_i; q^R_i],  k_i = [k^C_i; k^R]                               (eqs. 16–17)
         o_i = softmax(q_i k_iᵀ / √(N + R) + M) v_i;  y = [o_1; …; o_H] W_O      (eqs. 18–19)
 
-    N = `mla_nope_dim`, R = `mla_rope_dim`, V = `mla_v_dim` (N and V default to `head_dim`).
-    With `mla_q_rank` = 0 the query is full-rank: c_Q = x (no W_DQ, no norm), W_UQ: d → H×N and
+    N = `mla.nope_dim`, R = `mla.rope_dim`, V = `mla.v_dim` (N and V default to `head_dim`).
+    With `mla.q_rank` = 0 the query is full-rank: c_Q = x (no W_DQ, no norm), W_UQ: d → H×N and
     W_QR: d → H×R, together the d → H×(N + R) projection of eq. 16's q. The RMSNorms on the
     latents (gain 1, `norm_eps`) are not in the paper's equations but are in the released
     DeepSeek-V2 model (`kv_a_layernorm`, `q_a_layernorm`) and are kept here.
@@ -206,23 +209,23 @@ class MultiHeadLatentAttention(nnx.Module):
     (W_UV) and attention_output (W_O), default variance 1/fan_in; norm gains 1.
 
     Sequence parallelism: keys and values (after up-projection) are all-gathered over `sequence`;
-    `model.sequence_attention="ring"` is not available for MLA (train/config.py rejects it).
+    `execution.sequence_attention="ring"` is not available for MLA (train/config.py rejects it).
 
     KV cache: {"latent": B×S_max×C, "rope_key": B×S_max×R}, the normalized c_KV and the rotated
     k^R. An input block at positions t₀..t₀+T−1 writes its slots and attends to every slot at or
     before its position. By default keys and values are up-projected from the cached latent
-    (the simple way). With `mla_absorb=True`, cached attention runs in the latent space instead
+    (the simple way). With `mla.absorb=True`, cached attention runs in the latent space instead
     (DeepSeek-V2 §2.1.2, "absorbed" inference): q̃_i = W_UK,i q^C_i, scores
     (q̃_i·c_KV + q^R_i·k^R)/√(N + R), i.e. MQA with one key/value head [c_KV; k^R] / c_KV of
     width C + R / C, and o_i = W_UV,iᵀ (Σ_s w_is c_KV,s); mathematically equal to the simple way.
     """
 
-    def __init__(self, cfg, *, rngs: nnx.Rngs):
+    def __init__(self, cfg, *, execution=None, rngs: nnx.Rngs):
         d, h = cfg.d_model, cfg.num_heads
-        c, c_q, r = cfg.mla_kv_rank, cfg.mla_q_rank, cfg.mla_rope_dim
-        n, v = cfg.mla_nope_dim, cfg.mla_v_dim
+        c, c_q, r = cfg.mla.kv_rank, cfg.mla.q_rank, cfg.mla.rope_dim
+        n, v = cfg.mla.nope_dim, cfg.mla.v_dim
         dtype = jnp.dtype(cfg.dtype)
-        self.absorb = bool(cfg.mla_absorb)
+        self.absorb = bool(cfg.mla.absorb)
         if c_q:
             self.query_down = Dense((d,), (c_q,), ("embed",), ("q_latent",), rngs=rngs, dtype=dtype,
                                     init=group_init(cfg, "query"))
@@ -247,19 +250,20 @@ class MultiHeadLatentAttention(nnx.Module):
         self.output = Dense((h, v), (d,), ("heads", "head_dim"), ("embed",), rngs=rngs, dtype=dtype,
                             init=group_init(cfg, "attention_output"))
         self.scale = (n + r) ** -0.5
-        self.implementation = cfg.attention_implementation
-        self.chunk = cfg.attention_chunk
+        execution = execution or execution_config()
+        self.implementation = execution.attention_implementation
+        self.chunk = execution.attention_chunk
 
     @staticmethod
     def score_flops_per_token(cfg, seq_len: int) -> float:
         """Causal QKᵀ over N + R features and AV over V: H·(N + R + V)·(T + 1) on average."""
-        width = cfg.mla_nope_dim + cfg.mla_rope_dim + cfg.mla_v_dim
+        width = cfg.mla.nope_dim + cfg.mla.rope_dim + cfg.mla.v_dim
         return cfg.num_heads * width * (seq_len + 1)
 
     @staticmethod
     def cache_shapes(cfg, batch: int, length: int) -> dict[str, tuple[int, ...]]:
-        return {"latent": (batch, length, cfg.mla_kv_rank),
-                "rope_key": (batch, length, cfg.mla_rope_dim)}
+        return {"latent": (batch, length, cfg.mla.kv_rank),
+                "rope_key": (batch, length, cfg.mla.rope_dim)}
 
     def __call__(self, x_BxTxD, positions_BxT, rotate, cache=None):
         if self.query_down is None:

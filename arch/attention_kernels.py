@@ -311,7 +311,7 @@ def splash_attention(q_BxTxHxP: jax.Array, k_BxSxKxP: jax.Array, v_BxSxKxV: jax.
 
 def choose_implementation(implementation: str, *, backend: str, query_len: int, key_len: int,
                           dtype, key_width: int, value_width: int, in_order: bool) -> str:
-    """The kernel `attend` runs for `model.attention_implementation` on `backend`.
+    """The kernel `attend` runs for `execution.attention_implementation` on `backend`.
 
     `auto`: on GPU, cuDNN for bfloat16/float16 with equal key and value widths P ≤ 128, P a
     multiple of 8 (its fused kernel's limits); on TPU, splash for in-order attention with T a
@@ -332,12 +332,12 @@ def choose_implementation(implementation: str, *, backend: str, query_len: int, 
             return "splash"
         return portable
     if implementation == "cudnn" and backend != "gpu":
-        raise ValueError(f"model.attention_implementation='cudnn' needs an NVIDIA GPU; the "
+        raise ValueError(f"execution.attention_implementation='cudnn' needs an NVIDIA GPU; the "
                          f"backend is {backend!r} (use 'auto', 'blocked' or 'xla')")
     if implementation == "splash":
         if backend != "tpu":
-            raise ValueError(f"model.attention_implementation='splash' needs a TPU; the backend "
-                             f"is {backend!r} (use 'auto', 'blocked' or 'xla')")
+            raise ValueError("execution.attention_implementation='splash' needs a TPU; the "
+                             f"backend is {backend!r} (use 'auto', 'blocked' or 'xla')")
         if not (in_order and query_len % 128 == 0 and equal_widths):
             return "blocked"
     return implementation

@@ -15,7 +15,7 @@ the query. Initialization: every w = 0, so the weights start uniform over the av
 (1/(l+1)), not at the ordinary unit-weight sum (the norm that follows removes the scale anyway).
 
 Block AttnRes (paper §3, "Block Attention Residuals"), registered as "block_attnres": the n
-sublayers form N = ⌈n/S⌉ blocks of S = `model.attnres_block_size` consecutive sublayers. The
+sublayers form N = ⌈n/S⌉ blocks of S = `model.attnres.block_size` consecutive sublayers. The
 outputs of a block are summed, b_m = Σ_{j ∈ block m} v_j; sublayer l of block m = ⌊l/S⌋ attends
 over the embedding, the completed summaries b_0 … b_{m−1} and, unless it is the block's first
 sublayer, the partial sum of block m's earlier outputs. Boundary rules: a read happens before its
@@ -45,18 +45,18 @@ its S reads as one reduction over the slot axis (`_phase_one_forward`). Each sca
 the scan's unit-major buffers. Measured: docs/performance.md#block-attnres.
 
 Variants (config fields):
-- `attnres_query="input"`: w_l + W_l k̂_cur, with W_l ∈ R^{d×d} zero-initialized and the
+- `attnres.query="input"`: w_l + W_l k̂_cur, with W_l ∈ R^{d×d} zero-initialized and the
   "current state" k̂_cur the most recent source (slot ⌈l/S⌉: the previous sublayer's output for
   Full AttnRes, the current partial sum or the last summary for Block), normalized like a key.
-- `attnres_heads=H`: d split into H chunks of d/H features; each chunk has its own query chunk,
+- `attnres.heads=H`: d split into H chunks of d/H features; each chunk has its own query chunk,
   per-chunk key normalization and its own softmax over the sources.
-- `attnres_weights="sigmoid"`: α_j = σ(w_l · k̂_j), unnormalized over the sources.
-- `attnres_weights="static"`: input-independent learned weights α_{j→l} (per head), DenseFormer
+- `attnres.weights="sigmoid"`: α_j = σ(w_l · k̂_j), unnormalized over the sources.
+- `attnres.weights="static"`: input-independent learned weights α_{j→l} (per head), DenseFormer
   style (Pagliardini et al. 2024, "DenseFormer", §3, depth-weighted averages). Initialized to 1 on
   every available source, DenseFormer's principle of starting exactly at the standard residual
   model: with all-one weights h_l = norm(x⁰ + Σ_{j<l} v_j) is the Pre-Norm sum.
-- `attnres_key_norm=False`: raw sources as keys.
-- `attnres_window=W > 0`: only the W most recent sources (slots ⌈l/S⌉ − W + 1 … ⌈l/S⌉).
+- `attnres.key_norm=False`: raw sources as keys.
+- `attnres.window=W > 0`: only the W most recent sources (slots ⌈l/S⌉ − W + 1 … ⌈l/S⌉).
 
 Two-phase schedule (paper, "Two-phase computation"), in training and with a KV cache: the
 pseudo-queries do not depend on the input, so when a block starts (`AttnResStream.open`), its S
@@ -77,7 +77,7 @@ grows with S, not with depth at a fixed S); the other variants and layouts keep 
 Pipeline parallelism (the report's cached stage transfer; `sharding/pipeline.py`): a stage that
 receives the buffer last held it P − 1 chunks (lag sublayers) earlier and keeps that copy, so it
 is sent only the slots written since, ⌈(lag − 1)/S⌉ + 1 of them with their 1/rms and the counter
-(`stage_message`), and writes them over its copy (`stage_merge`); `model.pipeline_transfer=
+(`stage_message`), and writes them over its copy (`stage_merge`); `execution.pipeline.transfer=
 "full"` sends the whole buffer.
 
 Recorded (`arch.residual.record`): "depth_weights", the weights over the N + 1 slots (zero on
@@ -838,7 +838,7 @@ class AttentionResidual(ResidualMechanism):
     """Full Attention Residuals, per sublayer: h_l = norm(Σ_j α_{j→l} v_j) over the embedding and
     every earlier sublayer output (equations, initialization and sources: the module docstring of
     `arch/attnres.py`). Parameters here: the read's norm (`model.norm`, gain 1) and, with
-    `attnres_query="input"`, the zero-initialized query projection W_l."""
+    `attnres.query="input"`, the zero-initialized query projection W_l."""
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         self.layout = self.depth_layout(cfg)
@@ -853,9 +853,9 @@ class AttentionResidual(ResidualMechanism):
     @classmethod
     def depth_layout(cls, cfg) -> DepthLayout:
         return DepthLayout(sublayers=cfg.num_layers * (2 if cfg.use_ffn else 1),
-                           block_size=cls.block_size(cfg), heads=cfg.attnres_heads,
-                           weights=cfg.attnres_weights, query=cfg.attnres_query,
-                           key_norm=cfg.attnres_key_norm, window=cfg.attnres_window,
+                           block_size=cls.block_size(cfg), heads=cfg.attnres.heads,
+                           weights=cfg.attnres.weights, query=cfg.attnres.query,
+                           key_norm=cfg.attnres.key_norm, window=cfg.attnres.window,
                            eps=cfg.norm_eps)
 
     @classmethod
@@ -865,11 +865,11 @@ class AttentionResidual(ResidualMechanism):
     @classmethod
     def residual_io(cls, cfg) -> ResidualIO:
         """Full AttnRes, "scheduled" (the two-phase schedule of the AttnRes report over chunks of
-        S = `model.attnres_block_size` sublayers, every output its own source; L sublayers,
+        S = `model.attnres.block_size` sublayers, every output its own source; L sublayers,
         N = ⌈L/S⌉): phase 1 reads the (N − 1)·S outputs of earlier chunks once per chunk →
         N − 1; the phase-1 result written and read back → 2; phase 2 merges up to S − 1
         intra-chunk outputs → S − 1; the sublayer's output is stored once as a source (not
-        counted). Total L/S + S (24 at L = 128, S = 16). `model.attnres_window` is not modelled
+        counted). Total L/S + S (24 at L = 128, S = 16). `model.attnres.window` is not modelled
         (an upper bound for windowed depth attention)."""
         L, S, N = _chunking(cfg)
         T = ResidualTraffic
@@ -893,7 +893,7 @@ class AttentionResidual(ResidualMechanism):
             per_block, size = sublayers_per_block(cfg), cls.block_size(cfg)
             raise ValueError(
                 f"model.residual={cfg.residual!r}: dropping blocks {list(drop)} regroups the "
-                f"remaining sublayers into other AttnRes blocks of model.attnres_block_size="
+                f"remaining sublayers into other AttnRes blocks of model.attnres.block_size="
                 f"{size}; drop blocks whose {per_block} sublayer(s) fill whole AttnRes blocks, "
                 "or the last blocks")
 
@@ -925,26 +925,26 @@ class AttentionResidual(ResidualMechanism):
 
     @staticmethod
     def resolve(cfg) -> None:
-        block = cfg.attnres_block_size
+        block = cfg.attnres.block_size
         check(isinstance(block, int) and not isinstance(block, bool) and block >= 1,
-              "model.attnres_block_size", block, "must be an integer ≥ 1 (sublayers per block)")
-        check(cfg.attnres_weights in WEIGHTS, "model.attnres_weights", cfg.attnres_weights,
+              "model.attnres.block_size", block, "must be an integer ≥ 1 (sublayers per block)")
+        check(cfg.attnres.weights in WEIGHTS, "model.attnres.weights", cfg.attnres.weights,
               f"valid: {', '.join(WEIGHTS)}")
-        check(cfg.attnres_query in QUERIES, "model.attnres_query", cfg.attnres_query,
+        check(cfg.attnres.query in QUERIES, "model.attnres.query", cfg.attnres.query,
               f"valid: {', '.join(QUERIES)}")
-        check(cfg.attnres_query == "static" or cfg.attnres_weights != "static",
-              "model.attnres_query", cfg.attnres_query,
-              "static (input-independent) weights use no query; set model.attnres_query='static'"
-              " or model.attnres_weights='softmax'/'sigmoid'")
-        heads, d = cfg.attnres_heads, cfg.d_model
-        check(isinstance(heads, int) and heads >= 1 and d % heads == 0, "model.attnres_heads",
+        check(cfg.attnres.query == "static" or cfg.attnres.weights != "static",
+              "model.attnres.query", cfg.attnres.query,
+              "static (input-independent) weights use no query; set model.attnres.query='static'"
+              " or model.attnres.weights='softmax'/'sigmoid'")
+        heads, d = cfg.attnres.heads, cfg.d_model
+        check(isinstance(heads, int) and heads >= 1 and d % heads == 0, "model.attnres.heads",
               heads, f"must divide model.d_model={d}; valid: "
               f"{[k for k in range(1, d + 1) if d % k == 0]}")
-        check(isinstance(cfg.attnres_key_norm, bool), "model.attnres_key_norm",
-              cfg.attnres_key_norm, "must be True or False")
-        window = cfg.attnres_window
+        check(isinstance(cfg.attnres.key_norm, bool), "model.attnres.key_norm",
+              cfg.attnres.key_norm, "must be True or False")
+        window = cfg.attnres.window
         check(isinstance(window, int) and not isinstance(window, bool) and window >= 0,
-              "model.attnres_window", window, "must be an integer ≥ 0 (0: every source)")
+              "model.attnres.window", window, "must be an integer ≥ 0 (0: every source)")
 
     def read(self, state: dict) -> jax.Array:
         if "phase" in state:  # only this read's inputs: the remat saves them
@@ -977,9 +977,9 @@ class AttentionResidual(ResidualMechanism):
 
 
 def _chunking(cfg) -> tuple[int, int, int]:
-    """(L sublayers, S = `model.attnres_block_size` capped at L, N = ⌈L/S⌉)."""
+    """(L sublayers, S = `model.attnres.block_size` capped at L, N = ⌈L/S⌉)."""
     L = sublayer_count(cfg)
-    S = max(1, min(cfg.attnres_block_size, L))
+    S = max(1, min(cfg.attnres.block_size, L))
     return L, S, math.ceil(L / S)
 
 
@@ -994,19 +994,19 @@ def _merged_read(residual: AttentionResidual, state: dict) -> jax.Array:
 
 @RESIDUALS.register("block_attnres")
 class BlockAttentionResidual(AttentionResidual):
-    """Block Attention Residuals, per sublayer: blocks of S = `model.attnres_block_size`
+    """Block Attention Residuals, per sublayer: blocks of S = `model.attnres.block_size`
     sublayers summed into one source each; the read attends over the embedding, the completed
     block summaries and the current partial sum (boundary rules and sources: the module docstring
     of `arch/attnres.py`). S = 1 equals Full AttnRes."""
 
     @staticmethod
     def block_size(cfg) -> int:
-        return cfg.attnres_block_size
+        return cfg.attnres.block_size
 
     @classmethod
     def residual_io(cls, cfg) -> ResidualIO:
         """Two-phase schedule (AttnRes report, "Block AttnRes" inference schedule; L sublayers,
-        S = `model.attnres_block_size`, N = ⌈L/S⌉): phase 1 reads the N block summaries once per
+        S = `model.attnres.block_size`, N = ⌈L/S⌉): phase 1 reads the N block summaries once per
         block for all S queries → N/S; the phase-1 result is written and read back → 2; the
         partial sum is read once (online-softmax merge and the add), the sublayer output read,
         the partial sum written → 3. Total N/S + 5 (5.5 at L = 128, S = 16)."""

@@ -38,12 +38,6 @@ def resolve_model(cfg) -> None:
             continue
         check_choice(f"model.init.{group}", cfg.init[group], INITS)
     check(cfg.dtype in ("float32", "bfloat16"), "model.dtype", cfg.dtype, "use float32 or bfloat16")
-    check(cfg.attention_implementation in IMPLEMENTATIONS, "model.attention_implementation",
-          cfg.attention_implementation, f"valid: {', '.join(IMPLEMENTATIONS)}")
-    check(isinstance(cfg.attention_chunk, int) and cfg.attention_chunk > 0,
-          "model.attention_chunk", cfg.attention_chunk, "must be a positive integer")
-    check(cfg.sequence_attention in SEQUENCE_ATTENTIONS, "model.sequence_attention",
-          cfg.sequence_attention, f"valid: {', '.join(SEQUENCE_ATTENTIONS)}")
     check(isinstance(cfg.gated_norm_rank, int) and cfg.gated_norm_rank > 0,
           "model.gated_norm_rank", cfg.gated_norm_rank, "must be a positive integer")
     check(0 <= cfg.batchnorm_momentum < 1, "model.batchnorm_momentum", cfg.batchnorm_momentum,
@@ -53,9 +47,7 @@ def resolve_model(cfg) -> None:
           f"FixNorm is used with a tied output head; set model.head='tied' (got {cfg.head!r})")
     check(cfg.fixnorm_scale is None or cfg.fixnorm_scale > 0, "model.fixnorm_scale",
           cfg.fixnorm_scale, "must be positive (or None: unit-length rows)")
-    _resolve_remat(cfg)
-    for field in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads",
-                  "scan_unroll"):
+    for field in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads"):
         check(isinstance(cfg[field], int) and cfg[field] > 0, f"model.{field}", cfg[field],
               "must be a positive integer")
     h, h_kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.d_model
@@ -102,35 +94,37 @@ def resolve_model(cfg) -> None:
         resolve_residual(cfg)
 
 
-def _resolve_remat(cfg) -> None:
-    """`model.remat_policy` (arch/remat.py) from itself or `model.remat`: None resolves to `full`
-    when `remat=True`, else `none`; `remat=True` with `none` contradicts itself. Afterwards
-    `remat` is True exactly when a policy other than `none` is applied."""
-    policy = cfg.get("remat_policy")  # absent from configs saved before the field
-    if policy is None:
-        policy = "full" if cfg.remat else "none"
-    check(policy in REMAT_POLICIES, "model.remat_policy", policy,
+def resolve_execution(execution) -> None:
+    """Check the `execution` section: the attention kernel and its tile, sequence attention, the
+    remat policy (arch/remat.py) and the layer scan's unroll. The pipeline fields are checked with
+    the mesh (`sharding.pipeline.validate_pipeline`)."""
+    check(execution.attention_implementation in IMPLEMENTATIONS,
+          "execution.attention_implementation", execution.attention_implementation,
+          f"valid: {', '.join(IMPLEMENTATIONS)}")
+    for field in ("attention_chunk", "scan_unroll"):
+        check(isinstance(execution[field], int) and execution[field] > 0, f"execution.{field}",
+              execution[field], "must be a positive integer")
+    check(execution.sequence_attention in SEQUENCE_ATTENTIONS, "execution.sequence_attention",
+          execution.sequence_attention, f"valid: {', '.join(SEQUENCE_ATTENTIONS)}")
+    check(execution.remat in REMAT_POLICIES, "execution.remat", execution.remat,
           f"valid: {', '.join(REMAT_POLICIES)}")
-    check(not (cfg.remat and policy == "none"), "model.remat_policy", policy,
-          "contradicts model.remat=True; set remat_policy=full (or another policy) or remat=False")
-    check(policy != "offload" or host_offload_supported(), "model.remat_policy", policy,
-          "the default device has no pinned_host memory to offload to; use "
+    check(execution.remat != "offload" or host_offload_supported(), "execution.remat",
+          execution.remat, "the default device has no pinned_host memory to offload to; use "
           "save_attention_and_ffn_outputs")
-    cfg.remat_policy = policy
-    cfg.remat = policy != "none"
 
 
 def _resolve_mla(cfg) -> None:
     """Multi-head latent attention fields (`arch.attention.MultiHeadLatentAttention`)."""
-    for field in ("mla_nope_dim", "mla_v_dim"):
-        if cfg[field] is None:
-            cfg[field] = cfg.head_dim
-    for field in ("mla_kv_rank", "mla_rope_dim", "mla_nope_dim", "mla_v_dim"):
-        check(isinstance(cfg[field], int) and cfg[field] > 0, f"model.{field}", cfg[field],
+    mla = cfg.mla
+    for field in ("nope_dim", "v_dim"):
+        if mla[field] is None:
+            mla[field] = cfg.head_dim
+    for field in ("kv_rank", "rope_dim", "nope_dim", "v_dim"):
+        check(isinstance(mla[field], int) and mla[field] > 0, f"model.mla.{field}", mla[field],
               "must be a positive integer")
-    check(isinstance(cfg.mla_q_rank, int) and cfg.mla_q_rank >= 0, "model.mla_q_rank",
-          cfg.mla_q_rank, "must be a non-negative integer (0: full-rank query projection)")
-    check(cfg.mla_rope_dim % 2 == 0, "model.mla_rope_dim", cfg.mla_rope_dim,
+    check(isinstance(cfg.mla.q_rank, int) and cfg.mla.q_rank >= 0, "model.mla.q_rank",
+          cfg.mla.q_rank, "must be a non-negative integer (0: full-rank query projection)")
+    check(cfg.mla.rope_dim % 2 == 0, "model.mla.rope_dim", cfg.mla.rope_dim,
           "the decoupled rotary key/query width must be even (RoPE rotates feature pairs)")
 
 
@@ -148,26 +142,26 @@ def _resolve_reversible(cfg) -> None:
 
 
 def _resolve_moe(cfg) -> None:
-    """Mixture-of-experts fields (`arch.moe.MixtureOfExperts`); fills `moe_d_ff` (default d_ff)."""
-    check(isinstance(cfg.moe_every, int) and cfg.moe_every >= 1
-          and cfg.num_layers % cfg.moe_every == 0, "model.moe_every", cfg.moe_every,
+    """Mixture-of-experts fields (`arch.moe.MixtureOfExperts`); fills `moe.d_ff` (default d_ff)."""
+    check(isinstance(cfg.moe.every, int) and cfg.moe.every >= 1
+          and cfg.num_layers % cfg.moe.every == 0, "model.moe.every", cfg.moe.every,
           f"must be a positive divisor of model.num_layers={cfg.num_layers}")
-    check(cfg.moe_dense_ffn in FFNS and cfg.moe_dense_ffn != "moe", "model.moe_dense_ffn",
-          cfg.moe_dense_ffn, f"valid dense ffns: {', '.join(sorted(set(FFNS) - {'moe'}))}")
-    check(isinstance(cfg.moe_experts, int) and cfg.moe_experts >= 1, "model.moe_experts",
-          cfg.moe_experts, "must be a positive integer")
-    check(isinstance(cfg.moe_top_k, int) and 1 <= cfg.moe_top_k <= cfg.moe_experts,
-          "model.moe_top_k", cfg.moe_top_k,
-          f"must be an integer in [1, model.moe_experts={cfg.moe_experts}]")
-    check(cfg.moe_expert_ffn in FFNS and cfg.moe_expert_ffn != "moe", "model.moe_expert_ffn",
-          cfg.moe_expert_ffn, f"valid: {', '.join(sorted(set(FFNS) - {'moe'}))}")
-    check(cfg.moe_capacity_factor > 0, "model.moe_capacity_factor", cfg.moe_capacity_factor,
+    check(cfg.moe.dense_ffn in FFNS and cfg.moe.dense_ffn != "moe", "model.moe.dense_ffn",
+          cfg.moe.dense_ffn, f"valid dense ffns: {', '.join(sorted(set(FFNS) - {'moe'}))}")
+    check(isinstance(cfg.moe.experts, int) and cfg.moe.experts >= 1, "model.moe.experts",
+          cfg.moe.experts, "must be a positive integer")
+    check(isinstance(cfg.moe.top_k, int) and 1 <= cfg.moe.top_k <= cfg.moe.experts,
+          "model.moe.top_k", cfg.moe.top_k,
+          f"must be an integer in [1, model.moe.experts={cfg.moe.experts}]")
+    check(cfg.moe.expert_ffn in FFNS and cfg.moe.expert_ffn != "moe", "model.moe.expert_ffn",
+          cfg.moe.expert_ffn, f"valid: {', '.join(sorted(set(FFNS) - {'moe'}))}")
+    check(cfg.moe.capacity_factor > 0, "model.moe.capacity_factor", cfg.moe.capacity_factor,
           "must be positive")
-    check(isinstance(cfg.moe_shared_experts, int) and cfg.moe_shared_experts >= 0,
-          "model.moe_shared_experts", cfg.moe_shared_experts, "must be a non-negative integer")
-    for field in ("moe_balance_coef", "moe_z_coef"):
-        check(cfg[field] >= 0, f"model.{field}", cfg[field], "must be non-negative")
-    if cfg.moe_d_ff is None:
-        cfg.moe_d_ff = cfg.d_ff
-    check(isinstance(cfg.moe_d_ff, int) and cfg.moe_d_ff > 0, "model.moe_d_ff", cfg.moe_d_ff,
+    check(isinstance(cfg.moe.shared_experts, int) and cfg.moe.shared_experts >= 0,
+          "model.moe.shared_experts", cfg.moe.shared_experts, "must be a non-negative integer")
+    for field in ("balance_coef", "z_coef"):
+        check(cfg.moe[field] >= 0, f"model.moe.{field}", cfg.moe[field], "must be non-negative")
+    if cfg.moe.d_ff is None:
+        cfg.moe.d_ff = cfg.d_ff
+    check(isinstance(cfg.moe.d_ff, int) and cfg.moe.d_ff > 0, "model.moe.d_ff", cfg.moe.d_ff,
           "must be a positive integer")

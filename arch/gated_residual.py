@@ -5,12 +5,12 @@ Source: the Qwen3.8-Next architecture report, §2.2 ("Gated Residual", built on 
 what this file chooses are marked [spec] and [ours] below.
 
 The residual state is n = `model.residual_streams` branches x_1 … x_n [spec], stored stacked
-n×B×T×D in `model.gr_state_dtype`. Every attention and FFN sublayer has its own GR module, which
-replaces the sublayer's pre-norm [spec] (so `model.norm` is not used by the reads; the final norm
-still is):
+n×B×T×D in `model.gated_residual.state_dtype`. Every attention and FFN sublayer has its own GR
+module, which replaces the sublayer's pre-norm [spec] (so `model.norm` is not used by the reads; the
+final norm still is):
 
     n̂_m = g_m ⊙ x_m / sqrt(mean(x_m²) + ε)                      each branch normalized, own gain
-    z   = [n̂_1 … n̂_n] W_down                                     (n·D → r, r = model.gr_rank)
+    z   = [n̂_1 … n̂_n] W_down                          (n·D → r, r = model.gated_residual.rank)
     G   = σ(b_read + z W_read)  ∈ (0,1)^{n×D}   (n×1 if not channelwise)          read gates
     h   = Σ_m G_m ⊙ n̂_m                                          sublayer input (not a softmax)
     s   = 2σ(b_write + z W_write) ∈ (0,2)^{n×D} (n×1 if not channelwise)    write strengths
@@ -20,23 +20,23 @@ The static term of a gate is its logit bias, b_read or b_write (n×D, or n×1 if
 channelwise; input-independent, it carries the initialization below); the dynamic term is
 z W_read or z W_write. Ablation switches (the report's Tables 5–6 ablate these [spec]; their
 exact form here is [ours]; each default is the mechanism above, bit for bit):
-- `gr_channelwise_read=False`: G_m = σ(b_read,m + z W_read,m) is one scalar per branch and token,
-  b_read ∈ R^{n×1}, W_read ∈ R^{r×n×1}; h = Σ_m G_m n̂_m. `gr_channelwise_write=False`: likewise
-  s_m is one scalar per branch and token. Each defaults to None, which follows
-  `gr_channelwise` (the switch for both).
-- `gr_static=False`: no b_read, b_write: G = σ(z W_read), s = 2σ(z W_write), so at z = 0 every
-  G_m = 1/2 and every s_m = 1 (h = (n/2)·RMSNorm(x) while the branches are equal). Needs
+- `gated_residual.channelwise_read=False`: G_m = σ(b_read,m + z W_read,m) is one scalar per branch
+  and token, b_read ∈ R^{n×1}, W_read ∈ R^{r×n×1}; h = Σ_m G_m n̂_m.
+  `gated_residual.channelwise_write=False`: likewise s_m is one scalar per branch and token. Each
+  defaults to None, which follows `gated_residual.channelwise` (the switch for both).
+- `gated_residual.static=False`: no b_read, b_write: G = σ(z W_read), s = 2σ(z W_write), so at z = 0
+  every G_m = 1/2 and every s_m = 1 (h = (n/2)·RMSNorm(x) while the branches are equal). Needs
   `residual_dynamic=True`. [ours] W_read and W_write are then initialized N(0, 1/r) (truncated
   normal, fan-in r), not zero: zero up-projections would start every branch at the same gates
   and give them equal gradients, so the branches would stay copies of one stream forever.
-- `gr_init="random"`: b_write[m, c] ~ U(logit(1/(2n)), logit(1 − 1/(2n))) i.i.d. per branch (and
-  channel, if the writes are channelwise), the range of the graded logits, i.e. s ∈
+- `gated_residual.init="random"`: b_write[m, c] ~ U(logit(1/(2n)), logit(1 − 1/(2n))) i.i.d. per
+  branch (and channel, if the writes are channelwise), the range of the graded logits, i.e. s ∈
   (1/n, 2 − 1/n); drawn with the `rngs.params()` key of that parameter, so a seed reproduces it
-  and every other parameter is the same as with "graded". Needs `gr_static`.
-- `gr_read_top_k=k` (1 ≤ k ≤ n; 0: off): per token, the branches are ranked by their read gate
-  (its mean over channels, if channelwise; ties to the lower index) and the gates of all but the
-  k largest are set to 0: h = Σ_{m ∈ top-k} G_m ⊙ n̂_m (no renormalization; gradient through the
-  kept gates only). The gates are still computed from all n branches and the read is applied
+  and every other parameter is the same as with "graded". Needs `gated_residual.static`.
+- `gated_residual.read_top_k=k` (1 ≤ k ≤ n; 0: off): per token, the branches are ranked by their
+  read gate (its mean over channels, if channelwise; ties to the lower index) and the gates of all
+  but the k largest are set to 0: h = Σ_{m ∈ top-k} G_m ⊙ n̂_m (no renormalization; gradient through
+  the kept gates only). The gates are still computed from all n branches and the read is applied
   densely, so the residual I/O accounting is unchanged (a gathering kernel would read kd, not nd,
   to apply the gates).
 
@@ -44,18 +44,19 @@ exact form here is [ours]; each default is the mechanism above, bit for bit):
 and per channel, predicted low-rank from all branches (not pooled first); read weights are not a
 softmax and need not sum to one; write strengths in (0,2) per branch; no branch-mixing matrix; GR
 replaces the pre-norm, one GR module per sublayer; ablations: channel-specific vs scalar reads and
-writes (`model.gr_channelwise`, or each alone: `gr_channelwise_read`, `gr_channelwise_write`), a
-branch-mixing operator added back (`model.gr_mixing`), static vs dynamic gates
-(`model.residual_dynamic`), the static term removed (`model.gr_static`), random instead of graded
-initialization (`model.gr_init`), top-k reads (`model.gr_read_top_k`); an FP8 residual state
-(`model.gr_state_dtype`).
+writes (`model.gated_residual.channelwise`, or each alone: `gated_residual.channelwise_read`,
+`gated_residual.channelwise_write`), a branch-mixing operator added back
+(`model.gated_residual.mixing`), static vs dynamic gates (`model.residual_dynamic`), the static term
+removed (`model.gated_residual.static`), random instead of graded initialization
+(`model.gated_residual.init`), top-k reads (`model.gated_residual.read_top_k`); an FP8 residual
+state (`model.gated_residual.state_dtype`).
 
 [ours]:
 - Dynamic part. W_down (truncated normal, variance 1/(n·D)) is shared by the read gates and the
   write strengths (HC/mHC also predict every dynamic weight from the sublayer's input); W_read and
   W_write are zero-initialized as GatedNorm's up-projection, so the gates start at their static
-  values and the up-projections get gradient from the first step (with `gr_static=False` they
-  are random: above). `residual_dynamic=False`: no W_down/W_read/W_write, G = σ(b_read) and
+  values and the up-projections get gradient from the first step (with `gated_residual.static=False`
+  they are random: above). `residual_dynamic=False`: no W_down/W_read/W_write, G = σ(b_read) and
   s = 2σ(b_write).
 - Initialization. g_m = 1. b_read = logit(1/n), so G_m = 1/n and Σ_m G_m = 1: while the branches
   are equal, h = RMSNorm(x) exactly as a Pre-Norm read (no GatedNorm-style 1/2 factor). b_write is
@@ -66,9 +67,9 @@ initialization (`model.gr_init`), top-k reads (`model.gr_read_top_k`); an FP8 re
   x⁰ + s_m·Σ(updates), from embedding-dominated (small s_m) to update-dominated (large s_m), and
   the branch mean is the Pre-Norm stream x⁰ + Σ(updates). (Alternatives we did not take: HC's
   one-hot read of branch l mod n, which needs a sublayer counter; random static parts.)
-- Mixing (`gr_mixing=True`): a static n×n matrix M = I + Δ per sublayer, Δ zero-initialized and
-  unconstrained (HC's static A_r, not mHC's doubly-stochastic projection); weight decay on Δ pulls
-  M toward the identity (no mixing).
+- Mixing (`gated_residual.mixing=True`): a static n×n matrix M = I + Δ per sublayer, Δ
+  zero-initialized and unconstrained (HC's static A_r, not mHC's doubly-stochastic projection);
+  weight decay on Δ pulls M toward the identity (no mixing).
 - begin: the embedding copied into every branch. end: the mean of the branches (the final norm
   is scale-invariant, so the mean and HC's sum differ only with `final_norm=False`, where the
   mean keeps the scale of one stream).
@@ -92,17 +93,17 @@ initialization (`model.gr_init`), top-k reads (`model.gr_read_top_k`); an FP8 re
 
 Recorded (`arch.residual.record`): "read_gates" G (after the top-k cut) and "write_strengths"
 s, both B×T×n×W (W = D if that gate is channelwise, else 1); "mixing_matrix" M (n×n) with
-`gr_mixing`. Recorded as `arch.residual.PathTerm` (only for a caller that captures that kind: the
-path decomposition, `train.instruments.gr_paths`): "read_inverse_rms" 1/sqrt(mean(x_m²) + ε)
-(B×T×n×1), "branch_gains" g (n×D), "read" h before its cast to `model.dtype` (B×T×D),
+`gated_residual.mixing`. Recorded as `arch.residual.PathTerm` (only for a caller that captures that
+kind: the path decomposition, `train.instruments.gr_paths`): "read_inverse_rms" 1/sqrt(mean(x_m²) +
+ε) (B×T×n×1), "branch_gains" g (n×D), "read" h before its cast to `model.dtype` (B×T×D),
 "sublayer_output" F(h) (B×T×D, float32), and, from the stream's `begin`, "embedding" x⁰ (B×T×D,
 float32).
 
 Parameters: `scale` (the branch gains g, n×D; a norm gain, kept out of weight decay by name),
 `read_gate.bias` and `write_gate.bias` (static logits, kept out as biases; absent with
-`gr_static=False`), `gate_down.kernel`, `read_gate.up.kernel`, `write_gate.up.kernel` (dynamic
-projections, decayed like GatedNorm's) and `mixing` (Δ, decayed toward M = I). Per sublayer:
-nD + nDr·dyn + Σ_{read, write} (nW·static + rnW·dyn) + n²·mixing, W = D or 1 per gate
+`gated_residual.static=False`), `gate_down.kernel`, `read_gate.up.kernel`, `write_gate.up.kernel`
+(dynamic projections, decayed like GatedNorm's) and `mixing` (Δ, decayed toward M = I). Per
+sublayer: nD + nDr·dyn + Σ_{read, write} (nW·static + rnW·dyn) + n²·mixing, W = D or 1 per gate
 (`arch.accounting.added_parameters` measures it from the built model, less the Pre-Norm gain d
 that GR replaces).
 """
@@ -192,8 +193,8 @@ def graded_write_strengths(n: int) -> list[float]:
 
 
 def random_write_logits(key: jax.Array, shape, dtype, n: int) -> jax.Array:
-    """`gr_init="random"`: write logits i.i.d. U(logit(1/(2n)), logit(1 − 1/(2n))), the range of
-    the graded logits (module docstring)."""
+    """`gated_residual.init="random"`: write logits i.i.d. U(logit(1/(2n)), logit(1 − 1/(2n))), the
+    range of the graded logits (module docstring)."""
     low, high = _logit(graded_write_strengths(n)[0] / 2), _logit(graded_write_strengths(n)[-1] / 2)
     return jax.random.uniform(key, shape, dtype, minval=low, maxval=high)
 
@@ -227,9 +228,9 @@ class BranchGate(nnx.Module):
 
 def channelwise(cfg, which: str) -> bool:
     """Whether the `which` ("read" or "write") gates are per channel: `gr_channelwise_<which>`,
-    or `gr_channelwise` where that is None."""
-    value = cfg[f"gr_channelwise_{which}"]
-    return cfg.gr_channelwise if value is None else value
+    or `gated_residual.channelwise` where that is None."""
+    value = cfg.gated_residual[f"channelwise_{which}"]
+    return cfg.gated_residual.channelwise if value is None else value
 
 
 def top_k_mask(gates_NxBxTxW: jax.Array, k: int) -> jax.Array:
@@ -248,7 +249,7 @@ class GatedResidualStream(ResidualStream):
 
     def __init__(self, cfg):
         self.n = cfg.residual_streams
-        self.state_dtype = cfg.gr_state_dtype
+        self.state_dtype = cfg.gated_residual.state_dtype
         self.dtype = jnp.dtype(cfg.dtype)
 
     def begin(self, x_BxTxD) -> dict:
@@ -285,28 +286,28 @@ class GatedResidual(ResidualMechanism):
     """
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
-        n, d, rank = cfg.residual_streams, cfg.d_model, cfg.gr_rank
+        n, d, rank = cfg.residual_streams, cfg.d_model, cfg.gated_residual.rank
         read_width = d if channelwise(cfg, "read") else 1
         write_width = d if channelwise(cfg, "write") else 1
         self.n, self.eps = n, cfg.norm_eps
-        self.read_top_k = cfg.gr_read_top_k
+        self.read_top_k = cfg.gated_residual.read_top_k
         self.dtype = jnp.dtype(cfg.dtype)
-        self.state_dtype = cfg.gr_state_dtype
+        self.state_dtype = cfg.gated_residual.state_dtype
         self.scale = param(rngs, nnx.initializers.ones, (n, d), (None, "norm"))
         dynamic = cfg.residual_dynamic
         self.gate_down = (Dense((n, d), (rank,), (None, "embed"), ("norm_rank",), rngs=rngs)
                           if dynamic else None)
-        static = cfg.gr_static
+        static = cfg.gated_residual.static
         self.read_gate = BranchGate(n, read_width, rank, [_logit(1.0 / n)] * n, dynamic=dynamic,
                                     static=static, rngs=rngs)
         random_init = ((lambda key, shape, dtype: random_write_logits(key, shape, dtype, n))
-                       if cfg.gr_init == "random" else None)
+                       if cfg.gated_residual.init == "random" else None)
         self.write_gate = BranchGate(n, write_width, rank,
                                      [_logit(s / 2) for s in graded_write_strengths(n)],
                                      dynamic=dynamic, static=static, bias_init=random_init,
                                      rngs=rngs)
         self.mixing = (param(rngs, nnx.initializers.zeros, (n, n), (None, None))
-                       if cfg.gr_mixing else None)
+                       if cfg.gated_residual.mixing else None)
 
     @classmethod
     def stream(cls, cfg, *, rngs: nnx.Rngs) -> nnx.Module:
@@ -318,24 +319,30 @@ class GatedResidual(ResidualMechanism):
               "model.residual_streams", cfg.residual_streams,
               "gated_residual needs an integer n ≥ 2 branches (one branch: use "
               "residual='prenorm' with norm='gatednorm')")
-        check(isinstance(cfg.gr_rank, int) and cfg.gr_rank > 0, "model.gr_rank", cfg.gr_rank,
+        gr = cfg.gated_residual
+        check(isinstance(gr.rank, int) and gr.rank > 0, "model.gated_residual.rank", gr.rank,
               "must be a positive integer (rank of the gate predictor)")
-        check(cfg.gr_state_dtype in STATE_DTYPES, "model.gr_state_dtype", cfg.gr_state_dtype,
+        check(gr.state_dtype in STATE_DTYPES, "model.gated_residual.state_dtype", gr.state_dtype,
               f"valid: {', '.join(STATE_DTYPES)}")
-        for field in ("residual_dynamic", "gr_channelwise", "gr_mixing", "gr_static"):
-            check(isinstance(cfg[field], bool), f"model.{field}", cfg[field], "must be a bool")
-        for field in ("gr_channelwise_read", "gr_channelwise_write"):
-            check(cfg[field] is None or isinstance(cfg[field], bool), f"model.{field}",
-                  cfg[field], "must be a bool, or None: follow model.gr_channelwise")
-        check(cfg.gr_static or cfg.residual_dynamic, "model.gr_static", cfg.gr_static,
+        check(isinstance(cfg.residual_dynamic, bool), "model.residual_dynamic",
+              cfg.residual_dynamic, "must be a bool")
+        for field in ("channelwise", "mixing", "static"):
+            check(isinstance(gr[field], bool), f"model.gated_residual.{field}", gr[field],
+                  "must be a bool")
+        for field in ("channelwise_read", "channelwise_write"):
+            check(gr[field] is None or isinstance(gr[field], bool),
+                  f"model.gated_residual.{field}", gr[field],
+                  "must be a bool, or None: follow model.gated_residual.channelwise")
+        check(gr.static or cfg.residual_dynamic, "model.gated_residual.static", gr.static,
               "removing the static gate term needs model.residual_dynamic=True (with "
               "residual_dynamic=False the gates have no other term)")
-        check(cfg.gr_init in INITS, "model.gr_init", cfg.gr_init, f"valid: {', '.join(INITS)}")
-        check(cfg.gr_init == "graded" or cfg.gr_static, "model.gr_init", cfg.gr_init,
-              "initializes the static write logits, which model.gr_static=False removes")
-        n, k = cfg.residual_streams, cfg.gr_read_top_k
+        check(gr.init in INITS, "model.gated_residual.init", gr.init, f"valid: {', '.join(INITS)}")
+        check(gr.init == "graded" or gr.static, "model.gated_residual.init", gr.init,
+              "initializes the static write logits, which model.gated_residual.static=False "
+              "removes")
+        n, k = cfg.residual_streams, gr.read_top_k
         check(isinstance(k, int) and not isinstance(k, bool) and 0 <= k <= n,
-              "model.gr_read_top_k", k,
+              "model.gated_residual.read_top_k", k,
               f"must be an integer in [0, model.residual_streams={n}] (0: read all branches)")
 
     def _gates_input(self, state: dict):
@@ -351,15 +358,15 @@ class GatedResidual(ResidualMechanism):
     @classmethod
     def residual_io(cls, cfg) -> ResidualIO:
         """n branches: gates read nd; apply read: read nd, write d; write: read d (output) + read
-        nd (branches), write nd → (4n + 2)d (18d at n = 4); with `gr_mixing` the mixing matrix
-        adds read nd + write nd → (6n + 2)d. Branch traffic is state traffic."""
+        nd (branches), write nd → (4n + 2)d (18d at n = 4); with `gated_residual.mixing` the mixing
+        matrix adds read nd + write nd → (6n + 2)d. Branch traffic is state traffic."""
         n, T = cfg.residual_streams, ResidualTraffic
         items = (T("compute the read gates", n, 0, state=True),
                  T("apply the read gates: read the branches", n, 0, state=True),
                  T("apply the read gates: write the read", 0, 1),
                  T("write: read the sublayer output", 1, 0),
                  T("write: update the branches", n, n, state=True))
-        if cfg.gr_mixing:
+        if cfg.gated_residual.mixing:
             items += (T("apply the mixing matrix", n, n, state=True),)
         return ResidualIO(items)
 
@@ -369,9 +376,11 @@ class GatedResidual(ResidualMechanism):
 
     @classmethod
     def state_itemsize(cls, cfg) -> float:
-        """`model.gr_state_dtype`'s itemsize; FP8 adds its float32 scale per row of d."""
-        itemsize = float(jnp.dtype(cfg.gr_state_dtype).itemsize)
-        return itemsize + 4 / cfg.d_model if cfg.gr_state_dtype == "float8_e4m3fn" else itemsize
+        """`model.gated_residual.state_dtype`'s itemsize; FP8 adds its float32 scale per row of
+        d."""
+        dtype = cfg.gated_residual.state_dtype
+        itemsize = float(jnp.dtype(dtype).itemsize)
+        return itemsize + 4 / cfg.d_model if dtype == "float8_e4m3fn" else itemsize
 
     def probe_norm(self, state: dict) -> tuple[nnx.Module, jax.Array]:
         """The per-branch normalization: gain `scale` (n×D), input the n·B·T branch rows."""

@@ -71,7 +71,7 @@ def _resolve_hyper(cfg) -> None:
     check(isinstance(cfg.residual_dynamic, bool), "model.residual_dynamic", cfg.residual_dynamic,
           "must be True (static + input-dependent weights) or False (static only)")
     if cfg.residual_dynamic:
-        check(cfg.hc_dynamic_scale > 0, "model.hc_dynamic_scale", cfg.hc_dynamic_scale,
+        check(cfg.hyper.dynamic_scale > 0, "model.hyper.dynamic_scale", cfg.hyper.dynamic_scale,
               "must be positive: with the zero-initialized projections a scale of 0 keeps the "
               "dynamic part at 0 forever; set model.residual_dynamic=False for static weights")
 
@@ -215,7 +215,7 @@ class HyperConnection(_CopiedStreamsMechanism):
     stream i, so the coefficients vary per token.
 
     Initialization (§2.3): sublayer k starts as Pre-Norm, A_m = e_{k mod n}, A_r = I, B = 1;
-    W_m = W_r = W_β = 0; s_α = s_β = `model.hc_dynamic_scale` (the paper's 0.01). The streams
+    W_m = W_r = W_β = 0; s_α = s_β = `model.hyper.dynamic_scale` (the paper's 0.01). The streams
     start as copies of the embedding and are summed at the end (`CopiedStreams`), so at
     initialization every stream equals the Pre-Norm stream and the final norm reads n times it.
     The sublayer index k is known only at run time (the layer scan carries it), so the read
@@ -233,7 +233,7 @@ class HyperConnection(_CopiedStreamsMechanism):
                                    (n, n), (None, None), MixingParam)
         self.static_write = param(rngs, nnx.initializers.ones, (n,), (None,), MixingParam)
         if self.dynamic:
-            scale = nnx.initializers.constant(cfg.hc_dynamic_scale)
+            scale = nnx.initializers.constant(cfg.hyper.dynamic_scale)
             self.dynamic_norm = make_norm(cfg, rngs=rngs)
             self.read_projection = param(rngs, nnx.initializers.zeros, (d,), ("embed",))
             self.mixing_projection = param(rngs, nnx.initializers.zeros, (d, n), ("embed", None))
@@ -303,7 +303,7 @@ class ManifoldHyperConnection(_CopiedStreamsMechanism):
         H̃_res = α_res · mat(x̃ φ_res) + b_res,
         H_pre = σ(H̃_pre),   H_post = 2σ(H̃_post),   H_res = Sinkhorn-Knopp(H̃_res)
 
-    with `sinkhorn` run for `model.mhc_sinkhorn_iters` iterations (the paper's t_max = 20). So the
+    with `sinkhorn` run for `model.hyper.sinkhorn_iters` iterations (the paper's t_max = 20). So the
     read weights lie in (0, 1), the write strengths in (0, 2), and H_res is approximately doubly
     stochastic: its rows sum to 1 (to float rounding), its columns only as far as the iterations
     converge, which they do not when the logits spread. For n = 4 and 20 iterations, on 10,000
@@ -315,7 +315,7 @@ class ManifoldHyperConnection(_CopiedStreamsMechanism):
     `write_scale`, `mixing_scale`), b (`read_bias`, `write_bias`, `mixing_bias`).
     `model.residual_dynamic=False`: the static variant, H̃ = b.
 
-    Initialization: the gating factors α = `model.hc_dynamic_scale` (the paper's 0.01); the
+    Initialization: the gating factors α = `model.hyper.dynamic_scale` (the paper's 0.01); the
     paper does not fix φ and b, and we choose HC's Pre-Norm initialization (Zhu et al. 2024,
     §2.3) through mHC's maps: φ = 0; b_post = 0, so H_post = 2σ(0) = 1; b_res = c·I, so H_res is
     near the identity (diagonal e^c/(e^c + n − 1) = 0.95 for n = 4); and a read that prefers
@@ -332,7 +332,7 @@ class ManifoldHyperConnection(_CopiedStreamsMechanism):
         n, d = cfg.residual_streams, cfg.d_model
         self.streams = n
         self.dynamic = cfg.residual_dynamic
-        self.sinkhorn_iterations = cfg.mhc_sinkhorn_iters
+        self.sinkhorn_iterations = cfg.hyper.sinkhorn_iters
         self.norm = make_norm(cfg, rngs=rngs)  # the sublayer's Pre-Norm
         self.read_bias = param(rngs, nnx.initializers.zeros, (n,), (None,), MixingParam)
         self.write_bias = param(rngs, nnx.initializers.zeros, (n,), (None,), MixingParam)
@@ -340,7 +340,8 @@ class ManifoldHyperConnection(_CopiedStreamsMechanism):
             rngs, lambda key, shape, dtype: MHC_INIT_LOGIT * jnp.eye(n, dtype=dtype),
             (n, n), (None, None), MixingParam)
         if self.dynamic:
-            zeros, scale = nnx.initializers.zeros, nnx.initializers.constant(cfg.hc_dynamic_scale)
+            zeros = nnx.initializers.zeros
+            scale = nnx.initializers.constant(cfg.hyper.dynamic_scale)
             self.dynamic_norm = make_norm(cfg, dim=n * d, rngs=rngs)
             self.read_projection = param(rngs, zeros, (n, d, n), (None, "embed", None))
             self.write_projection = param(rngs, zeros, (n, d, n), (None, "embed", None))
@@ -353,8 +354,8 @@ class ManifoldHyperConnection(_CopiedStreamsMechanism):
     @staticmethod
     def resolve(cfg) -> None:
         _resolve_hyper(cfg)
-        check(isinstance(cfg.mhc_sinkhorn_iters, int) and cfg.mhc_sinkhorn_iters >= 1,
-              "model.mhc_sinkhorn_iters", cfg.mhc_sinkhorn_iters,
+        check(isinstance(cfg.hyper.sinkhorn_iters, int) and cfg.hyper.sinkhorn_iters >= 1,
+              "model.hyper.sinkhorn_iters", cfg.hyper.sinkhorn_iters,
               "must be a positive integer (Sinkhorn-Knopp iterations; the paper uses 20)")
 
     @classmethod

@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
@@ -34,6 +35,7 @@ from arch.positions import POSITIONS
 from arch.remat import ATTENTION_OUTPUT, FFN_OUTPUT, apply_remat
 from arch.residual import RESIDUALS, constrain_state, is_capturing
 from arch.reversible import run_reversible
+from config.defaults import execution_config
 from config.derived import interleaves_moe
 from sharding import pipeline
 from sharding.rules import STREAM, constrain
@@ -43,8 +45,8 @@ class Block(nnx.Module):
     """One Transformer block: an attention and an FFN sublayer (unless `model.use_ffn=False`),
     each wrapped by its own instance of the residual mechanism."""
 
-    def __init__(self, cfg, *, ffn: str | None = None, rngs: nnx.Rngs):
-        self.attention = ATTENTION[cfg.attention](cfg, rngs=rngs)
+    def __init__(self, cfg, *, execution=None, ffn: str | None = None, rngs: nnx.Rngs):
+        self.attention = ATTENTION[cfg.attention](cfg, execution=execution, rngs=rngs)
         self.attention_residual = RESIDUALS[cfg.residual](cfg, rngs=rngs)
         if cfg.use_ffn:  # False: a pure-attention stack (rank-collapse ablation)
             self.ffn = FFNS[ffn or cfg.ffn](cfg, rngs=rngs)
@@ -70,7 +72,7 @@ class Block(nnx.Module):
             update, cache = self.attention(h, positions_BxT, rotate, cache)
         else:
             update = self.ffn(h)
-        # What `model.remat_policy` save_attention_and_ffn_outputs / offload keep (arch/remat.py).
+        # What `execution.remat` save_attention_and_ffn_outputs / offload keep (arch/remat.py).
         update = checkpoint_name(update, ATTENTION_OUTPUT if name == "attention" else FFN_OUTPUT)
         if tap is not None:
             update = tap(update)
@@ -78,16 +80,16 @@ class Block(nnx.Module):
 
 
 class BlockGroup(nnx.Module):
-    """Dense/MoE interleaving, one MoE block every k = `model.moe_every` blocks (GShard,
+    """Dense/MoE interleaving, one MoE block every k = `model.moe.every` blocks (GShard,
     Lepikhin et al. 2020 §3.1 and Switch Transformer, Fedus et al. 2022, use k = 2): k − 1 blocks
-    with the dense `model.moe_dense_ffn`, then one with `ffn="moe"`, run as one step of the layer
+    with the dense `model.moe.dense_ffn`, then one with `ffn="moe"`, run as one step of the layer
     scan. Its KV caches are stacked k per group."""
 
-    def __init__(self, cfg, *, rngs: nnx.Rngs):
-        self.size = cfg.moe_every
+    def __init__(self, cfg, *, execution=None, rngs: nnx.Rngs):
+        self.size = cfg.moe.every
         for j in range(self.size):  # attributes block_0 … block_{k-1}, the last one MoE
-            ffn = cfg.moe_dense_ffn if j < self.size - 1 else "moe"
-            setattr(self, f"block_{j}", Block(cfg, ffn=ffn, rngs=rngs))
+            ffn = cfg.moe.dense_ffn if j < self.size - 1 else "moe"
+            setattr(self, f"block_{j}", Block(cfg, execution=execution, ffn=ffn, rngs=rngs))
 
     def __call__(self, stream, positions_BxT, rotate, cache=None):
         caches = []
@@ -108,23 +110,27 @@ class TransformerLM(nnx.Module):
 
     `decode(tokens_BxT, positions_BxT, cache)` runs the same network on a block of positions
     against a KV cache from `init_cache`, for generation.
+
+    `cfg` is the `model` section (what is computed); `execution` the `execution` section (how:
+    attention kernel, remat policy, scan unroll, pipeline schedule), `execution_config()` if None.
     """
 
-    def __init__(self, cfg, *, rngs: nnx.Rngs):
+    def __init__(self, cfg, *, execution=None, rngs: nnx.Rngs):
         self.cfg = cfg
+        self.execution = ml_collections.FrozenConfigDict(execution or execution_config())
         self.embed = Embedding(cfg.vocab_size, cfg.d_model, rngs=rngs, dtype=jnp.dtype(cfg.dtype),
                                fixnorm=cfg.fixnorm, fixnorm_scale=cfg.fixnorm_scale,
                                init=group_init(cfg, "embedding")(cfg.d_model, cfg.vocab_size))
         self.position = POSITIONS[cfg.position](cfg, rngs=rngs)
 
         unit = BlockGroup if interleaves_moe(cfg) else Block
-        self.stack_shape = ((cfg.num_layers // cfg.moe_every, cfg.moe_every)
+        self.stack_shape = ((cfg.num_layers // cfg.moe.every, cfg.moe.every)
                             if unit is BlockGroup else (cfg.num_layers,))
 
         @nnx.split_rngs(splits=self.stack_shape[0])
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
         def stacked_blocks(rngs):
-            return unit(cfg, rngs=rngs)
+            return unit(cfg, execution=self.execution, rngs=rngs)
 
         self.blocks = stacked_blocks(rngs)
         self.residual_stream = RESIDUALS[cfg.residual].stream(cfg, rngs=rngs)
@@ -168,7 +174,7 @@ class TransformerLM(nnx.Module):
 
     def _scan(self, stream, positions_BxT, graphdef, layer_params, layer_states, cache):
         """The layer stack as one scan over units (blocks, or MoE block groups),
-        `model.scan_unroll` units per loop iteration, or, for a mechanism that runs a group of
+        `execution.scan_unroll` units per loop iteration, or, for a mechanism that runs a group of
         units at a time (`ResidualStream.units_per_block`), scanned by the mechanism
         (`scan`). Returns the final state and the per-unit (non-parameter state, KV cache),
         stacked over units."""
@@ -181,24 +187,24 @@ class TransformerLM(nnx.Module):
             stream, layer_cache = block(stream, positions_BxT, self.position.rotate, layer_cache)
             return stream, (nnx.state(block, nnx.Not(nnx.Param)), layer_cache)
 
-        run_unit = apply_remat(run_unit, self.cfg.remat_policy)  # arch/remat.py
+        run_unit = apply_remat(run_unit, self.execution.remat)  # arch/remat.py
         scan = (stream_module.scan if group
-                else functools.partial(jax.lax.scan, unroll=self.cfg.scan_unroll))
+                else functools.partial(jax.lax.scan, unroll=self.execution.scan_unroll))
         return scan(run_unit, stream, (layer_params, layer_states, cache))
 
     def _pipelined(self, x_BxTxD, positions_BxT, graphdef, layer_params, layer_states,
                    stages: int):
         """The layer stack as a pipeline over the mesh's `stage` axis (`sharding/pipeline.py`):
-        the batch split into `model.pipeline_microbatches` microbatches, each with its own
+        the batch split into `execution.pipeline.microbatches` microbatches, each with its own
         residual state (`begin`/`end` per microbatch), carried with its positions from stage to
         stage. Returns the stack's output, B×T×D."""
-        cfg = self.cfg
+        cfg, schedule = self.cfg, self.execution.pipeline
         if is_capturing(self):
             raise ValueError("nnx.capture is not supported under pipeline parallelism "
                              f"(mesh.stage={stages}); capture on a mesh with stage=1")
-        microbatches = cfg.pipeline_microbatches
+        microbatches = schedule.microbatches
         if x_BxTxD.shape[0] % microbatches:
-            raise ValueError(f"batch {x_BxTxD.shape[0]} is invalid: model.pipeline_microbatches"
+            raise ValueError(f"batch {x_BxTxD.shape[0]} is invalid: execution.pipeline.microbatches"
                              f"={microbatches} must divide it")
         begin = lambda x: constrain_state(self.residual_stream.begin(x))  # noqa: E731
         states_M = jax.vmap(begin)(pipeline.to_microbatches(x_BxTxD, microbatches))
@@ -210,14 +216,14 @@ class TransformerLM(nnx.Module):
             stream, _ = block(stream, positions, self.position.rotate)
             return (stream, positions), nnx.state(block, nnx.Not(nnx.Param))
 
-        run_block = apply_remat(run_block, cfg.remat_policy)
+        run_block = apply_remat(run_block, self.execution.remat)
         # What crosses a stage boundary: the residual state (positions are in every stage's copy
         # of the microbatch), or what the next stage lacks (`ResidualStream.stage_message`: for a
         # mechanism with a history, the part written since that stage last held it).
         residual_stream = self.residual_stream
-        if cfg.pipeline_transfer == "cached":
+        if schedule.transfer == "cached":
             sublayers = cfg.num_layers * (2 if cfg.use_ffn else 1)
-            lag = (stages - 1) * sublayers // (stages * cfg.pipeline_virtual_stages)
+            lag = (stages - 1) * sublayers // (stages * schedule.virtual_stages)
             send = lambda state: residual_stream.stage_message(state, lag)  # noqa: E731
             rebuild = lambda cached, message: residual_stream.stage_merge(  # noqa: E731
                 cached, message, lag)
@@ -225,7 +231,7 @@ class TransformerLM(nnx.Module):
             send, rebuild = (lambda state: state), (lambda cached, message: message)
         (states_M, _), layer_states = pipeline.pipeline(
             run_block, (states_M, positions_M), layer_params, layer_states, stages=stages,
-            virtual_stages=cfg.pipeline_virtual_stages, message=lambda carry: send(carry[0]),
+            virtual_stages=schedule.virtual_stages, message=lambda carry: send(carry[0]),
             merge=lambda cached, message: (rebuild(cached[0], message), cached[1]))
         nnx.update(self.blocks, layer_states)  # MoE auxiliary losses: mean over microbatches
         return pipeline.from_microbatches(jax.vmap(self.residual_stream.end)(states_M))

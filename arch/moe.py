@@ -114,15 +114,15 @@ def z_loss(logits_BxTxE: jax.Array) -> jax.Array:
 
 class RoutedExperts(nnx.Module):
     """E expert FFNs with stacked weights: gated, y_e = (φ(x W_e) ⊙ x V_e) W₂_e, when
-    `FFNS[model.moe_expert_ffn]` has 3 projections (φ = its `gate_activation`), else
+    `FFNS[model.moe.expert_ffn]` has 3 projections (φ = its `gate_activation`), else
     y_e = φ(x W_e) W₂_e with φ = `model.activation`. W_e, V_e: (E, d, f) with logical axes
     ("experts", "embed", "mlp"); W₂_e: (E, f, d), ("experts", "mlp", "embed").
     Initialization: `model.init` groups ffn_input (W, V; fan_in = d) and ffn_output (W₂;
     fan_in = f), as the dense FFNs (per expert, Dense-like fans)."""
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
-        E, d, f = cfg.moe_experts, cfg.d_model, cfg.moe_d_ff
-        expert_ffn = FFNS[cfg.moe_expert_ffn]
+        E, d, f = cfg.moe.experts, cfg.d_model, cfg.moe.d_ff
+        expert_ffn = FFNS[cfg.moe.expert_ffn]
         self.gated = expert_ffn.projections == 3
         self.activation = activation(cfg, expert_ffn.gate_activation if self.gated else None)
         input_init = group_init(cfg, "ffn_input")(d, f)
@@ -152,29 +152,29 @@ class MixtureOfExperts(nnx.Module):
     §2.2; Switch, Fedus et al. 2022; Mixtral, Jiang et al. 2024):
 
         logits = x W_r (float32),  p = softmax(logits),  gates g = top-k of p
-                 (renormalized to Σ g = 1 when `model.moe_renormalize`, else raw)
+                 (renormalized to Σ g = 1 when `model.moe.renormalize`, else raw)
         y = Σ_{e ∈ top-k(x), kept} g_e · FFN_e(x)  +  FFN_shared(x)
 
-    E = `model.moe_experts`, k = `model.moe_top_k`, expert width f = `model.moe_d_ff`, expert FFN
-    kind `model.moe_expert_ffn` (see `RoutedExperts`).
+    E = `model.moe.experts`, k = `model.moe.top_k`, expert width f = `model.moe.d_ff`, expert FFN
+    kind `model.moe.expert_ffn` (see `RoutedExperts`).
 
     Dispatch (`route`): groups are batch rows (T tokens each), capacity
-    C = min(⌈`moe_capacity_factor`·k·T/E⌉, T) slots per expert and group; first-come-first-served
+    C = min(⌈`moe.capacity_factor`·k·T/E⌉, T) slots per expert and group; first-come-first-served
     by position within each choice rank (all first choices, in position order, before any second
     choice); a token that finds its expert full is dropped for that choice: its contribution from
     that expert is zero and the residual stream carries it unchanged. Tokens move through one-hot
-    dispatch/combine tensors (B, T, E, C) and einsums. `model.moe_dropless=True`: C = T, every
+    dispatch/combine tensors (B, T, E, C) and einsums. `model.moe.dropless=True`: C = T, every
     token fits (the exact top-k mixture) at O(B·T·E·T) memory for those tensors. Causality: with
     a finite capacity, a later token's first choice can take the slot an earlier token's second
     choice would have had, so which assignments are dropped depends on later tokens (as in GShard);
     dropless routing is causal.
 
-    Shared experts (DeepSeekMoE, Dai et al. 2024 §3.2): s = `model.moe_shared_experts` always-on
-    experts, implemented as one dense `moe_expert_ffn` FFN of width s·f added to the output.
+    Shared experts (DeepSeekMoE, Dai et al. 2024 §3.2): s = `model.moe.shared_experts` always-on
+    experts, implemented as one dense `moe.expert_ffn` FFN of width s·f added to the output.
 
     Auxiliary losses, overwritten in `AuxLoss` variables on each call:
-    `balance_loss` = α · E · Σ_e f_e P_e (Switch eqs. 4–6; α = `model.moe_balance_coef`) and
-    `z_loss` = β · mean(logsumexp(logits)²) (ST-MoE eq. 5; β = `model.moe_z_coef`);
+    `balance_loss` = α · E · Σ_e f_e P_e (Switch eqs. 4–6; α = `model.moe.balance_coef`) and
+    `z_loss` = β · mean(logsumexp(logits)²) (ST-MoE eq. 5; β = `model.moe.z_coef`);
     `dropped_fraction` (a `DroppedFraction`) = dropped / (B·T·k) assignments.
 
     Initialization: router W_r (d × E) truncated normal with variance 1/d (its own scheme, not a
@@ -183,21 +183,21 @@ class MixtureOfExperts(nnx.Module):
     """
 
     # d × f matrices per expert with the default swiglu experts: `ffn_width="match_mlp"` sizes
-    # d_ff as for a gated FFN (set `model.moe_d_ff` for other expert kinds).
+    # d_ff as for a gated FFN (set `model.moe.d_ff` for other expert kinds).
     projections = 3
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         d = cfg.d_model
-        self.router = Dense((d,), (cfg.moe_experts,), ("embed",), (None,), rngs=rngs,
+        self.router = Dense((d,), (cfg.moe.experts,), ("embed",), (None,), rngs=rngs,
                             dtype=jnp.float32, init=_router_init)
         self.routed_experts = RoutedExperts(cfg, rngs=rngs)
-        shared_width = cfg.moe_shared_experts * cfg.moe_d_ff
-        self.shared_experts = (FFNS[cfg.moe_expert_ffn](_with_width(cfg, shared_width), rngs=rngs)
+        shared_width = cfg.moe.shared_experts * cfg.moe.d_ff
+        self.shared_experts = (FFNS[cfg.moe.expert_ffn](_with_width(cfg, shared_width), rngs=rngs)
                                if shared_width else None)
-        self.top_k, self.renormalize = cfg.moe_top_k, cfg.moe_renormalize
-        self.dropless, self.capacity_factor = cfg.moe_dropless, cfg.moe_capacity_factor
-        self.experts = cfg.moe_experts
-        self.balance_coef, self.z_coef = cfg.moe_balance_coef, cfg.moe_z_coef
+        self.top_k, self.renormalize = cfg.moe.top_k, cfg.moe.renormalize
+        self.dropless, self.capacity_factor = cfg.moe.dropless, cfg.moe.capacity_factor
+        self.experts = cfg.moe.experts
+        self.balance_coef, self.z_coef = cfg.moe.balance_coef, cfg.moe.z_coef
         self.balance_loss = _scalar(AuxLoss)
         self.z_loss = _scalar(AuxLoss)
         self.dropped_fraction = _scalar(DroppedFraction)

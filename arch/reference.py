@@ -69,20 +69,20 @@ def _block(cfg, x, p, dtype):
 def _depth_read(cfg, sources, index, stream, projection):
     """AttnRes read of sublayer `index` (index = n: the final read), float32: Σ_j α_j v_j over
     `sources` (a list of B×T×D arrays, list position = source slot)."""
-    heads, d = cfg.attnres_heads, cfg.d_model
+    heads, d = cfg.attnres.heads, cfg.d_model
     slots = list(range(len(sources)))
-    if cfg.attnres_window:
-        slots = slots[-cfg.attnres_window:]
+    if cfg.attnres.window:
+        slots = slots[-cfg.attnres.window:]
 
     def split(x):  # B×T×D → B×T×H×(D/H), float32
         return x.astype(jnp.float32).reshape(*x.shape[:-1], heads, d // heads)
 
     def key(x):
-        if not cfg.attnres_key_norm:
+        if not cfg.attnres.key_norm:
             return split(x)
         return split(x) / jnp.sqrt(jnp.mean(split(x) ** 2, -1, keepdims=True) + cfg.norm_eps)
 
-    if cfg.attnres_weights == "static":
+    if cfg.attnres.weights == "static":
         table = stream["static_weights"][index]                       # slots × H
         weights = [jnp.broadcast_to(table[j], sources[0].shape[:2] + (heads,)) for j in slots]
     else:
@@ -91,7 +91,7 @@ def _depth_read(cfg, sources, index, stream, projection):
             query = query + split(key(sources[-1]).reshape(sources[-1].shape)
                                   @ projection["kernel"])
         scores = jnp.stack([(key(sources[j]) * query).sum(-1) for j in slots])  # n×B×T×H
-        weights = (jax.nn.softmax(scores, 0) if cfg.attnres_weights == "softmax"
+        weights = (jax.nn.softmax(scores, 0) if cfg.attnres.weights == "softmax"
                    else jax.nn.sigmoid(scores))
     mixed = sum(w[..., None] * split(sources[j]) for w, j in zip(weights, slots, strict=True))
     return mixed.reshape(sources[0].shape)
@@ -100,7 +100,7 @@ def _depth_read(cfg, sources, index, stream, projection):
 def _attnres_stack(cfg, x, params, dtype):
     """Full/Block AttnRes over Python lists: `sources` holds the embedding and the completed
     block summaries, `partial` the current block's partial sum (None while empty)."""
-    block_size = cfg.attnres_block_size if cfg.residual == "block_attnres" else 1
+    block_size = cfg.attnres.block_size if cfg.residual == "block_attnres" else 1
     stream = params["residual_stream"]
     sources, partial, index = [x], None, 0
     for layer in range(cfg.num_layers):

@@ -1,10 +1,6 @@
-"""Rematerialization policies by name (`model.remat_policy`): what a block keeps for its
+"""Rematerialization policies by name (`execution.remat`): what a block keeps for its
 backward pass, applied to the block function of the layer scan (and of the pipeline, and of the
 two-phase AttnRes block scan, which scan the same checkpointed function).
-
-`model.remat` is the older boolean: `remat=True` means `remat_policy="full"`, and
-`remat_policy=None` (the default) resolves to `full` or `none` from it (`arch.config`); after
-resolution `remat` is True exactly when a policy other than `none` is applied.
 
 Inside a block the attention and FFN sublayer outputs are named with
 `jax.ad_checkpoint.checkpoint_name` (`ATTENTION_OUTPUT`, `FFN_OUTPUT`), which is what
@@ -60,7 +56,7 @@ def checkpoint_policy(name: str) -> Callable | None:
         return policies.save_and_offload_only_these_names(
             names_which_can_be_saved=[], names_which_can_be_offloaded=names,
             offload_src="device", offload_dst="pinned_host")
-    raise ValueError(f"model.remat_policy={name!r} is invalid; valid: {', '.join(REMAT_POLICIES)}")
+    raise ValueError(f"execution.remat={name!r} is invalid; valid: {', '.join(REMAT_POLICIES)}")
 
 
 def apply_remat(fn: Callable, name: str) -> Callable:

@@ -179,7 +179,7 @@ class ResidualStream(nnx.Module):
 
     def stage_message(self, state, lag: int):
         """What crosses a pipeline stage boundary when the receiving stage last held this state
-        `lag` sublayers ago (`model.pipeline_transfer="cached"`). Default: the whole state."""
+        `lag` sublayers ago (`execution.pipeline.transfer="cached"`). Default: the whole state."""
         return state
 
     def stage_merge(self, cached, message, lag: int):

@@ -33,7 +33,7 @@ Only one block's activations are alive at a time, so the activation memory of th
 not grow with the number of layers (tests/test_reversible.py measures XLA's scratch memory of the
 parameter gradient: flat from 2 to 16 layers). The parameter gradients themselves (one
 parameter-sized buffer per layer) still grow with depth, as they must; inside a full train step
-they are scratch memory too (`scripts/bench.py --depth_memory`). `model.remat` has no effect
+they are scratch memory too (`scripts/bench.py --depth_memory`). `execution.remat` has no effect
 here: the custom backward pass already recomputes each block.
 
 Randomness: the framework has no dropout (or any other random op in a block), so there is

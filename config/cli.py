@@ -35,6 +35,7 @@ from typing import Any, NoReturn
 import ml_collections
 
 from config import ConfigError
+from config.legacy import moved_hint
 
 PREFIX = "--config."
 NEGATED = "--noconfig."
@@ -146,6 +147,8 @@ def _holder(config: ml_collections.ConfigDict, field: str,
     node, parts = config, field.split(".")
     for depth, part in enumerate(parts):
         if not isinstance(node, ml_collections.ConfigDict) or part not in node:
+            if moved_hint(field):
+                raise UsageError(f"{flag}: {moved_hint(field)}")
             parent = ".".join(parts[:depth]) or "the config"
             known = list(node.keys()) if isinstance(node, ml_collections.ConfigDict) else []
             close = difflib.get_close_matches(part, known, n=1)

@@ -25,16 +25,14 @@ def model_config() -> ml_collections.ConfigDict:
         d_ff=ml_collections.FieldReference(None, field_type=int),            # default ratio·d
         ffn_ratio=4.0,
         attention="mha",          # arch.attention.ATTENTION
-        attention_implementation="auto",  # auto, xla, blocked, cudnn, splash (attention_kernels)
-        attention_chunk=128,      # blocked: query/key tile length (memory O(T·chunk)); splash block
-        mla_kv_rank=64,           # attention="mla": key/value latent width d_c (cached per token)
-        mla_q_rank=0,             # mla: query latent width d_c'; 0 = full-rank query projection
-        mla_rope_dim=16,          # mla: width of the decoupled rotary query/key parts (even)
-        mla_nope_dim=ml_collections.FieldReference(None, field_type=int),  # mla: default head_dim
-        mla_v_dim=ml_collections.FieldReference(None, field_type=int),     # mla: default head_dim
-        mla_absorb=False,         # mla: cached attention in the latent space (W_UK absorbed)
-        sequence_attention="all_gather",  # mesh.sequence > 1: "all_gather" keys/values, or
-                                  # "ring" (ppermute around the sequence axis; attention="mha")
+        mla=dict(                 # attention="mla" (arch.attention.MultiHeadLatentAttention)
+            kv_rank=64,           # key/value latent width d_c (cached per token)
+            q_rank=0,             # query latent width d_c'; 0 = full-rank query projection
+            rope_dim=16,          # width of the decoupled rotary query/key parts (even)
+            nope_dim=ml_collections.FieldReference(None, field_type=int),  # default head_dim
+            v_dim=ml_collections.FieldReference(None, field_type=int),     # default head_dim
+            absorb=False,         # cached attention in the latent space (W_UK absorbed)
+        ),
         norm="rmsnorm",           # arch.norms.NORMS
         norm_eps=1e-6,
         batchnorm_momentum=0.9,   # norm="batchnorm"/"causal_batchnorm": running-average momentum
@@ -50,42 +48,50 @@ def model_config() -> ml_collections.ConfigDict:
         leaky_relu_slope=0.01,    # negative slope α of activation="leaky_relu"
         ffn_width="ratio",        # d_ff if not given: "ratio" (ratio·d) or "match_mlp" (gated: 2/3)
         ffn_multiple_of=1,        # round a derived d_ff up to a multiple of this
-        moe_experts=8,            # ffn="moe": number of routed experts E
-        moe_top_k=2,              # moe: experts per token k (token choice), 1 ≤ k ≤ E
-        moe_every=1,              # moe: every k-th block is MoE, the others use moe_dense_ffn
-        moe_dense_ffn="swiglu",   # moe with moe_every > 1: the FFN of the dense blocks
-        moe_d_ff=ml_collections.FieldReference(None, field_type=int),  # moe: expert width; d_ff
-        moe_expert_ffn="swiglu",  # moe: expert FFN kind (arch.ffn.FFNS; gated if 3 projections)
-        moe_capacity_factor=1.25,  # moe: slots per expert C = ⌈factor·k·T/E⌉ per sequence
-        moe_dropless=False,       # moe: C = T, no token dropped (O(B·T·E·T) dispatch memory)
-        moe_renormalize=True,     # moe: top-k gates renormalized to sum 1 (Mixtral); else raw
-        moe_shared_experts=0,     # moe: always-on shared experts s (DeepSeekMoE), width s·moe_d_ff
-        moe_balance_coef=0.01,    # moe: load-balancing loss coefficient α (Switch eq. 4)
-        moe_z_coef=1e-3,          # moe: router z-loss coefficient β (ST-MoE eq. 5)
+        moe=dict(                 # ffn="moe" (arch.moe.MixtureOfExperts)
+            experts=8,            # number of routed experts E
+            top_k=2,              # experts per token k (token choice), 1 ≤ k ≤ E
+            every=1,              # every k-th block is MoE, the others use moe.dense_ffn
+            dense_ffn="swiglu",   # with every > 1: the FFN of the dense blocks
+            d_ff=ml_collections.FieldReference(None, field_type=int),  # expert width; default d_ff
+            expert_ffn="swiglu",  # expert FFN kind (arch.ffn.FFNS; gated if 3 projections)
+            capacity_factor=1.25,  # slots per expert C = ⌈factor·k·T/E⌉ per sequence
+            dropless=False,       # C = T, no token dropped (O(B·T·E·T) dispatch memory)
+            renormalize=True,     # top-k gates renormalized to sum 1 (Mixtral); else raw
+            shared_experts=0,     # always-on shared experts s (DeepSeekMoE), width s·moe.d_ff
+            balance_coef=0.01,    # load-balancing loss coefficient α (Switch eq. 4)
+            z_coef=1e-3,          # router z-loss coefficient β (ST-MoE eq. 5)
+        ),
         residual="prenorm",       # arch.residual.RESIDUALS (prenorm, postnorm, deepnorm, noskip,
                                   # attnres, block_attnres, hc, mhc, width, gated_residual)
         residual_streams=4,       # hc/mhc/width/gated_residual: streams or branches n
         residual_dynamic=True,    # hc/mhc/gated_residual: input-dependent part on (False: static)
-        hc_dynamic_scale=0.01,    # hc/mhc: initial scale s of the tanh dynamic weights
-        mhc_sinkhorn_iters=20,    # mhc: Sinkhorn iterations onto doubly-stochastic matrices
-        attnres_block_size=4,     # block_attnres: sublayers per block S (1: Full AttnRes)
-        attnres_query="static",   # attnres: "static" pseudo-query, or "input": + W·(current state)
-        attnres_heads=1,          # attnres: depth-attention heads (divides d)
-        attnres_weights="softmax",  # attnres: softmax | sigmoid | static (DenseFormer-style)
-        attnres_key_norm=True,    # attnres: RMS-normalized keys (False: raw sources)
-        attnres_window=0,         # attnres: attend to the W most recent sources only (0: all)
-        gr_rank=16,               # gated_residual: rank of the read-gate predictor
-        gr_channelwise=True,      # gated_residual: per-channel reads and writes (False: scalar)
-        gr_channelwise_read=ml_collections.FieldReference(None, field_type=bool),   # gr: reads
-        gr_channelwise_write=ml_collections.FieldReference(None, field_type=bool),  # gr: writes;
-                                  # per channel or scalar per branch; None: gr_channelwise
-        gr_static=True,           # gated_residual: static gate logits b_read, b_write (False:
-                                  # the gates are the dynamic part only; needs residual_dynamic)
-        gr_init="graded",         # gated_residual: write strengths "graded" or "random" at init
-        gr_read_top_k=0,          # gated_residual: read the k branches of largest gate per
-                                  # token, the others' gates zeroed (0: all n)
-        gr_mixing=False,          # gated_residual: add back an n×n branch-mixing operator
-        gr_state_dtype="float32",  # gated_residual: branch dtype: float32, bfloat16, float8_e4m3fn
+        hyper=dict(               # residual="hc"/"mhc" (arch.hyper)
+            dynamic_scale=0.01,   # initial scale s of the tanh dynamic weights
+            sinkhorn_iters=20,    # mhc: Sinkhorn iterations onto doubly-stochastic matrices
+        ),
+        attnres=dict(             # residual="attnres"/"block_attnres" (arch.attnres)
+            block_size=4,         # block_attnres: sublayers per block S (1: Full AttnRes)
+            query="static",       # "static" pseudo-query, or "input": + W·(current state)
+            heads=1,              # depth-attention heads (divides d)
+            weights="softmax",    # softmax | sigmoid | static (DenseFormer-style)
+            key_norm=True,        # RMS-normalized keys (False: raw sources)
+            window=0,             # attend to the W most recent sources only (0: all)
+        ),
+        gated_residual=dict(      # residual="gated_residual" (arch.gated_residual)
+            rank=16,              # rank of the read-gate predictor
+            channelwise=True,     # per-channel reads and writes (False: scalar per branch)
+            channelwise_read=ml_collections.FieldReference(None, field_type=bool),   # reads and
+            channelwise_write=ml_collections.FieldReference(None, field_type=bool),  # writes, per
+                                  # channel or scalar per branch; None: follow channelwise
+            static=True,          # static gate logits b_read, b_write (False: the gates are the
+                                  # dynamic part only; needs residual_dynamic)
+            init="graded",        # write strengths "graded" or "random" at init
+            read_top_k=0,         # read the k branches of largest gate per token, the others'
+                                  # gates zeroed (0: all n)
+            mixing=False,         # add back an n×n branch-mixing operator
+            state_dtype="float32",  # branch dtype: float32, bfloat16, float8_e4m3fn
+        ),
         use_ffn=True,             # False: attention-only blocks (rank-collapse ablation)
         linear_bias=False,        # + b on attention q/k/v/output and FFN projections (GPT-2); mha
                                   # and dense FFNs only (not mla, not moe)
@@ -98,18 +104,31 @@ def model_config() -> ml_collections.ConfigDict:
         mos_tied=True,            # mos/moc: output projection = the input embedding
         final_norm=True,
         dtype="float32",          # compute dtype; parameters are always float32
-        remat=False,              # recompute each block in the backward pass (= remat_policy full)
-        remat_policy=ml_collections.FieldReference(None, field_type=str),  # arch.remat; None: remat
+        reversible=False,         # RevNet/Reformer coupling, activations O(1) in depth (prenorm)
+    ))
+
+
+def execution_config() -> ml_collections.ConfigDict:
+    """How the model runs, apart from what it computes: kernels, rematerialization, the layer
+    loop and the pipeline schedule. A run may resume with different execution settings."""
+    return ml_collections.ConfigDict(dict(
+        attention_implementation="auto",  # auto, xla, blocked, cudnn, splash (attention_kernels)
+        attention_chunk=128,      # blocked: query/key tile length (memory O(T·chunk)); splash block
+        sequence_attention="all_gather",  # mesh.sequence > 1: "all_gather" keys/values, or
+                                  # "ring" (ppermute around the sequence axis; attention="mha")
+        remat="none",             # what a block keeps for its backward pass (arch.remat.
+                                  # REMAT_POLICIES): none, full (recompute each block), ...
         scan_unroll=1,            # layers per loop iteration of the layer scan (its unroll;
                                   # not the pipeline's nor two-phase AttnRes's own scan)
         # Pipeline parallelism, with mesh.stage > 1 (sharding/pipeline.py); bubble fraction
         # (P − 1)/(V·M + P − 1) for P = mesh.stage, V virtual stages, M microbatches.
-        pipeline_schedule="gpipe",  # "gpipe" (one chunk of layers per device) or "circular"
-        pipeline_microbatches=4,  # M ≥ mesh.stage, dividing each data shard's rows
-        pipeline_virtual_stages=1,  # circular: layer chunks per device V (chunk v·P + p on p)
-        pipeline_transfer="cached",  # what crosses stages: "cached" (AttnRes: only the source
-                                     # slots the next stage lacks) or "full" (the whole state)
-        reversible=False,         # RevNet/Reformer coupling, activations O(1) in depth (prenorm)
+        pipeline=dict(
+            schedule="gpipe",     # "gpipe" (one chunk of layers per device) or "circular"
+            microbatches=4,       # M ≥ mesh.stage, dividing each data shard's rows
+            virtual_stages=1,     # circular: layer chunks per device V (chunk v·P + p on p)
+            transfer="cached",    # what crosses stages: "cached" (AttnRes: only the source
+                                  # slots the next stage lacks) or "full" (the whole state)
+        ),
     ))
 
 
@@ -136,6 +155,7 @@ def base_config() -> ml_collections.ConfigDict:
         temperature=0.8,
         top_k=40,
         model=model_config(),
+        execution=execution_config(),
         optimizer=dict(
             name="adamw",         # "adamw", or "muon": Muon on the hidden matrices (train.optim)
             learning_rate=3e-3,

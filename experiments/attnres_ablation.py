@@ -54,20 +54,23 @@ PAPER = {"baseline": 1.766, "full": 1.737, "block": 1.746, "mhc": 1.747}
 PAPER_METRIC = "final validation loss (16-layer ablation table)"
 
 # Arm → the model fields it changes, on top of Block AttnRes with S = 4 unless it says otherwise.
-_BLOCK = dict(residual="block_attnres", attnres_block_size=4)
+def _block(**attnres) -> dict:
+    return dict(residual="block_attnres", attnres=dict(block_size=4) | attnres)
+
+
 _ARMS = {
     "baseline": dict(residual="prenorm"),
     "full": dict(residual="attnres"),
-    "block": _BLOCK,
-    "block2": dict(_BLOCK, attnres_block_size=2),
-    "block8": dict(_BLOCK, attnres_block_size=8),
-    "block16": dict(_BLOCK, attnres_block_size=16),
-    "window": dict(_BLOCK, attnres_window=2),
-    "input_query": dict(_BLOCK, attnres_query="input"),
-    "heads4": dict(_BLOCK, attnres_heads=4),
-    "sigmoid": dict(_BLOCK, attnres_weights="sigmoid"),
-    "no_key_norm": dict(_BLOCK, attnres_key_norm=False),
-    "static": dict(_BLOCK, attnres_weights="static"),
+    "block": _block(),
+    "block2": _block(block_size=2),
+    "block8": _block(block_size=8),
+    "block16": _block(block_size=16),
+    "window": _block(window=2),
+    "input_query": _block(query="input"),
+    "heads4": _block(heads=4),
+    "sigmoid": _block(weights="sigmoid"),
+    "no_key_norm": _block(key_norm=False),
+    "static": _block(weights="static"),
     "mhc": dict(residual="mhc", residual_streams=4),
 }
 
@@ -86,8 +89,8 @@ def get_config(arg: str | None = None):
                       checkpoint_every=1000, sample_tokens=0, accumulation_steps=16)
         config.data.update(name="prepared", path="data/prepared")
         model.update(d_model=1024, num_layers=16, num_heads=16, num_kv_heads=16, ffn="swiglu",
-                     position="rope", vocab_size=0, attention_implementation="blocked",
-                     dtype="bfloat16", remat=True)
+                     position="rope", vocab_size=0, dtype="bfloat16")
+        config.execution.update(attention_implementation="blocked", remat="full")
     scale_lr = (3e-3, 100) if scale == "cpu" else (1e-3, 1000)
     config.optimizer.update(learning_rate=scale_lr[0], warmup_steps=scale_lr[1],
                             schedule="cosine")

@@ -65,7 +65,7 @@ def get_config(arg: str | None = None):
     model.update(d_model=d_model, num_layers=layers, num_heads=heads, num_kv_heads=heads,
                  **_RESIDUAL[arm])
     if arm == "block":
-        model.attnres_block_size = 2 * layers // 4  # N = 4 blocks of S sublayers
+        model.attnres.block_size = 2 * layers // 4  # N = 4 blocks of S sublayers
     if scale == "cpu":
         config.update(steps=400, batch_size=16, seq_len=128, eval_every=100, eval_batches=16,
                       checkpoint_every=200, sample_tokens=0)
@@ -75,7 +75,7 @@ def get_config(arg: str | None = None):
         config.update(steps=5_000, batch_size=128, seq_len=8192, eval_every=500,
                       checkpoint_every=500, sample_tokens=0, accumulation_steps=8)
         config.data.update(name="prepared", path="data/prepared")
-        model.update(vocab_size=0, dtype="bfloat16", attention_implementation="blocked",
-                     head="untied", ffn_width="match_mlp", remat=True)
+        model.update(vocab_size=0, dtype="bfloat16", head="untied", ffn_width="match_mlp")
+        config.execution.update(attention_implementation="blocked", remat="full")
         config.optimizer.update(learning_rate=1e-3, warmup_steps=500, schedule="wsd")
     return config

@@ -25,15 +25,18 @@ Arms (the config argument is "ARM" or "ARM,SCALE"; n = 4 streams or branches thr
     mhc                 mHC, dynamic (residual="mhc")
     gr                  Gated Residual (residual="gated_residual"; channelwise reads and writes,
                         static + dynamic gates, graded write strengths, no mixing, all reads)
-    gr_no_channel_read  GR with one read gate per branch and token (gr_channelwise_read=False)
+    gr_no_channel_read  GR with one read gate per branch and token
+                        (gated_residual.channelwise_read=False)
     gr_no_channel_write GR with one write strength per branch and token
-                        (gr_channelwise_write=False)
-    gr_mixing           GR with the n×n branch-mixing operator added back (gr_mixing=True)
-    gr_no_static        GR without the static gate logits b_read, b_write (gr_static=False)
+                        (gated_residual.channelwise_write=False)
+    gr_mixing           GR with the n×n branch-mixing operator added back
+                        (gated_residual.mixing=True)
+    gr_no_static        GR without the static gate logits b_read, b_write
+                        (gated_residual.static=False)
     gr_random_init      GR with random instead of graded initial write strengths
-                        (gr_init="random")
+                        (gated_residual.init="random")
     gr_top2             GR reading only the 2 branches of largest read gate per token
-                        (gr_read_top_k=2)
+                        (gated_residual.read_top_k=2)
 How each GR switch changes the equations: arch/gated_residual.py's module docstring.
 
 Scales (both are our choice, not the report's: its model sizes and budgets are not in the
@@ -66,20 +69,23 @@ SEEDS = (0, 1, 2)
 SCALES = ("cpu", "paper")
 
 # Arm → the model fields it changes; the GR ablations start from the full Gated Residual.
-_GR = dict(residual="gated_residual", residual_streams=4)
+def _gr(**gated_residual) -> dict:
+    return dict(residual="gated_residual", residual_streams=4, gated_residual=gated_residual)
+
+
 _ARMS = {
     "prenorm": dict(residual="prenorm"),
     "width": dict(residual="width", residual_streams=4),
     "hc": dict(residual="hc", residual_streams=4),
     "mhc_static": dict(residual="mhc", residual_streams=4, residual_dynamic=False),
     "mhc": dict(residual="mhc", residual_streams=4),
-    "gr": _GR,
-    "gr_no_channel_read": dict(_GR, gr_channelwise_read=False),
-    "gr_no_channel_write": dict(_GR, gr_channelwise_write=False),
-    "gr_mixing": dict(_GR, gr_mixing=True),
-    "gr_no_static": dict(_GR, gr_static=False),
-    "gr_random_init": dict(_GR, gr_init="random"),
-    "gr_top2": dict(_GR, gr_read_top_k=2),
+    "gr": _gr(),
+    "gr_no_channel_read": _gr(channelwise_read=False),
+    "gr_no_channel_write": _gr(channelwise_write=False),
+    "gr_mixing": _gr(mixing=True),
+    "gr_no_static": _gr(static=False),
+    "gr_random_init": _gr(init="random"),
+    "gr_top2": _gr(read_top_k=2),
 }
 
 
@@ -98,7 +104,8 @@ def get_config(arg: str | None = None):
                       accumulation_steps=8)
         config.data.update(name="prepared", path="data/prepared")
         model.update(d_model=1024, num_layers=24, num_heads=16, num_kv_heads=16, vocab_size=0,
-                     dtype="bfloat16", remat=True)
+                     dtype="bfloat16")
+        config.execution.remat = "full"
         config.optimizer.update(learning_rate=3e-4, warmup_steps=1000, schedule="cosine")
     model.update(_ARMS[arm])
     return config

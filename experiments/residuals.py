@@ -31,7 +31,7 @@ def get_config(arg: str | None = None):
     model = config.model
     model.d_model, model.num_layers, model.num_heads, model.num_kv_heads = 128, 8, 4, 2
     model.residual = mechanism
-    model.attnres_block_size = 2  # block_attnres: 16 sublayers in N = 8 blocks
+    model.attnres.block_size = 2  # block_attnres: 16 sublayers in N = 8 blocks
     config.optimizer.warmup_steps = 60
     if mechanism == "deepnorm":
         use_deepnorm(config)

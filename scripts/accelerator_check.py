@@ -105,7 +105,7 @@ def _billion_config(seq_len: int, batch: int, implementation: str = "auto"):
     config.mesh.data = 1
     model = config.model
     model.d_model, model.num_layers, model.num_heads, model.num_kv_heads = 2048, 20, 16, 16
-    model.dtype, model.attention_implementation = "bfloat16", implementation
+    model.dtype, config.execution.attention_implementation = "bfloat16", implementation
     return config
 
 
@@ -171,7 +171,7 @@ def attnres_part(backend: str) -> dict:
     model.d_model, model.num_layers, model.num_heads, model.num_kv_heads = 1024, 16, 8, 8
     model.dtype, model.residual = "bfloat16", "prenorm"
     result = bench(config, steps=10, block=2, depth_check=False,
-                   compare="model.residual=block_attnres,model.attnres_block_size=4",
+                   compare="model.residual=block_attnres,model.attnres.block_size=4",
                    decode=True, decode_steps=200)
     entry = next(iter(result["compare"].values()))
     return {"step_time_vs_prenorm": entry["step_time_vs_config"],

@@ -6,7 +6,7 @@
 
 --memory LENGTHS  compiled temp bytes (`memory_analysis().temp_size_in_bytes`; compile only,
                   nothing runs) of the framework's train step at each sequence length T, batch 1,
-                  per implementation (`model.attention_implementation`), the rest of the config
+                  per implementation (`execution.attention_implementation`), the rest of the config
                   as given. Reports temp_bytes[impl][T], growth[impl] = temp at the largest T
                   over temp at the smallest, and vs_xla[impl][T] = temp / xla's temp.
                   Target (issue 22): blocked growth ≤ 20 from 1K to 16K (explicit scores: ~256).
@@ -53,7 +53,7 @@ def memory(config, lengths: list[int], implementations: list[str]) -> dict:
         for length in lengths:
             variant = config.copy_and_resolve_references()
             variant.seq_len, variant.batch_size = length, 1
-            variant.model.attention_implementation = name
+            variant.execution.attention_implementation = name
             _, compiled = compile_train_step(build_program(variant))
             temp[name][length] = compiled.memory_analysis().temp_size_in_bytes
             log(f"{name} T={length}: temp {temp[name][length]:,} bytes")
@@ -89,7 +89,7 @@ def speed(config, lengths: list[int], implementations: list[str], tokens: int, s
         k = jax.random.normal(keys[1], (batch, length, kv_heads, width))
         v = jax.random.normal(keys[2], (batch, length, kv_heads, width))
         positions = jnp.broadcast_to(jnp.arange(length), (batch, length))
-        runners = {name: _runner(name, q, k, v, positions, model.attention_chunk)
+        runners = {name: _runner(name, q, k, v, positions, config.execution.attention_chunk)
                    for name in implementations}
         times = time_interleaved(runners, steps, block)
         result[length] = {name: {"seconds": statistics.median(times[name]),
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     config, args = parse_with_config(parser, argv)
     absl_logging.set_verbosity(absl_logging.WARNING)
     implementations = args.implementations.split(",")
-    result = {"backend": jax.default_backend(), "chunk": config.model.attention_chunk}
+    result = {"backend": jax.default_backend(), "chunk": config.execution.attention_chunk}
     if args.memory:
         result["memory"] = memory(config, _lengths(args.memory), implementations)
     if args.speed:

@@ -74,8 +74,8 @@ batch_size × (seq_len + 1), and reports, in one run:
                          loader's margin over what the train step consumes: target ≥ 5.
   bubble_fraction        only when the config's mesh.stage = P > 1 (pipeline parallelism,
                          sharding/pipeline.py): the schedule's theoretical idle share
-                         (P − 1)/(V·M + P − 1), V = model.pipeline_virtual_stages, M =
-                         model.pipeline_microbatches. Against the single-stage run on the same
+                         (P − 1)/(V·M + P − 1), V = execution.pipeline.virtual_stages, M =
+                         execution.pipeline.microbatches. Against the single-stage run on the same
                          devices, pass e.g. `--baseline mesh.stage=1,mesh.data=-1`:
                          step_time_vs_baseline is then the pipelined step over the unpipelined
                          one. Simulated CPU devices share the host's cores, so there it measures
@@ -86,7 +86,7 @@ batch_size × (seq_len + 1), and reports, in one run:
                          collective-permutes' sizes × V·M + P − 1 iterations); per --compare
                          variant too, with stage_transfer_bytes_vs_config. AttnRes naive vs
                          cached (the AttnRes report's schedule, the default): `--compare
-                         model.pipeline_transfer=full` (example below).
+                         execution.pipeline.transfer=full` (example below).
   temp_bytes_depth_ratio only with --depth_memory A,B (e.g. `2,16`): compiled temp bytes of the
                          train step at num_layers=B over num_layers=A (compile only, never run;
                          each also reported as temp_bytes_layers_A / _B). Target for the
@@ -94,7 +94,7 @@ batch_size × (seq_len + 1), and reports, in one run:
 
   remat_policies         only with --remat_policies A,B,... (arch.remat.REMAT_POLICIES, e.g.
                          `none,full,dots_saveable,save_attention_and_ffn_outputs`): the config
-                         run under policy A (model.remat_policy=A, model.remat=False), each
+                         run under policy A (execution.remat=A), each
                          other policy as a --compare variant (timed interleaved, ABBA); a dict
                          policy → {temp_bytes, temp_bytes_vs_first, step_time_s,
                          step_time_vs_first}, ratios to policy A. Measured:
@@ -114,28 +114,28 @@ Reversible vs ordinary: python scripts/bench.py --config experiments/quickstart.
 Pipeline parallelism on 8 simulated CPU devices (GPipe, 4 stages, 8 microbatches) against one
 stage: XLA_FLAGS=--xla_force_host_platform_device_count=8 python scripts/bench.py
   --config experiments/quickstart.py --config.model.num_layers=8 --config.mesh.data=2
-  --config.mesh.stage=4 --config.model.pipeline_microbatches=8 --config.batch_size=16
+  --config.mesh.stage=4 --config.execution.pipeline.microbatches=8 --config.batch_size=16
   --baseline mesh.stage=1,mesh.data=-1
 
 Block AttnRes across pipeline stages, the cached transfer against the naive one (the whole
 source buffer at every transition), 4 stages × 2 virtual stages, 8 blocks of S = 4 sublayers:
 XLA_FLAGS=--xla_force_host_platform_device_count=8 python scripts/bench.py
   --config experiments/quickstart.py --config.model.num_layers=16 --config.mesh.data=2
-  --config.mesh.stage=4 --config.model.pipeline_schedule=circular
-  --config.model.pipeline_virtual_stages=2 --config.model.pipeline_microbatches=4
+  --config.mesh.stage=4 --config.execution.pipeline.schedule=circular
+  --config.execution.pipeline.virtual_stages=2 --config.execution.pipeline.microbatches=4
   --config.batch_size=16 --config.model.residual=block_attnres
-  --config.model.attnres_block_size=4 --compare model.pipeline_transfer=full
+  --config.model.attnres.block_size=4 --compare execution.pipeline.transfer=full
 
 Residual-stream mechanisms (issue 4) against the plain Pre-Norm sum, 16 blocks = 32 sublayers, so
-8 AttnRes blocks of attnres_block_size=4 sublayers. Targets: compare.<block_attnres>.
+8 AttnRes blocks of attnres.block_size=4 sublayers. Targets: compare.<block_attnres>.
 step_time_vs_config ≤ 1.05 and decode_time_vs_config ≤ 1.05; the others are reported:
   python scripts/bench.py --config experiments/quickstart.py --config.model.num_layers=16
     --config.model.residual=prenorm --decode --compare "model.residual=block_attnres,
-    model.attnres_block_size=4;model.residual=attnres;model.residual=hc;model.residual=mhc;
+    model.attnres.block_size=4;model.residual=attnres;model.residual=hc;model.residual=mhc;
     model.residual=gated_residual"
 (one argument, no spaces or line breaks inside the quotes). Their residual I/O, history memory and
 added parameters come from `arch.accounting.residual_accounting(config.model)`. Add
-`;model.scan_unroll=2` to --compare to time the plain sum stepped two layers per loop iteration,
+`;execution.scan_unroll=2` to --compare to time the plain sum stepped two layers per loop iteration,
 as the AttnRes block scan is. Measured: docs/performance.md#block-attnres.
 
 CPU settings outside the framework that change step times (huge pages for XLA:CPU's per-step
@@ -316,8 +316,8 @@ def prepare(config, tokens: np.ndarray) -> dict:
                "compile_time": compile_time,
                "runner": framework_runner(program, program.put_batch(tokens))}
     if (stages := program.mesh.shape["stage"]) > 1:  # per device: V·M + P − 1 iterations
-        per_step = iterations(stages, config.model.pipeline_virtual_stages,
-                              config.model.pipeline_microbatches)
+        per_step = iterations(stages, config.execution.pipeline.virtual_stages,
+                              config.execution.pipeline.microbatches)
         variant["stage_transfer_bytes"] = stage_transfer_bytes(compiled.as_text()) * per_step
     return variant
 
@@ -428,8 +428,9 @@ def bench(config, steps: int, block: int, depth_check: bool, baseline: str | Non
     if decode:
         result["decode_time_s"] = decode_times["framework"]
     if (stages := program.mesh.shape["stage"]) > 1:
-        result["bubble_fraction"] = bubble_fraction(stages, config.model.pipeline_virtual_stages,
-                                                    config.model.pipeline_microbatches)
+        schedule = config.execution.pipeline
+        result["bubble_fraction"] = bubble_fraction(stages, schedule.virtual_stages,
+                                                    schedule.microbatches)
         result["stage_transfer_bytes"] = main["stage_transfer_bytes"]
     temp = {label: variant["memory"].temp_size_in_bytes for label, variant in variants.items()}
     if baseline:
@@ -467,7 +468,7 @@ def bench(config, steps: int, block: int, depth_check: bool, baseline: str | Non
     return result
 
 
-REMAT_VARIANT = "model.remat=False,model.remat_policy={}"  # one --remat_policies variant
+REMAT_VARIANT = "execution.remat={}"  # one --remat_policies variant
 
 
 def remat_policies(text: str | None) -> list[str]:
@@ -544,7 +545,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vs_unrolled", action="store_true",
                         help="also time the reference step with its layers unrolled")
     parser.add_argument("--remat_policies", metavar="A,B,...", default=None,
-                        help="model.remat_policy values to compare, as ratios to the first")
+                        help="execution.remat values to compare, as ratios to the first")
     config, args = parse_with_config(parser, argv)
     depths = None
     if args.depth_memory:
@@ -560,7 +561,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         compare, policies = args.compare, remat_policies(args.remat_policies)
         if policies:
-            config.model.remat, config.model.remat_policy = False, policies[0]
+            config.execution.remat = policies[0]
             compare = ";".join(filter(None, [compare, *(REMAT_VARIANT.format(policy)
                                                        for policy in policies[1:])]))
         result = bench(config, args.steps, args.block, args.depth_check, args.baseline, depths,

@@ -2,7 +2,7 @@
 
 The G stacked layer-scan units (blocks, or `BlockGroup`s with interleaved MoE) are cut into
 V·P chunks of K = G/(V·P) consecutive units, for P = mesh.stage devices and V =
-`model.pipeline_virtual_stages` chunks per device; chunk c = v·P + p lives on device p
+`execution.pipeline.virtual_stages` chunks per device; chunk c = v·P + p lives on device p
 (round-robin), so the units' order is the reshape [G] → [V, P, K]:
 
     GPipe     (V = 1)  device p holds units p·K … (p+1)·K − 1: exactly the contiguous shards the
@@ -11,7 +11,7 @@ V·P chunks of K = G/(V·P) consecutive units, for P = mesh.stage devices and V 
                        between devices (GSPMD inserts the transfer, and its transpose for the
                        gradients, in every step).
 
-The batch is split into M = `model.pipeline_microbatches` microbatches; a microbatch's
+The batch is split into M = `execution.pipeline.microbatches` microbatches; a microbatch's
 residual state (any pytree: the plain stream, several streams, a buffer of depth sources with its
 counters) flows from stage to stage through `jax.lax.ppermute` inside a
 `jax.shard_map` that is manual over `stage` only (data, fsdp, tensor, … stay automatic, so the
@@ -25,8 +25,8 @@ chunk v = ⌊(t − p)/M⌋ on microbatch (t − p) mod M, valid when 0 ≤ t �
     round V its final state).
 
 The message is the whole residual state by default (positions never cross: each copy has them).
-`model.pipeline_transfer="cached"` (the default) lets a mechanism whose state is a growing history
-send less (`stage_message`/`stage_merge` of its `arch.residual.ResidualStream`; the cached
+`execution.pipeline.transfer="cached"` (the default) lets a mechanism whose state is a growing
+history send less (`stage_message`/`stage_merge` of its `arch.residual.ResidualStream`; the cached
 transfer of the Attention Residuals report, Kimi Team 2026): a receiver last held the microbatch
 P − 1 chunks ago, a lag of (P − 1)·2L/(V·P) sublayers, so it needs only what was written since:
 O(P) chunks' worth instead of O(V·P) at the last transitions (`stage_transfer_bytes` counts it in
@@ -35,10 +35,10 @@ the compiled program). `"full"` sends the whole state (the naive schedule).
 Idle slots compute on stale data whose results are never used (zero cotangent), so the bubble
 fraction is (P − 1)/(V·M + P − 1) of each device's iterations (`bubble_fraction`). Differentiating
 the iteration scan gives GPipe's all-forward-then-all-backward order (the activations of every
-microbatch of a device's chunks are kept, or recomputed with `model.remat`). Non-parameter layer
-state (the MoE `AuxLoss`/`DroppedFraction`) is the mean over the microbatches. The final states
-leave the shard_map through a masked `psum` over `stage` (device 0's copies), so the head runs as
-without pipelining.
+microbatch of a device's chunks are kept, or recomputed under `execution.remat`). Non-parameter
+layer state (the MoE `AuxLoss`/`DroppedFraction`) is the mean over the microbatches. The final
+states leave the shard_map through a masked `psum` over `stage` (device 0's copies), so the head
+runs as without pipelining.
 """
 
 from __future__ import annotations
@@ -80,37 +80,37 @@ def bubble_fraction(stages: int, virtual_stages: int, microbatches: int) -> floa
 
 def layer_units(model_cfg) -> int:
     """G, the number of layer-scan units: blocks, or block groups with interleaved MoE."""
-    return model_cfg.num_layers // (model_cfg.moe_every if interleaves_moe(model_cfg) else 1)
+    return model_cfg.num_layers // (model_cfg.moe.every if interleaves_moe(model_cfg) else 1)
 
 
 def validate_pipeline(config, mesh: dict[str, int]) -> None:
     """Pipeline fields against the resolved mesh; ConfigError (one line) on the first problem."""
-    model = config.model
-    check(model.pipeline_schedule in SCHEDULES, "model.pipeline_schedule",
-          model.pipeline_schedule, f"valid schedules: {', '.join(SCHEDULES)}")
-    for field in ("pipeline_microbatches", "pipeline_virtual_stages"):
-        value = model[field]
+    model, execution = config.model, config.execution
+    check(execution.pipeline.schedule in SCHEDULES, "execution.pipeline.schedule",
+          execution.pipeline.schedule, f"valid schedules: {', '.join(SCHEDULES)}")
+    for field in ("microbatches", "virtual_stages"):
+        value = execution.pipeline[field]
         check(isinstance(value, int) and not isinstance(value, bool) and value > 0,
-              f"model.{field}", value, "must be a positive integer")
-    check(model.pipeline_transfer in TRANSFERS, "model.pipeline_transfer",
-          model.pipeline_transfer, f"valid: {', '.join(TRANSFERS)}")
-    check(model.pipeline_schedule == "circular" or model.pipeline_virtual_stages == 1,
-          "model.pipeline_virtual_stages", model.pipeline_virtual_stages,
-          "gpipe runs one chunk per device; use 1 or model.pipeline_schedule='circular'")
+              f"execution.pipeline.{field}", value, "must be a positive integer")
+    check(execution.pipeline.transfer in TRANSFERS, "execution.pipeline.transfer",
+          execution.pipeline.transfer, f"valid: {', '.join(TRANSFERS)}")
+    check(execution.pipeline.schedule == "circular" or execution.pipeline.virtual_stages == 1,
+          "execution.pipeline.virtual_stages", execution.pipeline.virtual_stages,
+          "gpipe runs one chunk per device; use 1 or execution.pipeline.schedule='circular'")
     stages = mesh[AXIS]
     if stages == 1:
         return
-    virtual, microbatches = model.pipeline_virtual_stages, model.pipeline_microbatches
-    units, chunks = layer_units(model), stages * model.pipeline_virtual_stages
-    what = (f"its {units} layer groups (num_layers / moe_every)" if units != model.num_layers
+    virtual, microbatches = execution.pipeline.virtual_stages, execution.pipeline.microbatches
+    units, chunks = layer_units(model), stages * execution.pipeline.virtual_stages
+    what = (f"its {units} layer groups (num_layers / moe.every)" if units != model.num_layers
             else f"its {units} layers")
     check(units % chunks == 0, "model.num_layers", model.num_layers,
-          f"{what} must split evenly into mesh.stage × model.pipeline_virtual_stages = "
+          f"{what} must split evenly into mesh.stage × execution.pipeline.virtual_stages = "
           f"{stages}×{virtual} = {chunks} pipeline chunks")
-    check(microbatches >= stages, "model.pipeline_microbatches", microbatches,
+    check(microbatches >= stages, "execution.pipeline.microbatches", microbatches,
           f"must be at least mesh.stage={stages} (every stage needs a microbatch in flight)")
     batch_shards = mesh["data"] * mesh["fsdp"] * mesh["expert"]
-    check(config.batch_size % (batch_shards * microbatches) == 0, "model.pipeline_microbatches",
+    check(config.batch_size % (batch_shards * microbatches) == 0, "execution.pipeline.microbatches",
           microbatches, f"must divide the {config.batch_size // batch_shards} rows of each data "
           f"shard (batch_size={config.batch_size} over mesh.data×mesh.fsdp×mesh.expert = "
           f"{batch_shards})")

@@ -2,7 +2,7 @@
 
 Activations' token axis (logical `act_seq`, `sharding/rules.py`) is split into S = mesh.sequence
 contiguous shards. Everything but attention is per token, so only attention needs the other
-shards' keys and values; `model.sequence_attention` chooses how it gets them:
+shards' keys and values; `execution.sequence_attention` chooses how it gets them:
 
 - "all_gather" (default): queries stay sharded, keys and values are all-gathered over `sequence`
   (a sharding constraint in `arch/attention.py`; XLA inserts the all-gather, and its transpose, a

@@ -22,6 +22,27 @@ def one_device_env(*drop: str) -> dict[str, str]:
     return env
 
 
+def override(config: ml_collections.ConfigDict, **fields) -> ml_collections.ConfigDict:
+    """Set model fields by name, a double underscore for a section: `attnres__block_size=2` is
+    `model.attnres.block_size`; a leading `execution__` names the `execution` section instead.
+    `config` is a whole config or its `model` section. Returns `config`."""
+    for name, value in fields.items():
+        *sections, field = name.split("__")
+        if sections[:1] == ["execution"]:
+            node, sections = config.execution, sections[1:]
+        else:
+            node = config.model if "model" in config else config
+        for section in sections:
+            node = node[section]
+        if field not in node:
+            raise KeyError(f"no config field {name!r}")
+        if isinstance(node[field], ml_collections.ConfigDict):
+            node[field].update(value)  # a section: the named fields, the others kept
+        else:
+            node[field] = value
+    return config
+
+
 def tiny_config(**model_overrides) -> ml_collections.ConfigDict:
     config = base_config()
     config.steps = 5
@@ -36,8 +57,7 @@ def tiny_config(**model_overrides) -> ml_collections.ConfigDict:
     config.mesh.data = 1
     model = config.model
     model.d_model, model.num_layers, model.num_heads, model.num_kv_heads = 32, 2, 4, 2
-    model.update(model_overrides)
-    return config
+    return override(config, **model_overrides)
 
 
 def tiny_model(seed: int = 0, devices: int = 1, **model_overrides):
@@ -46,7 +66,7 @@ def tiny_model(seed: int = 0, devices: int = 1, **model_overrides):
     config.mesh.data = devices
     validate(config, devices)
     return config.model, TransformerLM(ml_collections.FrozenConfigDict(config.model),
-                                       rngs=nnx.Rngs(seed))
+                                       execution=config.execution, rngs=nnx.Rngs(seed))
 
 
 def random_tokens(shape, seed: int = 1):

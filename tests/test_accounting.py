@@ -17,14 +17,14 @@ from arch.reference_shapes import (
     worked_examples,
 )
 from experiments.common import model_config
-from tests.helpers import one_device_env
+from tests.helpers import one_device_env, override
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def resolved(**fields):
     cfg = model_config()
-    cfg.update(max_seq_len=64, **fields)
+    override(cfg, max_seq_len=64, **fields)
     resolve_model(cfg)
     return cfg
 
@@ -55,7 +55,7 @@ def test_components_sum_to_the_total_and_match_closed_forms():
     (dict(num_heads=8, num_kv_heads=8), 2 * 8 * 16),             # MHA: keys and values
     (dict(num_heads=8, num_kv_heads=2), 2 * 2 * 16),             # GQA
     (dict(num_heads=8, num_kv_heads=1), 2 * 1 * 16),             # MQA
-    (dict(attention="mla", mla_kv_rank=24, mla_rope_dim=8), 24 + 8),  # latent + rotary key
+    (dict(attention="mla", mla__kv_rank=24, mla__rope_dim=8), 24 + 8),  # latent + rotary key
 ], ids=["mha", "gqa", "mqa", "mla"])
 def test_kv_cache_bytes_per_token(fields, per_layer):
     cfg = resolved(d_model=128, num_layers=5, **fields)

@@ -66,7 +66,7 @@ def test_sharded_unsplit_step_matches_one_device(mesh_name):
 def test_moe_aux_metrics_are_the_microbatch_mean():
     """With k = 2, the loss, MoE aux loss and dropped fraction are the means of those of the two
     microbatches (rows i, k + i, ...) each run as an unsplit batch."""
-    moe = dict(ffn="moe", moe_experts=4, moe_top_k=2)
+    moe = dict(ffn="moe", moe__experts=4, moe__top_k=2)
     tokens = np.asarray(random_tokens((8, 17)))
     accumulated = program_on(1, dict(data=1), 2, batch_size=8, **moe)
     _, metrics = accumulated.train_step(accumulated.init(0), accumulated.put_batch(tokens))
@@ -125,7 +125,7 @@ def test_resumed_accumulating_run_reproduces_the_uninterrupted_one(tmp_path, mon
     (dict(accumulation_steps=4), dict(data=-1),
      "accumulation_steps=4 .*microbatches of .* = 2 sequences.*mesh.expert = 8"),
     (dict(accumulation_steps=2), dict(fsdp=4, stage=2),
-     "accumulation_steps=2 .*mesh.stage=2.*model.pipeline_microbatches"),
+     "accumulation_steps=2 .*mesh.stage=2.*execution.pipeline.microbatches"),
 ])
 def test_invalid_accumulation_is_one_line(fields, mesh, message):
     config = tiny_config()

@@ -146,14 +146,15 @@ def test_blocked_memory_grows_linearly_in_length():
 
 
 @pytest.mark.parametrize("overrides", [dict(num_kv_heads=2),
-                                       dict(attention="mla", mla_kv_rank=16, mla_rope_dim=8),
-                                       dict(num_kv_heads=1, remat=True)],
+                                       dict(attention="mla", mla__kv_rank=16, mla__rope_dim=8),
+                                       dict(num_kv_heads=1, execution__remat="full")],
                          ids=["gqa", "mla", "mqa_remat"])
 def test_model_with_blocked_attention_equals_xla_in_logits_and_gradients(overrides):
     tokens = random_tokens((2, 16))
 
     def logits_and_grads(implementation):
-        _, model = tiny_model(attention_implementation=implementation, attention_chunk=4,
+        _, model = tiny_model(execution__attention_implementation=implementation,
+                              execution__attention_chunk=4,
                               **overrides)
         loss = lambda m: jnp.mean(m(tokens) ** 2)  # noqa: E731
         return nnx.jit(lambda m: (m(tokens), nnx.grad(loss)(m)))(model)
@@ -164,14 +165,15 @@ def test_model_with_blocked_attention_equals_xla_in_logits_and_gradients(overrid
 
 
 @pytest.mark.parametrize("overrides", [dict(num_kv_heads=1),
-                                       dict(attention="mla", mla_kv_rank=16, mla_rope_dim=8),
-                                       dict(attention="mla", mla_kv_rank=16, mla_rope_dim=8,
-                                            mla_absorb=True)],
+                                       dict(attention="mla", mla__kv_rank=16, mla__rope_dim=8),
+                                       dict(attention="mla", mla__kv_rank=16, mla__rope_dim=8,
+                                            mla__absorb=True)],
                          ids=["mqa", "mla", "mla_absorbed"])
 def test_kv_cache_decoding_with_blocked_attention_equals_the_full_forward_pass(overrides):
     tokens = random_tokens((2, 12))
-    _, blocked = tiny_model(attention_implementation="blocked", attention_chunk=4, **overrides)
-    _, explicit = tiny_model(attention_implementation="xla", **overrides)
+    _, blocked = tiny_model(execution__attention_implementation="blocked",
+                            execution__attention_chunk=4, **overrides)
+    _, explicit = tiny_model(execution__attention_implementation="xla", **overrides)
     np.testing.assert_allclose(prefill_then_decode(blocked, tokens, prefill=7, cache_length=16),
                                explicit(tokens), atol=2e-5, rtol=1e-5)
 
@@ -183,7 +185,7 @@ def test_probes_still_see_attention_weights_under_blocked():
     positions = _positions("order", 1, 8)
     weights = []
     for implementation in ("blocked", "xla"):
-        cfg, _ = tiny_model(attention_implementation=implementation)
+        cfg, _ = tiny_model(execution__attention_implementation=implementation)
         attention = MultiHeadAttention(cfg, rngs=nnx.Rngs(0))
         _, captured = nnx.capture(lambda a, h: a(h, positions, lambda y, _: y, None),
                                   AttentionWeights)(attention, x)
@@ -214,11 +216,11 @@ def test_auto_rule_and_backend_errors():
         choose_implementation("cudnn", backend="cpu", **shape)
     with pytest.raises(ValueError, match="'splash' needs a TPU"):
         choose_implementation("splash", backend="cpu", **shape)
-    with pytest.raises(ConfigError, match="model.attention_implementation='flash' is invalid: "
+    with pytest.raises(ConfigError, match="execution.attention_implementation='flash' is invalid: "
                                           "valid: auto, xla, blocked, cudnn, splash"):
-        tiny_model(attention_implementation="flash")
-    with pytest.raises(ConfigError, match="model.attention_chunk=0 is invalid"):
-        tiny_model(attention_chunk=0)
+        tiny_model(execution__attention_implementation="flash")
+    with pytest.raises(ConfigError, match="execution.attention_chunk=0 is invalid"):
+        tiny_model(execution__attention_chunk=0)
 
 
 def test_splash_kernel_equals_explicit_in_the_pallas_interpreter():
@@ -262,13 +264,14 @@ def test_cudnn_equals_explicit_on_gpu():
 def test_blocked_under_data_sequence_and_tensor_parallelism_equals_one_device_xla():
     """8 devices (data 2 × sequence 2 × tensor 2, keys and values all-gathered, tokens striped
     out of order): loss, logits, gradients and KV-cache decoding equal one device's xla path."""
-    reference = program_on({}, "prenorm", attention_implementation="xla")
+    reference = program_on({}, "prenorm", execution__attention_implementation="xla")
     with jax.set_mesh(reference.mesh):
         state = jax.device_get(jax.jit(reference._init_state)(0))
     variables = state["params"], state["model_state"]
     expected, _ = loss_grads_logits(reference, *variables)
     program = program_on(dict(data=2, sequence=2, tensor=2), "prenorm",
-                         attention_implementation="blocked", attention_chunk=4)
+                         execution__attention_implementation="blocked",
+                         execution__attention_chunk=4)
     got, _ = loss_grads_logits(program, *variables, decode=True)
     np.testing.assert_allclose(got["loss"], expected["loss"], rtol=1e-5)
     np.testing.assert_allclose(got["logits"], expected["logits"], atol=2e-5, rtol=1e-5)

@@ -40,15 +40,15 @@ def perturb_parameters(model, scale: float = 0.1, seed: int = 5) -> None:
 
 ORACLE_CASES = {  # Block S=1: test_block_of_one_sublayer_is_full_attnres_exactly
     "full": dict(residual="attnres"),
-    "block-S2": dict(residual="block_attnres", attnres_block_size=2),
+    "block-S2": dict(residual="block_attnres", attnres__block_size=2),
     "block-S3-ragged-input-query-heads": dict(  # blocks of 3 and 1 sublayers
-        residual="block_attnres", attnres_block_size=3, attnres_query="input", attnres_heads=4,
+        residual="block_attnres", attnres__block_size=3, attnres__query="input", attnres__heads=4,
         norm="layernorm"),
     "block-N1-static-window-heads": dict(  # S ≥ n = 4 sublayers: one block
-        residual="block_attnres", attnres_block_size=5, attnres_weights="static",
-        attnres_window=2, attnres_heads=2),
-    "full-sigmoid-window-rawkeys": dict(residual="attnres", attnres_weights="sigmoid",
-                                        attnres_window=2, attnres_key_norm=False),
+        residual="block_attnres", attnres__block_size=5, attnres__weights="static",
+        attnres__window=2, attnres__heads=2),
+    "full-sigmoid-window-rawkeys": dict(residual="attnres", attnres__weights="sigmoid",
+                                        attnres__window=2, attnres__key_norm=False),
 }
 
 
@@ -65,7 +65,7 @@ def test_matches_the_list_of_sources_reference(case):
 
 def test_block_of_one_sublayer_is_full_attnres_exactly():
     _, full = tiny_model(residual="attnres")
-    _, block = tiny_model(residual="block_attnres", attnres_block_size=1)
+    _, block = tiny_model(residual="block_attnres", attnres__block_size=1)
     perturb_parameters(full)
     perturb_parameters(block)
     both = nnx.jit(lambda full, block, tokens: (full(tokens), block(tokens)))
@@ -74,7 +74,7 @@ def test_block_of_one_sublayer_is_full_attnres_exactly():
 
 def test_zero_pseudo_queries_give_uniform_recorded_weights():
     block_size = 2
-    cfg, model = tiny_model(residual="block_attnres", attnres_block_size=block_size)
+    cfg, model = tiny_model(residual="block_attnres", attnres__block_size=block_size)
     _, intermediates = nnx.capture(model, nnx.Intermediate)(random_tokens((2, 8)))
     recorded = nnx.to_pure_dict(intermediates)
     attention = recorded["blocks"]["attention_residual"]["depth_weights"][0]  # layers × slots
@@ -93,7 +93,7 @@ def test_boundary_rules_every_output_lands_in_exactly_one_source(block_size):
     """Embedding e₀ and outputs u₁ … u₈ are distinct basis vectors; with the identity norm and
     zero pseudo-queries every read is the plain mean of its sources, so each read's coefficients
     show which outputs it sees and how many sources there are."""
-    config = tiny_config(residual="block_attnres", attnres_block_size=block_size, norm="none",
+    config = tiny_config(residual="block_attnres", attnres__block_size=block_size, norm="none",
                          num_layers=4)
     validate(config, 1)
     cfg = config.model
@@ -166,7 +166,7 @@ def test_a_read_in_an_opened_block_keeps_only_its_inputs_for_the_backward_pass()
     """The merge and the norm after it are recomputed in the backward pass: of the B×T×D
     arrays, the read's VJP keeps only the phase-1 read c and the partial sum p (autodiff kept
     the merged read and three arrays of the norm as well)."""
-    config = tiny_config(residual="block_attnres", attnres_block_size=2)
+    config = tiny_config(residual="block_attnres", attnres__block_size=2)
     validate(config, 1)
     graphdef, params = nnx.split(BlockAttentionResidual(config.model, rngs=nnx.Rngs(0)))
     shape = (2, 5, config.model.d_model)
@@ -208,7 +208,7 @@ def test_two_phase_when_blocks_align_with_layers_and_decoding_equals_the_forward
         block_size, units_per_block, monkeypatch):
     """Blocks of whole layers (2 sublayers each) run two-phase, one block per scan step, in
     training and decoding; blocks of 3 sublayers (3 and 1 here) keep the naive read."""
-    cfg, model = tiny_model(residual="block_attnres", attnres_block_size=block_size)
+    cfg, model = tiny_model(residual="block_attnres", attnres__block_size=block_size)
     assert model.residual_stream.units_per_block(cfg.num_layers) == units_per_block
     perturb_parameters(model)
     scanned = []
@@ -225,11 +225,11 @@ def test_two_phase_when_blocks_align_with_layers_and_decoding_equals_the_forward
 
 
 GROUPED_CASES = {  # every one runs one AttnRes block per step of the layer scan
-    "S2": dict(attnres_block_size=2),
-    "S4-heads-rawkeys-remat": dict(attnres_block_size=4, attnres_heads=2,
-                                   attnres_key_norm=False, remat=True),
-    "S4-moe-every-2": dict(attnres_block_size=4, ffn="moe", moe_every=2, moe_experts=4),
-    "S2-batchnorm-learned-positions": dict(attnres_block_size=2, norm="batchnorm",
+    "S2": dict(attnres__block_size=2),
+    "S4-heads-rawkeys-remat": dict(attnres__block_size=4, attnres__heads=2,
+                                   attnres__key_norm=False, execution__remat="full"),
+    "S4-moe-every-2": dict(attnres__block_size=4, ffn="moe", moe__every=2, moe__experts=4),
+    "S2-batchnorm-learned-positions": dict(attnres__block_size=2, norm="batchnorm",
                                            position="learned"),
 }
 
@@ -264,7 +264,7 @@ def test_pseudo_query_gradients_one_source_has_none():
     """The first read has a single source (the embedding), so its softmax is constant and its
     pseudo-query gets no gradient (to rounding: the two-phase read normalizes its
     weights itself); every later pseudo-query learns from step one."""
-    _, model = tiny_model(residual="block_attnres", attnres_block_size=2)
+    _, model = tiny_model(residual="block_attnres", attnres__block_size=2)
     tokens = random_tokens((2, 9))
 
     def loss(model):
@@ -277,13 +277,13 @@ def test_pseudo_query_gradients_one_source_has_none():
 
 
 @pytest.mark.parametrize("field,value,message", [
-    ("attnres_heads", 3, "model.attnres_heads=3 is invalid: must divide model.d_model=32; "
+    ("attnres__heads", 3, "model.attnres.heads=3 is invalid: must divide model.d_model=32; "
                          "valid: [1, 2, 4, 8, 16, 32]"),
-    ("attnres_block_size", 0, "model.attnres_block_size=0 is invalid: must be an integer ≥ 1 "
+    ("attnres__block_size", 0, "model.attnres.block_size=0 is invalid: must be an integer ≥ 1 "
                               "(sublayers per block)"),
-    ("attnres_weights", "relu", "model.attnres_weights='relu' is invalid: valid: softmax, "
+    ("attnres__weights", "relu", "model.attnres.weights='relu' is invalid: valid: softmax, "
                                 "sigmoid, static"),
-    ("attnres_window", -1, "model.attnres_window=-1 is invalid: must be an integer ≥ 0 "
+    ("attnres__window", -1, "model.attnres.window=-1 is invalid: must be an integer ≥ 0 "
                            "(0: every source)"),
 ])
 def test_config_errors_name_the_field_and_the_fix(field, value, message):
@@ -294,7 +294,7 @@ def test_config_errors_name_the_field_and_the_fix(field, value, message):
 
 
 def test_input_query_needs_scores():
-    config = tiny_config(residual="attnres", attnres_query="input", attnres_weights="static")
-    with pytest.raises(ConfigError, match="model.attnres_query='input' is invalid: static"):
+    config = tiny_config(residual="attnres", attnres__query="input", attnres__weights="static")
+    with pytest.raises(ConfigError, match="model.attnres.query='input' is invalid: static"):
         validate(config, 1)
     assert AttentionResidual.block_size(config.model) == 1

@@ -14,7 +14,7 @@ from arch.bottleneck import model_bottleneck, softmax_bottleneck
 from arch.heads import HEADS
 from arch.layers import Embedding
 from experiments.common import model_config
-from tests.helpers import random_tokens, tiny_model
+from tests.helpers import override, random_tokens, tiny_model
 
 LOG2 = float(np.log(2))
 # Two contexts, tokens (a, b) against the reference token r: context 1 prefers a two to one over
@@ -26,7 +26,7 @@ def fit(head: str, seed: int, steps: int = 1500, **overrides):
     """Adam-fit the 2 contexts (d = 1) and the head's parameters so that the head's log-odds of
     tokens (1, 2) against token 0 match TARGET; returns (log-probs 2×3, squared error)."""
     cfg = model_config()
-    cfg.update(vocab_size=3, d_model=1, head=head, head_bias=False, **overrides)
+    override(cfg, vocab_size=3, d_model=1, head=head, head_bias=False, **overrides)
     cfg = ml_collections.FrozenConfigDict(cfg)
     rngs = nnx.Rngs(seed)
     modules = nnx.Dict(embedding=Embedding(3, 1, rngs=rngs), head=HEADS[head](cfg, rngs=rngs))

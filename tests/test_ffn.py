@@ -13,7 +13,7 @@ from arch.config import resolve_model
 from arch.ffn import ACTIVATIONS, FFN_WIDTHS, FFNS, activation
 from config import ConfigError
 from experiments.common import model_config
-from tests.helpers import random_tokens, tiny_config, tiny_model
+from tests.helpers import override, random_tokens, tiny_config, tiny_model
 from train.config import validate
 
 
@@ -42,7 +42,7 @@ GRID = np.concatenate([np.linspace(-6, 6, 241), [-1.0, 1.0, -1e-3, 1e-3, 0.0]]).
 def _resolved(**overrides) -> ml_collections.ConfigDict:
     cfg = model_config()
     cfg.d_model = 32
-    cfg.update(overrides)
+    override(cfg, **overrides)
     resolve_model(cfg)
     return cfg
 

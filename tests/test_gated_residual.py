@@ -22,7 +22,8 @@ from tests.helpers import prefill_then_decode, random_tokens, tiny_config, tiny_
 from train.config import validate
 
 N = 4  # branches (the default model.residual_streams)
-GATED = dict(residual="gated_residual", gr_mixing=True)  # the model most tests share (one build)
+# The model most tests share (one build).
+GATED = dict(residual="gated_residual", gated_residual__mixing=True)
 
 
 def resolved(**model):
@@ -56,7 +57,7 @@ def reference(module: GatedResidual, branches, update, eps):
     normalized = x / np.sqrt(np.mean(x**2, -1, keepdims=True) + eps)
     normalized = normalized * np.asarray(module.scale[...])[:, None, None, :]
     read_logits = write_logits = 0.0
-    if module.read_gate.bias is not None:  # the static term (absent with gr_static=False)
+    if module.read_gate.bias is not None:  # the static term (absent with static=False)
         read_logits = np.asarray(module.read_gate.bias[...])[:, None, None, :]
         write_logits = np.asarray(module.write_gate.bias[...])[:, None, None, :]
     if module.gate_down is not None:
@@ -80,11 +81,15 @@ def reference(module: GatedResidual, branches, update, eps):
 
 
 @pytest.mark.parametrize("options", [
-    dict(), dict(gr_channelwise=False, residual_dynamic=False),
-    dict(gr_mixing=True, gr_channelwise=False), dict(gr_channelwise_read=False),
-    dict(gr_channelwise=False, gr_channelwise_write=True), dict(gr_static=False),
-    dict(gr_init="random", gr_channelwise_write=False), dict(gr_read_top_k=2),
-    dict(gr_read_top_k=1, gr_channelwise=False, residual_dynamic=False)])
+    dict(),
+    dict(gated_residual__channelwise=False, residual_dynamic=False),
+    dict(gated_residual__mixing=True, gated_residual__channelwise=False),
+    dict(gated_residual__channelwise_read=False),
+    dict(gated_residual__channelwise=False, gated_residual__channelwise_write=True),
+    dict(gated_residual__static=False),
+    dict(gated_residual__init="random", gated_residual__channelwise_write=False),
+    dict(gated_residual__read_top_k=2),
+    dict(gated_residual__read_top_k=1, gated_residual__channelwise=False, residual_dynamic=False)])
 def test_read_and_write_follow_their_equations(options):
     cfg = resolved(**options)
     module = GatedResidual(cfg, rngs=nnx.Rngs(0))
@@ -97,12 +102,12 @@ def test_read_and_write_follow_their_equations(options):
     np.testing.assert_allclose(module.write(state, update)["branches"], expected_branches,
                                rtol=1e-5, atol=1e-5)
     for gate, which in ((module.read_gate, "read"), (module.write_gate, "write")):
-        switch = cfg[f"gr_channelwise_{which}"]
-        width = cfg.d_model if (cfg.gr_channelwise if switch is None else switch) else 1
-        if cfg.gr_static:
+        switch = cfg.gated_residual[f"channelwise_{which}"]
+        width = cfg.d_model if (cfg.gated_residual.channelwise if switch is None else switch) else 1
+        if cfg.gated_residual.static:
             assert gate.bias.shape == (N, width)
         if cfg.residual_dynamic:
-            assert gate.up.kernel.shape == (cfg.gr_rank, N, width)
+            assert gate.up.kernel.shape == (cfg.gated_residual.rank, N, width)
     assert (module.gate_down is None) == (not cfg.residual_dynamic)
 
 
@@ -198,9 +203,10 @@ def test_composes_with_mla_moe_interleaving_gatednorm_and_decoding():
     """Decoding with a KV cache, one token at a time (one compiled shape), equals the full
     forward (so the model is causal), with scalar gates on a model that uses MLA, a dropless MoE
     every 2nd block and GatedNorm (the final norm; GR replaces the pre-norms)."""
-    _, model = tiny_model(residual="gated_residual", gr_channelwise=False, attention="mla",
-                          mla_kv_rank=16, mla_rope_dim=8, ffn="moe", moe_every=2, moe_experts=4,
-                          moe_dropless=True, norm="gatednorm")
+    _, model = tiny_model(residual="gated_residual", gated_residual__channelwise=False,
+                          attention="mla",
+                          mla__kv_rank=16, mla__rope_dim=8, ffn="moe", moe__every=2, moe__experts=4,
+                          moe__dropless=True, norm="gatednorm")
     randomize(model.blocks.block_0.attention_residual, 0.5, seed=3)
     randomize(model.blocks.block_1.ffn_residual, 0.5, seed=4)
     tokens = random_tokens((2, 16))
@@ -227,9 +233,11 @@ def test_bfloat16_compute_reads_in_bfloat16_and_keeps_the_state_dtype():
     ("residual_streams", 1, "model.residual_streams=1 is invalid: gated_residual needs an integer "
                             "n ≥ 2 branches (one branch: use residual='prenorm' with "
                             "norm='gatednorm')"),
-    ("gr_state_dtype", "float16", "model.gr_state_dtype='float16' is invalid: valid: float32, "
+    ("gated_residual__state_dtype", "float16",
+     "model.gated_residual.state_dtype='float16' is invalid: valid: float32, "
                                   "bfloat16, float8_e4m3fn"),
-    ("gr_rank", 0, "model.gr_rank=0 is invalid: must be a positive integer (rank of the gate "
+    ("gated_residual__rank", 0,
+     "model.gated_residual.rank=0 is invalid: must be a positive integer (rank of the gate "
                    "predictor)"),
 ])
 def test_invalid_fields_are_one_line_config_errors(field, value, message):
@@ -258,8 +266,8 @@ def test_fp8_storage_round_trip_is_bounded_and_never_overflows():
 
 def test_fp8_state_takes_half_the_bytes_of_bfloat16():
     x = jax.random.normal(jax.random.key(0), (2, 5, 32))
-    fp8 = GatedResidualStream(resolved(gr_state_dtype="float8_e4m3fn")).begin(x)
-    bf16 = GatedResidualStream(resolved(gr_state_dtype="bfloat16")).begin(x)
+    fp8 = GatedResidualStream(resolved(gated_residual__state_dtype="float8_e4m3fn")).begin(x)
+    bf16 = GatedResidualStream(resolved(gated_residual__state_dtype="bfloat16")).begin(x)
     assert fp8["branches"].dtype == jnp.float8_e4m3fn and fp8["branches"].shape == (N, 2, 5, 32)
     assert fp8["branches"].dtype.itemsize * 2 == bf16["branches"].dtype.itemsize == 2
     state_bytes = {name: sum(leaf.nbytes for leaf in jax.tree.leaves(state))
@@ -286,7 +294,8 @@ def test_fp8_state_stays_close_to_the_float32_state_in_logits_and_gradients():
         return nnx.grad(loss, has_aux=True)(model)
 
     _, model32 = tiny_model(**GATED)
-    _, model8 = tiny_model(**GATED, gr_state_dtype="float8_e4m3fn", remat=True)
+    _, model8 = tiny_model(**GATED, gated_residual__state_dtype="float8_e4m3fn",
+                           execution__remat="full")
     gradients32, logits32 = logits_and_gradients(model32, 1.0)
     gradients8, logits8 = logits_and_gradients(model8, 1.0)
     error = jnp.sqrt(jnp.mean((logits8 - logits32) ** 2) / jnp.mean(logits32**2))
@@ -315,9 +324,10 @@ def captured_gates(module: GatedResidual, state: dict) -> tuple[np.ndarray, np.n
 
 @pytest.mark.parametrize("read,write", [(False, True), (True, False), (False, False)])
 def test_scalar_reads_or_writes_are_one_gate_per_branch_and_token(read, write):
-    """`gr_channelwise_read` / `_write` apart: a scalar gate (W = 1) per branch and token where
-    the switch is off, a gate per channel that does vary over the channels where it is on."""
-    cfg = resolved(gr_channelwise_read=read, gr_channelwise_write=write)
+    """`gated_residual.channelwise_read` / `_write` apart: a scalar gate (W = 1) per branch and
+    token where the switch is off, a gate per channel that does vary over the channels where it
+    is on."""
+    cfg = resolved(gated_residual__channelwise_read=read, gated_residual__channelwise_write=write)
     module = GatedResidual(cfg, rngs=nnx.Rngs(0))
     randomize(module, 0.5)
     branches = jax.random.normal(jax.random.key(1), (N, 2, 5, cfg.d_model))
@@ -330,28 +340,30 @@ def test_scalar_reads_or_writes_are_one_gate_per_branch_and_token(read, write):
     assert module.write_gate.bias.shape == (N, cfg.d_model if write else 1)
 
 
-def test_channelwise_switches_default_to_gr_channelwise():
-    """None follows `gr_channelwise`: the same parameters, bit for bit, as setting both."""
+def test_channelwise_switches_default_to_channelwise():
+    """None follows `gated_residual.channelwise`: the same parameters, bit for bit, as setting
+    both."""
     for both in (True, False):
-        default = nnx.state(GatedResidual(resolved(gr_channelwise=both), rngs=nnx.Rngs(0)))
-        explicit = nnx.state(GatedResidual(resolved(gr_channelwise=not both,
-                                                    gr_channelwise_read=both,
-                                                    gr_channelwise_write=both),
+        default = nnx.state(GatedResidual(resolved(gated_residual__channelwise=both),
+                                          rngs=nnx.Rngs(0)))
+        explicit = nnx.state(GatedResidual(resolved(gated_residual__channelwise=not both,
+                                                    gated_residual__channelwise_read=both,
+                                                    gated_residual__channelwise_write=both),
                                            rngs=nnx.Rngs(0)))
         for a, b in zip(jax.tree.leaves(default), jax.tree.leaves(explicit), strict=True):
             np.testing.assert_array_equal(a, b)
 
 
 def test_without_the_static_term_the_gates_are_the_dynamic_part_alone():
-    """`gr_static=False`: no bias parameters; zero dynamic input (z = 0, here from zero
+    """`gated_residual.static=False`: no bias parameters; zero dynamic input (z = 0, here from zero
     branches) gives σ(0) = 1/2 read gates and 2σ(0) = 1 write strengths; the random W_up
     already tells the branches apart at initialization (equal branches, unequal gates)."""
-    cfg = resolved(gr_static=False)
+    cfg = resolved(gated_residual__static=False)
     module = GatedResidual(cfg, rngs=nnx.Rngs(0))
     assert module.read_gate.bias is None and module.write_gate.bias is None
     names = {"/".join(map(str, path)) for path, _ in nnx.to_flat_state(nnx.state(module))}
     assert not any("bias" in name for name in names), names
-    assert np.std(module.read_gate.up.kernel[...]) > 0.5 * cfg.gr_rank**-0.5
+    assert np.std(module.read_gate.up.kernel[...]) > 0.5 * cfg.gated_residual.rank**-0.5
     zero = {"branches": jnp.zeros((N, 2, 5, cfg.d_model))}
     gates, strengths = captured_gates(module, zero)
     np.testing.assert_array_equal(gates, 0.5)
@@ -360,10 +372,10 @@ def test_without_the_static_term_the_gates_are_the_dynamic_part_alone():
     gates, _ = captured_gates(module, GatedResidualStream(cfg).begin(x))
     assert np.ptp(gates, axis=2).min() > 0  # every token and channel: branches differ
     with pytest.raises(ConfigError) as error:
-        resolved(gr_static=False, residual_dynamic=False)
-    assert str(error.value) == ("model.gr_static=False is invalid: removing the static gate term "
-                                "needs model.residual_dynamic=True (with residual_dynamic=False "
-                                "the gates have no other term)")
+        resolved(gated_residual__static=False, residual_dynamic=False)
+    assert str(error.value) == ("model.gated_residual.static=False is invalid: removing the "
+                                "static gate term needs model.residual_dynamic=True (with "
+                                "residual_dynamic=False the gates have no other term)")
 
 
 def test_graded_init_is_exact_and_random_init_is_seeded_and_in_the_graded_range():
@@ -375,7 +387,7 @@ def test_graded_init_is_exact_and_random_init_is_seeded_and_in_the_graded_range(
                                                graded.write_gate.bias.shape), rtol=1e-6)
 
     def random_logits(seed):
-        return GatedResidual(resolved(gr_init="random"), rngs=nnx.Rngs(seed))
+        return GatedResidual(resolved(gated_residual__init="random"), rngs=nnx.Rngs(seed))
 
     first, again, other = random_logits(0), random_logits(0), random_logits(1)
     logits = np.asarray(first.write_gate.bias[...])
@@ -397,10 +409,13 @@ def test_graded_init_is_exact_and_random_init_is_seeded_and_in_the_graded_range(
 
 
 @pytest.mark.parametrize("field,value,message", [
-    ("gr_init", "uniform", "model.gr_init='uniform' is invalid: valid: graded, random"),
-    ("gr_read_top_k", 5, "model.gr_read_top_k=5 is invalid: must be an integer in "
+    ("gated_residual__init", "uniform",
+     "model.gated_residual.init='uniform' is invalid: valid: graded, random"),
+    ("gated_residual__read_top_k", 5,
+     "model.gated_residual.read_top_k=5 is invalid: must be an integer in "
                          "[0, model.residual_streams=4] (0: read all branches)"),
-    ("gr_read_top_k", -1, "model.gr_read_top_k=-1 is invalid: must be an integer in "
+    ("gated_residual__read_top_k", -1,
+     "model.gated_residual.read_top_k=-1 is invalid: must be an integer in "
                           "[0, model.residual_streams=4] (0: read all branches)"),
 ])
 def test_invalid_switches_are_one_line_config_errors(field, value, message):
@@ -411,16 +426,18 @@ def test_invalid_switches_are_one_line_config_errors(field, value, message):
 
 def test_random_init_without_the_static_term_is_a_one_line_error():
     with pytest.raises(ConfigError) as error:
-        resolved(gr_init="random", gr_static=False)
-    assert str(error.value) == ("model.gr_init='random' is invalid: initializes the static write "
-                                "logits, which model.gr_static=False removes")
+        resolved(gated_residual__init="random", gated_residual__static=False)
+    assert str(error.value) == ("model.gated_residual.init='random' is invalid: initializes the "
+                                "static write logits, which model.gated_residual.static=False "
+                                "removes")
 
 
 @pytest.mark.parametrize("channelwise", [True, False])
 def test_top_k_reads_keep_k_branches_per_token_and_k_equal_n_is_all(channelwise):
     """k = 2: exactly 2 branches with nonzero read gates per token (the 2 of largest gate), and
     h is the gated sum over those alone; k = n: bit for bit the model that reads all (k = 0)."""
-    modules = {k: GatedResidual(resolved(gr_read_top_k=k, gr_channelwise=channelwise),
+    modules = {k: GatedResidual(resolved(gated_residual__read_top_k=k,
+                                         gated_residual__channelwise=channelwise),
                                 rngs=nnx.Rngs(0)) for k in (0, 2, N)}
     for module in modules.values():
         randomize(module, 0.5)
@@ -444,8 +461,10 @@ def test_top_k_reads_keep_k_branches_per_token_and_k_equal_n_is_all(channelwise)
 
 
 @pytest.mark.parametrize("switches", [
-    dict(gr_read_top_k=2, gr_channelwise_read=False, gr_static=False),
-    dict(gr_init="random", gr_channelwise_write=False, gr_mixing=True)],
+    dict(gated_residual__read_top_k=2, gated_residual__channelwise_read=False,
+         gated_residual__static=False),
+    dict(gated_residual__init="random", gated_residual__channelwise_write=False,
+         gated_residual__mixing=True)],
     ids=["top2-scalar-reads-no-static", "random-init-scalar-writes-mixing"])
 @pytest.mark.slow
 def test_ablation_switches_learn_and_a_2x2x2_mesh_changes_nothing(switches):

@@ -51,8 +51,9 @@ def test_hand_built_two_sublayers():
     np.testing.assert_allclose(mixed["reads"][1], [[[4.5, 10.0]]])
 
 
-@pytest.mark.parametrize("switches", [dict(), dict(gr_mixing=True, gr_channelwise_read=False,
-                                                   gr_read_top_k=2)],
+@pytest.mark.parametrize("switches", [dict(), dict(gated_residual__mixing=True,
+                                                   gated_residual__channelwise_read=False,
+                                                   gated_residual__read_top_k=2)],
                          ids=["channelwise", "mixing-scalar-reads-top2"])
 def test_contributions_sum_to_the_read_the_model_computed(switches):
     _, model = tiny_model(residual="gated_residual", num_layers=2, **switches)

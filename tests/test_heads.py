@@ -16,7 +16,7 @@ from arch.layers import Embedding
 from config import ConfigError
 from experiments.common import model_config
 from sharding.mesh import make_mesh
-from tests.helpers import random_tokens, tiny_config, tiny_model
+from tests.helpers import override, random_tokens, tiny_config, tiny_model
 from train.config import validate
 from train.step import TrainProgram, next_token_loss
 
@@ -24,7 +24,7 @@ from train.step import TrainProgram, next_token_loss
 def build_head(head: str, seed: int = 0, vocab: int = 64, d: int = 8, **overrides):
     """(embedding, head) built standalone from a model config with the given overrides."""
     cfg = model_config()
-    cfg.update(vocab_size=vocab, d_model=d, head=head, **overrides)
+    override(cfg, vocab_size=vocab, d_model=d, head=head, **overrides)
     cfg = ml_collections.FrozenConfigDict(cfg)
     rngs = nnx.Rngs(seed)
     return Embedding(vocab, d, rngs=rngs), HEADS[head](cfg, rngs=rngs)

@@ -46,7 +46,7 @@ def prenorm_logits(**model):
 
 
 # Dense/MoE block groups (two sublayer pairs per scan step), remat, LayerNorm, bfloat16 streams.
-COMPOSED = dict(ffn="moe", moe_every=2, moe_experts=4, remat=True, norm="layernorm",
+COMPOSED = dict(ffn="moe", moe__every=2, moe__experts=4, execution__remat="full", norm="layernorm",
                 dtype="bfloat16")
 
 
@@ -233,12 +233,12 @@ def test_a_batchnorm_for_the_dynamic_weights_updates_its_statistics_once_per_sub
     (dict(residual="width", residual_streams=0),
      "model.residual_streams=0 is invalid: must be a positive integer (the number of residual "
      "streams n)"),
-    (dict(residual="hc", hc_dynamic_scale=0.0),
-     "model.hc_dynamic_scale=0.0 is invalid: must be positive: with the zero-initialized "
+    (dict(residual="hc", hyper__dynamic_scale=0.0),
+     "model.hyper.dynamic_scale=0.0 is invalid: must be positive: with the zero-initialized "
      "projections a scale of 0 keeps the dynamic part at 0 forever; set "
      "model.residual_dynamic=False for static weights"),
-    (dict(residual="mhc", mhc_sinkhorn_iters=0),
-     "model.mhc_sinkhorn_iters=0 is invalid: must be a positive integer (Sinkhorn-Knopp "
+    (dict(residual="mhc", hyper__sinkhorn_iters=0),
+     "model.hyper.sinkhorn_iters=0 is invalid: must be a positive integer (Sinkhorn-Knopp "
      "iterations; the paper uses 20)"),
 ], ids=["width-streams", "hc-scale", "mhc-sinkhorn"])
 def test_config_errors_name_the_field_and_the_fix(overrides, message):

@@ -21,7 +21,7 @@ from train.config import validate
 from train.step import TrainProgram, next_token_loss
 
 # d = 32, H = 4, head_dim = 8: a latent of 16 + a rotary key of 8 per token and layer.
-MLA = dict(attention="mla", mla_kv_rank=16, mla_rope_dim=8)
+MLA = dict(attention="mla", mla__kv_rank=16, mla__rope_dim=8)
 
 
 def _rms(x, gain, eps):
@@ -40,7 +40,7 @@ def reference_mla(cfg, p, x_BxTxD, positions_BxT):
     """DeepSeek-V2 eqs. 9–19 in plain jnp, from the module's parameter dict (float32)."""
     rope = ((lambda x: _rope(x, positions_BxT, cfg.rope_base)) if cfg.position == "rope"
             else (lambda x: x))
-    if cfg.mla_q_rank:
+    if cfg.mla.q_rank:
         c_q = _rms(x_BxTxD @ p["query_down"]["kernel"], p["query_norm"]["scale"], cfg.norm_eps)
     else:
         c_q = x_BxTxD
@@ -53,7 +53,7 @@ def reference_mla(cfg, p, x_BxTxD, positions_BxT):
     # eqs. 16–18: [q^C; q^R]·[k^C; k^R] = q^C·k^C + q^R·k^R, the rotary key shared by all heads
     scores = (jnp.einsum("bthn,bshn->bhts", q_nope, k_nope)
               + jnp.einsum("bthr,bsr->bhts", q_rope, k_rope)) / np.sqrt(
-                  cfg.mla_nope_dim + cfg.mla_rope_dim)
+                  cfg.mla.nope_dim + cfg.mla.rope_dim)
     t = x_BxTxD.shape[1]
     scores = jnp.where(jnp.tril(jnp.ones((t, t), bool)), scores, -jnp.inf)
     out = jnp.einsum("bhts,bshv->bthv", jax.nn.softmax(scores, -1), v)
@@ -87,7 +87,7 @@ def sharded():
     """A TrainProgram for the tiny MLA LM (low-rank queries) on a data=2 × fsdp=2 × tensor=2 mesh
     of the 8 devices, its initial state, and the same parameters as a one-device model (shared by
     the model-level tests, so the model is initialized only once)."""
-    config = tiny_config(**MLA, mla_q_rank=12)
+    config = tiny_config(**MLA, mla__q_rank=12)
     config.mesh.update(data=2, fsdp=2, tensor=2)
     validate(config, 8)
     program = TrainProgram(config, make_mesh(config.mesh, jax.devices()))
@@ -109,7 +109,7 @@ def inputs(t=12, seed=3):
 
 
 @pytest.mark.parametrize("overrides", [
-    dict(), dict(mla_nope_dim=6, mla_v_dim=12, mla_q_rank=12), dict(position="none"),
+    dict(), dict(mla__nope_dim=6, mla__v_dim=12, mla__q_rank=12), dict(position="none"),
 ], ids=["full-rank-q", "low-rank-q-N!=V", "no-positions"])
 def test_matches_the_equations(overrides):
     cfg, attention, position = mla_module(**overrides)
@@ -123,7 +123,7 @@ def test_matches_the_equations(overrides):
 
 def test_geometry_defaults_and_logical_axes(model):
     cfg = model.cfg
-    assert cfg.mla_nope_dim == cfg.mla_v_dim == cfg.head_dim == 8  # defaults: head_dim
+    assert cfg.mla.nope_dim == cfg.mla.v_dim == cfg.head_dim == 8  # defaults: head_dim
     a = model.blocks.attention  # stacked: leading layers axis
     d, h, c, c_q, r, p = 32, 4, 16, 12, 8, 8
     shapes = dict(query_down=(d, c_q), query_up=(c_q, h, p), query_rope=(c_q, h, r),
@@ -143,7 +143,7 @@ def test_cache_stores_the_latent_and_the_shared_rotary_key_only(model):
     assert {k: v.shape for k, v in cache.items()} == {"latent": (2, 3, 16, 16),
                                                       "rope_key": (2, 3, 16, 8)}
     per_token_per_layer = sum(np.prod(v.shape) for v in cache.values()) // (2 * 3 * 16)
-    assert per_token_per_layer == cfg.mla_kv_rank + cfg.mla_rope_dim == 24
+    assert per_token_per_layer == cfg.mla.kv_rank + cfg.mla.rope_dim == 24
     mha = ml_collections.ConfigDict(cfg.to_dict())
     mha.num_kv_heads = mha.num_heads
     mha_per_token = sum(np.prod(s[2:]) for s in MultiHeadAttention.cache_shapes(mha, 1, 1)
@@ -155,7 +155,7 @@ def test_cache_stores_the_latent_and_the_shared_rotary_key_only(model):
 def test_kv_cache_decoding_equals_the_full_forward_pass(model, absorb):
     tokens = random_tokens((2, 12))
     full = forward(model, tokens)
-    model.blocks.attention.absorb = absorb  # as model.mla_absorb would set it
+    model.blocks.attention.absorb = absorb  # as model.mla.absorb would set it
     try:
         cache = model.init_cache(2, 16)
         positions = jnp.broadcast_to(jnp.arange(12), (2, 12))
@@ -171,13 +171,13 @@ def test_kv_cache_decoding_equals_the_full_forward_pass(model, absorb):
 
 def test_mla_absorb_config_selects_the_absorbed_form():
     for absorb in (False, True):
-        cfg = resolved(mla_absorb=absorb)
+        cfg = resolved(mla__absorb=absorb)
         abstract = nnx.eval_shape(lambda cfg=cfg: MultiHeadLatentAttention(cfg, rngs=nnx.Rngs(0)))
         assert abstract.absorb is absorb
 
 
 def test_absorbed_attention_equals_up_projection_on_the_same_cache():
-    cfg, attention, position = mla_module(mla_nope_dim=6, mla_v_dim=12, mla_q_rank=12)
+    cfg, attention, position = mla_module(mla__nope_dim=6, mla__v_dim=12, mla__q_rank=12)
     x, positions = inputs()
     cache = {name: jnp.zeros(shape) for name, shape in
              MultiHeadLatentAttention.cache_shapes(cfg, 2, 16).items()}
@@ -208,16 +208,17 @@ def test_causality_future_tokens_leave_the_past_exactly_unchanged(model):
 
 
 @pytest.mark.parametrize("field,value,message", [
-    ("mla_kv_rank", 0, "must be a positive integer"),
-    ("mla_q_rank", -1, "must be a non-negative integer (0: full-rank query projection)"),
-    ("mla_rope_dim", 0, "must be a positive integer"),
-    ("mla_rope_dim", 6 + 1, "must be even"),
-    ("mla_nope_dim", 0, "must be a positive integer"),
-    ("mla_v_dim", -8, "must be a positive integer"),
+    ("mla__kv_rank", 0, "must be a positive integer"),
+    ("mla__q_rank", -1, "must be a non-negative integer (0: full-rank query projection)"),
+    ("mla__rope_dim", 0, "must be a positive integer"),
+    ("mla__rope_dim", 6 + 1, "must be even"),
+    ("mla__nope_dim", 0, "must be a positive integer"),
+    ("mla__v_dim", -8, "must be a positive integer"),
 ])
 def test_config_errors(field, value, message):
     config = tiny_config(**{**MLA, field: value})
-    with pytest.raises(ConfigError, match=re.escape(f"model.{field}={value} is invalid: ")) as e:
+    name = "model." + field.replace("__", ".")
+    with pytest.raises(ConfigError, match=re.escape(f"{name}={value} is invalid: ")) as e:
         validate(config, 1)
     assert message in str(e.value) and "\n" not in str(e.value)
 

@@ -116,20 +116,20 @@ def test_kv_cache_decoding_equals_the_full_forward_pass(position):
 
 
 def test_unrolled_layer_scan_computes_the_same_logits_and_gradients():
-    """`model.scan_unroll` only changes how many layers one loop iteration runs (3 layers by 2:
+    """`execution.scan_unroll` only changes how many layers one loop iteration runs (3 layers by 2:
     a remainder iteration), not the function or its gradient."""
     tokens = random_tokens((2, 8))
 
     def logits_and_grads(unroll):
-        _, model = tiny_model(num_layers=3, scan_unroll=unroll)
+        _, model = tiny_model(num_layers=3, execution__scan_unroll=unroll)
         loss = lambda m: jnp.mean(m(tokens) ** 2)  # noqa: E731
         return nnx.jit(lambda m: (m(tokens), nnx.grad(loss)(m)))(model)
 
     for got, expected in zip(jax.tree.leaves(logits_and_grads(2)),
                              jax.tree.leaves(logits_and_grads(1)), strict=True):
         np.testing.assert_allclose(got, expected, atol=1e-6, rtol=1e-5)
-    with pytest.raises(ConfigError, match="model.scan_unroll=0 is invalid"):
-        tiny_model(scan_unroll=0)
+    with pytest.raises(ConfigError, match="execution.scan_unroll=0 is invalid"):
+        tiny_model(execution__scan_unroll=0)
 
 
 def test_bfloat16_compute_keeps_float32_parameters():
@@ -175,7 +175,7 @@ def test_flops_count_reused_head_weights_and_mla_widths():
     cfg_moc, _ = tiny_model(head="moc", mos_components=3)
     v, d = 256, 32
     assert matmul_parameter_count(cfg_mos) - matmul_parameter_count(cfg_moc) == 2 * v * d
-    cfg, _ = tiny_model(attention="mla", mla_kv_rank=16, mla_rope_dim=8, mla_nope_dim=6,
-                        mla_v_dim=12)
+    cfg, _ = tiny_model(attention="mla", mla__kv_rank=16, mla__rope_dim=8, mla__nope_dim=6,
+                        mla__v_dim=12)
     attention = 2 * 4 * (6 + 8 + 12) * (16 + 1)  # layers · H · (N + R + V) · (T + 1)
     assert flops_per_token(cfg, 16) == 3 * (2 * matmul_parameter_count(cfg) + attention)

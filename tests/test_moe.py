@@ -34,7 +34,7 @@ def inputs(batch: int = 2, seed: int = 3) -> jax.Array:
 
 
 def test_dropless_sends_every_token_to_k_distinct_experts():
-    layer = moe_layer(moe_experts=4, moe_top_k=2, moe_dropless=True)
+    layer = moe_layer(moe__experts=4, moe__top_k=2, moe__dropless=True)
     _, probs, _, dispatch_BxTxExC, _ = layer.dispatch(inputs())
     assert dispatch_BxTxExC.shape == (2, T, 4, T)
     np.testing.assert_array_equal(dispatch_BxTxExC.sum((2, 3)), 2.0)       # k slots per token
@@ -50,7 +50,7 @@ def test_dropless_sends_every_token_to_k_distinct_experts():
 def test_capacity_is_first_come_first_served_by_choice_rank_then_position():
     # Even positions rank experts (0, 1, ...), odd positions (1, 0, ...): each expert gets 8 first
     # choices and 8 second choices per sequence, and C = ⌈0.75·2·16/4⌉ = 6 slots.
-    layer = moe_layer(moe_experts=4, moe_top_k=2, moe_capacity_factor=0.75)
+    layer = moe_layer(moe__experts=4, moe__top_k=2, moe__capacity_factor=0.75)
     assert layer.capacity(T) == 6
     sign_T = np.where(np.arange(T) % 2 == 0, 1.0, -1.0)
     x = np.zeros((2, T, D), np.float32)
@@ -86,8 +86,8 @@ def _expert_ffn(layer: MixtureOfExperts, e: int, x_NxD: np.ndarray, gated: bool)
 @pytest.mark.parametrize("expert_ffn,shared,renormalize",
                          [("swiglu", 1, True), ("mlp", 0, False)])
 def test_dropless_output_is_the_top_k_mixture_of_expert_ffns(expert_ffn, shared, renormalize):
-    layer = moe_layer(moe_experts=4, moe_top_k=2, moe_dropless=True, moe_expert_ffn=expert_ffn,
-                      moe_shared_experts=shared, moe_renormalize=renormalize, moe_d_ff=24)
+    layer = moe_layer(moe__experts=4, moe__top_k=2, moe__dropless=True, moe__expert_ffn=expert_ffn,
+                      moe__shared_experts=shared, moe__renormalize=renormalize, moe__d_ff=24)
     x = inputs()
     y = np.asarray(layer(x))
     x_NxD = np.asarray(x).reshape(-1, D)
@@ -112,7 +112,7 @@ def test_uniform_routing_gives_unit_balancing_loss_and_skew_raises_it():
     skewed_probs = jnp.broadcast_to(jnp.array([0.7, 0.1, 0.1, 0.1]), (1, N, E))
     skewed_choices = jax.nn.one_hot(jnp.zeros(N, int), E)[None, :, None]    # all on expert 0
     assert float(balance_loss(skewed_probs, skewed_choices)) == pytest.approx(E * 0.7)
-    layer = moe_layer(moe_experts=E, moe_top_k=1, moe_balance_coef=0.5)
+    layer = moe_layer(moe__experts=E, moe__top_k=1, moe__balance_coef=0.5)
     layer.router.kernel[...] = jnp.zeros((D, E))                            # P uniform
     layer(inputs())
     assert float(layer.balance_loss[...]) == pytest.approx(0.5)
@@ -122,14 +122,14 @@ def test_z_loss_closed_form():
     logits = jnp.array([[[0.0, 0.0, 0.0, 0.0], [1.0, 2.0, 3.0, -1.0]]])
     lse = [math.log(4.0), math.log(math.e + math.e**2 + math.e**3 + math.e**-1)]
     assert float(z_loss(logits)) == pytest.approx((lse[0] ** 2 + lse[1] ** 2) / 2, rel=1e-6)
-    layer = moe_layer(moe_experts=4, moe_z_coef=0.25)
+    layer = moe_layer(moe__experts=4, moe__z_coef=0.25)
     layer.router.kernel[...] = jnp.zeros((D, 4))
     layer(inputs())
     assert float(layer.z_loss[...]) == pytest.approx(0.25 * math.log(4.0) ** 2, rel=1e-6)
 
 
 def test_aux_losses_depend_only_on_the_router():
-    _, model = tiny_model(ffn="moe", moe_experts=4, num_layers=1)  # no later router
+    _, model = tiny_model(ffn="moe", moe__experts=4, num_layers=1)  # no later router
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     tokens = random_tokens((2, T))
 
@@ -147,7 +147,7 @@ def test_aux_losses_depend_only_on_the_router():
 
 
 def test_train_step_adds_the_aux_losses_and_trains_the_router():
-    config = tiny_config(ffn="moe", moe_experts=4)
+    config = tiny_config(ffn="moe", moe__experts=4)
     config.optimizer.weight_decay = 0.0  # a parameter moves only if its gradient is nonzero
     config.optimizer.warmup_steps = 0  # (and the learning rate of step 0 is not 0)
     validate(config, 1)
@@ -179,7 +179,7 @@ def test_dense_models_have_no_aux_metrics():
 
 
 def _moe_program(devices: int, data: int, expert: int) -> TrainProgram:
-    config = tiny_config(ffn="moe", moe_experts=4, moe_top_k=2, moe_dropless=True)
+    config = tiny_config(ffn="moe", moe__experts=4, moe__top_k=2, moe__dropless=True)
     config.mesh.update(data=data, expert=expert)
     validate(config, devices)
     return TrainProgram(config, make_mesh(config.mesh, jax.devices()[:devices]))
@@ -207,7 +207,7 @@ def test_expert_parallel_matches_single_device():
 
 
 def _moe_cfg(**overrides):
-    config = tiny_config(ffn="moe", moe_experts=4, moe_top_k=2, moe_shared_experts=1,
+    config = tiny_config(ffn="moe", moe__experts=4, moe__top_k=2, moe__shared_experts=1,
                          **overrides)
     validate(config, 1)
     return config.model
@@ -217,7 +217,7 @@ def test_accounting_counts_routed_experts_at_k_over_e():
     cfg = _moe_cfg()
     dense = tiny_config(ffn="swiglu")
     validate(dense, 1)
-    layers, d, f, experts, k = 2, D, cfg.moe_d_ff, 4, 2
+    layers, d, f, experts, k = 2, D, cfg.moe.d_ff, 4, 2
     assert f == cfg.d_ff == 128
     dense_ffn = 3 * d * f
     router, routed, shared = d * experts, 3 * experts * d * f, 3 * d * f
@@ -230,28 +230,28 @@ def test_accounting_counts_routed_experts_at_k_over_e():
 
 
 def test_config_errors_are_one_line():
-    with pytest.raises(ConfigError, match=r"model.moe_top_k=5 is invalid") as error:
-        validate(tiny_config(ffn="moe", moe_experts=4, moe_top_k=5), 1)
+    with pytest.raises(ConfigError, match=r"model.moe.top_k=5 is invalid") as error:
+        validate(tiny_config(ffn="moe", moe__experts=4, moe__top_k=5), 1)
     assert "\n" not in str(error.value)
-    config = tiny_config(ffn="moe", moe_experts=6)
+    config = tiny_config(ffn="moe", moe__experts=6)
     config.mesh.update(data=2, expert=4)
-    with pytest.raises(ConfigError, match=r"model.moe_experts=6 .*mesh.expert=4") as error:
+    with pytest.raises(ConfigError, match=r"model.moe.experts=6 .*mesh.expert=4") as error:
         validate(config, 8)
     assert "\n" not in str(error.value)
-    with pytest.raises(ConfigError, match=r"model.moe_capacity_factor=0"):
-        validate(tiny_config(ffn="moe", moe_capacity_factor=0), 1)
-    with pytest.raises(ConfigError, match=r"model.moe_expert_ffn='moe'"):
-        validate(tiny_config(ffn="moe", moe_expert_ffn="moe"), 1)
+    with pytest.raises(ConfigError, match=r"model.moe.capacity_factor=0"):
+        validate(tiny_config(ffn="moe", moe__capacity_factor=0), 1)
+    with pytest.raises(ConfigError, match=r"model.moe.expert_ffn='moe'"):
+        validate(tiny_config(ffn="moe", moe__expert_ffn="moe"), 1)
 
 
 def test_every_kth_block_is_moe_and_decoding_matches_the_full_pass():
-    cfg, model = tiny_model(ffn="moe", moe_every=2, num_layers=4, moe_experts=4,
-                            moe_dropless=True)
+    cfg, model = tiny_model(ffn="moe", moe__every=2, num_layers=4, moe__experts=4,
+                            moe__dropless=True)
     first, second = model.blocks.block_0, model.blocks.block_1
     assert type(first.ffn) is FFNS["swiglu"] and type(second.ffn) is MixtureOfExperts
     assert first.ffn.up.kernel.shape[0] == second.ffn.router.kernel.shape[0] == 2  # 2 groups
     dense_cfg, _ = tiny_model(ffn="swiglu", num_layers=4)
-    all_moe_cfg, _ = tiny_model(ffn="moe", num_layers=4, moe_experts=4)
+    all_moe_cfg, _ = tiny_model(ffn="moe", num_layers=4, moe__experts=4)
     dense, all_moe = parameter_count(dense_cfg), parameter_count(all_moe_cfg)
     assert parameter_count(cfg) == (dense + all_moe) // 2  # half the blocks are MoE
     tokens = random_tokens((2, 12))
@@ -266,7 +266,7 @@ def test_every_kth_block_is_moe_and_decoding_matches_the_full_pass():
 
 
 def test_interleaving_must_divide_the_depth():
-    config = tiny_config(ffn="moe", moe_every=3)  # 2 layers
-    with pytest.raises(ConfigError, match=r"^model.moe_every=3 is invalid: must be a positive "
+    config = tiny_config(ffn="moe", moe__every=3)  # 2 layers
+    with pytest.raises(ConfigError, match=r"^model.moe.every=3 is invalid: must be a positive "
                                           r"divisor of model.num_layers=2$"):
         validate(config, 1)

@@ -52,7 +52,7 @@ def logits_loss_and_grads(program: TrainProgram, state, tokens):
 def single_device(residual: str):
     """Random parameters (N(0, 0.2²) everywhere: non-degenerate mixing, and no initializer to
     compile), tokens and (logits, loss, gradients) of the model on one device."""
-    program = program_on(1, dict(data=1), residual=residual, attnres_block_size=3)
+    program = program_on(1, dict(data=1), residual=residual, attnres__block_size=3)
     abstract = program.abstract_state()
     rng = np.random.default_rng(0)
     state = {"params": jax.tree.map(lambda x: rng.normal(0, 0.2, x.shape).astype(x.dtype),
@@ -67,12 +67,12 @@ CASES = {  # residual, mesh, pipeline fields (block_attnres: the cached transfer
     # GPipe with prenorm: the training test below
     "block_attnres-circular-stage4-data2-V2": (
         "block_attnres", dict(data=2, stage=4),
-        dict(pipeline_schedule="circular", pipeline_virtual_stages=2)),
+        dict(execution__pipeline__schedule="circular", execution__pipeline__virtual_stages=2)),
     "gated_residual-gpipe-stage2-data2-tensor2": ("gated_residual",
                                                   dict(data=2, tensor=2, stage=2), {}),
     "mhc-circular-stage2-fsdp2-tensor2-V2": (
         "mhc", dict(fsdp=2, tensor=2, stage=2),
-        dict(pipeline_schedule="circular", pipeline_virtual_stages=2)),
+        dict(execution__pipeline__schedule="circular", execution__pipeline__virtual_stages=2)),
 }
 
 
@@ -81,7 +81,7 @@ CASES = {  # residual, mesh, pipeline fields (block_attnres: the cached transfer
 def test_pipeline_matches_single_device(case):
     residual, mesh, fields = CASES[case]
     state, tokens, (logits_1, loss_1, grads_1) = single_device(residual)
-    program = program_on(8, dict(data=1) | mesh, residual=residual, attnres_block_size=3,
+    program = program_on(8, dict(data=1) | mesh, residual=residual, attnres__block_size=3,
                          **fields)
     params, (logits, loss, grads) = logits_loss_and_grads(program, state, tokens)
     kernel = params["blocks"]["attention"]["query"]["kernel"][...]
@@ -102,8 +102,9 @@ def test_attnres_stage_transfer_sends_only_new_slots():
     sent = {}
     for transfer in ("full", "cached"):
         program = program_on(8, dict(data=2, stage=4), residual="block_attnres",
-                             attnres_block_size=3, pipeline_schedule="circular",
-                             pipeline_virtual_stages=2, pipeline_transfer=transfer)
+                             attnres__block_size=3, execution__pipeline__schedule="circular",
+                             execution__pipeline__virtual_stages=2,
+                             execution__pipeline__transfer=transfer)
         sent[transfer] = stage_transfer_bytes(compile_train_step(program)[1].as_text())
     # 16 sublayers in blocks of 3: 1 + 6 slots of 32 features and a 1/rms each, for microbatches
     # of 1 row × 16 tokens; the lag, P − 1 = 3 chunks of 2 sublayers, touches ⌈5/3⌉ + 1 = 3 slots
@@ -121,33 +122,35 @@ def test_bubble_fraction():
 @pytest.mark.parametrize("overrides,message", [
     (dict(model=dict(num_layers=6), mesh=dict(data=2, stage=4)),
      "model.num_layers=6 is invalid: its 6 layers must split evenly into mesh.stage × "
-     "model.pipeline_virtual_stages = 4×1 = 4 pipeline chunks"),
-    (dict(model=dict(num_layers=4, ffn="moe", moe_every=2), mesh=dict(data=2, stage=4)),
-     "model.num_layers=4 is invalid: its 2 layer groups (num_layers / moe_every) must split "
-     "evenly into mesh.stage × model.pipeline_virtual_stages = 4×1 = 4 pipeline chunks"),
-    (dict(model=dict(pipeline_schedule="circular", pipeline_virtual_stages=2),
+     "execution.pipeline.virtual_stages = 4×1 = 4 pipeline chunks"),
+    (dict(model=dict(num_layers=4, ffn="moe", moe=dict(every=2)), mesh=dict(data=2, stage=4)),
+     "model.num_layers=4 is invalid: its 2 layer groups (num_layers / moe.every) must split "
+     "evenly into mesh.stage × execution.pipeline.virtual_stages = 4×1 = 4 pipeline chunks"),
+    (dict(execution=dict(pipeline=dict(schedule="circular", virtual_stages=2)),
           mesh=dict(data=2, stage=4)),
      "model.num_layers=4 is invalid: its 4 layers must split evenly into mesh.stage × "
-     "model.pipeline_virtual_stages = 4×2 = 8 pipeline chunks"),
-    (dict(model=dict(pipeline_microbatches=2), mesh=dict(data=2, stage=4)),
-     "model.pipeline_microbatches=2 is invalid: must be at least mesh.stage=4 (every stage "
+     "execution.pipeline.virtual_stages = 4×2 = 8 pipeline chunks"),
+    (dict(execution=dict(pipeline=dict(microbatches=2)), mesh=dict(data=2, stage=4)),
+     "execution.pipeline.microbatches=2 is invalid: must be at least mesh.stage=4 (every stage "
      "needs a microbatch in flight)"),
-    (dict(model=dict(pipeline_microbatches=3), mesh=dict(data=4, stage=2)),
-     "model.pipeline_microbatches=3 is invalid: must divide the 2 rows of each data shard "
+    (dict(execution=dict(pipeline=dict(microbatches=3)), mesh=dict(data=4, stage=2)),
+     "execution.pipeline.microbatches=3 is invalid: must divide the 2 rows of each data shard "
      "(batch_size=8 over mesh.data×mesh.fsdp×mesh.expert = 4)"),
-    (dict(model=dict(pipeline_virtual_stages=2), mesh=dict(data=4, stage=2)),
-     "model.pipeline_virtual_stages=2 is invalid: gpipe runs one chunk per device; use 1 or "
-     "model.pipeline_schedule='circular'"),
-    (dict(model=dict(pipeline_schedule="1f1b")),
-     "model.pipeline_schedule='1f1b' is invalid: valid schedules: gpipe, circular"),
-    (dict(model=dict(pipeline_transfer="some")),
-     "model.pipeline_transfer='some' is invalid: valid: cached, full"),
-    (dict(model=dict(pipeline_microbatches=0)),
-     "model.pipeline_microbatches=0 is invalid: must be a positive integer"),
-    (dict(model=dict(reversible=True, pipeline_microbatches=2), mesh=dict(data=4, stage=2)),
+    (dict(execution=dict(pipeline=dict(virtual_stages=2)), mesh=dict(data=4, stage=2)),
+     "execution.pipeline.virtual_stages=2 is invalid: gpipe runs one chunk per device; use 1 or "
+     "execution.pipeline.schedule='circular'"),
+    (dict(execution=dict(pipeline=dict(schedule="1f1b"))),
+     "execution.pipeline.schedule='1f1b' is invalid: valid schedules: gpipe, circular"),
+    (dict(execution=dict(pipeline=dict(transfer="some"))),
+     "execution.pipeline.transfer='some' is invalid: valid: cached, full"),
+    (dict(execution=dict(pipeline=dict(microbatches=0))),
+     "execution.pipeline.microbatches=0 is invalid: must be a positive integer"),
+    (dict(model=dict(reversible=True), execution=dict(pipeline=dict(microbatches=2)),
+          mesh=dict(data=4, stage=2)),
      "model.reversible=True is invalid: reversible blocks are not pipelined; use mesh.stage=1 "
      "(got mesh.stage=2)"),
-    (dict(model=dict(norm="batchnorm", pipeline_microbatches=2), mesh=dict(data=4, stage=2)),
+    (dict(model=dict(norm="batchnorm"), execution=dict(pipeline=dict(microbatches=2)),
+          mesh=dict(data=4, stage=2)),
      "model.norm='batchnorm' is invalid: batch statistics of a microbatch differ from the "
      "batch's under mesh.stage=2; use a per-token norm or mesh.stage=1"),
 ], ids=lambda x: str(x)[:48])
@@ -175,7 +178,7 @@ def test_pipelined_training_resumes_on_one_stage(tmp_path, monkeypatch):
     config = tiny_config(num_layers=2)
     config.update(steps=3, checkpoint_every=1, sample_tokens=4)
     config.mesh.update(fsdp=4, stage=2)
-    config.model.pipeline_microbatches = 2
+    config.execution.pipeline.microbatches = 2
     pipelined = train(config, tmp_path / "a")
     assert pipelined["sample"].startswith(config.sample_prompt)
     records = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").open()]

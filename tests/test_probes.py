@@ -199,8 +199,8 @@ def test_train_step_memory_counts_parameters_and_adam_moments():
 
 def test_interleaved_moe_blocks_come_out_in_network_order():
     # 4 blocks in 2 groups of k = 2: blocks 1 and 3 are MoE (no dense hidden activations: NaN).
-    _, model = tiny_model(num_layers=4, ffn="moe", moe_every=2, moe_experts=2, moe_top_k=1,
-                          moe_dense_ffn="mlp", moe_expert_ffn="mlp")
+    _, model = tiny_model(num_layers=4, ffn="moe", moe__every=2, moe__experts=2, moe__top_k=1,
+                          moe__dense_ffn="mlp", moe__expert_ffn="mlp")
     tokens_BxT1 = random_tokens((2, 17))
     profile = probes.depth_profile(model, tokens_BxT1, gradients=False)
     assert profile["loss"] == pytest.approx(probes.batch_loss(model, tokens_BxT1), rel=1e-6)
@@ -277,7 +277,7 @@ def test_block_attnres_profile_and_pruning():
     pseudo-query rows of sublayers 0, 1 and of the final read, and with static depth weights the
     weight columns of the source slots that remain."""
     tokens_BxT1 = random_tokens((2, 17))
-    _, model = tiny_model(residual="block_attnres", attnres_block_size=2)
+    _, model = tiny_model(residual="block_attnres", attnres__block_size=2)
     queries = model.residual_stream.pseudo_queries  # 5 × D: sublayers 0..3 and the final read
     queries[...] = jax.random.normal(jax.random.key(1), queries.shape)
     zero_outputs(model, 1)
@@ -292,7 +292,8 @@ def test_block_attnres_profile_and_pruning():
     np.testing.assert_array_equal(pruned.residual_stream.pseudo_queries[...],
                                   np.asarray(queries[...])[[0, 1, 4]])
 
-    _, model = tiny_model(residual="block_attnres", attnres_block_size=2, attnres_weights="static")
+    _, model = tiny_model(residual="block_attnres", attnres__block_size=2,
+                          attnres__weights="static")
     weights = model.residual_stream.static_weights  # rows × slots × heads: 5 × 3 × 1
     weights[...] = jax.random.normal(jax.random.key(2), weights.shape)
     _, pruned = probes.prune_blocks(model, [0])  # rows of sublayers 2, 3 and 4; slots 0 and 2

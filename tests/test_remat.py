@@ -1,6 +1,6 @@
-"""Remat policies by name (`model.remat_policy`, arch/remat.py): every policy gives `none`'s loss
+"""Remat policies by name (`execution.remat`, arch/remat.py): every policy gives `none`'s loss
 and gradients, the compiled train step's temp memory is ordered as the policies save, and the
-config validates the field and its relation to the boolean `model.remat`."""
+config names the valid policies."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from train.step import TrainProgram, compile_train_step
 
 POLICIES = [name for name in REMAT_POLICIES if name != "offload" or host_offload_supported()]
 RESIDUALS = {"prenorm": dict(), "block_attnres": dict(residual="block_attnres",
-                                                      attnres_block_size=2)}
+                                                      attnres__block_size=2)}
 
 
 def _program(**model) -> TrainProgram:
@@ -36,14 +36,14 @@ def _loss_and_grads(**model):
 @pytest.mark.parametrize("residual", RESIDUALS.values(), ids=RESIDUALS.keys())
 @pytest.mark.slow
 def test_every_policy_gives_the_loss_and_gradients_of_none(residual):
-    reference = _loss_and_grads(remat_policy="none", **residual)
+    reference = _loss_and_grads(execution__remat="none", **residual)
     for policy in POLICIES[1:]:
-        chex.assert_trees_all_close(_loss_and_grads(remat_policy=policy, **residual), reference,
+        chex.assert_trees_all_close(_loss_and_grads(execution__remat=policy, **residual), reference,
                                     atol=1e-6, rtol=1e-5, custom_message=policy)
 
 
 def _temp_bytes(policy: str) -> int:
-    program = _program(remat_policy=policy, num_layers=8, d_model=64, num_heads=4,
+    program = _program(execution__remat=policy, num_layers=8, d_model=64, num_heads=4,
                        num_kv_heads=4)
     return compile_train_step(program)[1].memory_analysis().temp_size_in_bytes
 
@@ -59,17 +59,6 @@ def test_temp_memory_is_ordered_as_the_policies_save():
     assert max(temp["full"], temp["save_attention_and_ffn_outputs"]) < temp["none"], temp
 
 
-def test_remat_true_means_full_and_contradictions_are_rejected():
-    config = tiny_config(remat=True)
-    validate(config, 1)
-    assert config.model.remat_policy == "full"
-    config = tiny_config(remat_policy="dots_saveable")
-    validate(config, 1)
-    assert config.model.remat  # remat is True exactly when a policy other than none applies
-    config = tiny_config()
-    validate(config, 1)
-    assert (config.model.remat_policy, config.model.remat) == ("none", False)
-    with pytest.raises(ConfigError, match="model.remat_policy='none' is invalid: contradicts"):
-        validate(tiny_config(remat=True, remat_policy="none"), 1)
-    with pytest.raises(ConfigError, match="model.remat_policy='nope' is invalid: valid: none, "):
-        validate(tiny_config(remat_policy="nope"), 1)
+def test_unknown_policy_is_one_clear_line():
+    with pytest.raises(ConfigError, match="execution.remat='nope' is invalid: valid: none, "):
+        validate(tiny_config(execution__remat="nope"), 1)

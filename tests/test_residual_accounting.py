@@ -23,7 +23,7 @@ from arch.layers import Dense
 from arch.model import TransformerLM
 from arch.residual import RESIDUALS, PreNormSum, ResidualMechanism, SumStream, record
 from config.defaults import model_config
-from tests.helpers import random_tokens, tiny_config, tiny_model, write_run
+from tests.helpers import override, random_tokens, tiny_config, tiny_model, write_run
 from train.config import validate
 from train.instruments import depth_mixing
 from train.restore import restore_run
@@ -40,12 +40,12 @@ def model_cfg(residual: str, sublayers: int, **fields) -> ml_collections.ConfigD
     """The default model config with `residual` and `sublayers` sublayers (attention and FFN per
     block): all that the closed forms read."""
     cfg = model_config()
-    cfg.update(residual=residual, num_layers=sublayers // 2, use_ffn=True, **fields)
+    override(cfg, residual=residual, num_layers=sublayers // 2, use_ffn=True, **fields)
     return cfg
 
 
 def io_of(residual: str, sublayers: int, block_size: int = 1, streams: int = 1, **fields):
-    return residual_io(model_cfg(residual, sublayers, attnres_block_size=block_size,
+    return residual_io(model_cfg(residual, sublayers, attnres__block_size=block_size,
                                  residual_streams=streams, **fields))
 
 
@@ -66,7 +66,7 @@ def test_residual_io_itemization_and_closed_forms():
         assert io_of("hc", sublayers=8, streams=n).total == 8 * n + 2
         assert io_of("width", sublayers=8, streams=n).total == n + 4
         assert io_of("gated_residual", sublayers=8, streams=n).total == 4 * n + 2
-        mixed = io_of("gated_residual", sublayers=8, streams=n, gr_mixing=True)
+        mixed = io_of("gated_residual", sublayers=8, streams=n, gated_residual__mixing=True)
         assert mixed.total == 6 * n + 2
         assert mixed.state_total() == 6 * n  # all but the gated read (d) and the output (d)
     for L, S in ((128, 16), (32, 4), (64, 8)):
@@ -80,7 +80,7 @@ def test_residual_history_per_token():
     assert residual_history(model_cfg("prenorm", sublayers=128)) == 1
     assert residual_history(model_cfg("attnres", sublayers=128)) == 129
     assert residual_history(model_cfg("block_attnres", sublayers=128,
-                                      attnres_block_size=16)) == 9
+                                      attnres__block_size=16)) == 9
     assert residual_history(model_cfg("mhc", sublayers=128, residual_streams=4)) == 4
 
 
@@ -115,7 +115,7 @@ def expected_added_parameters(cfg) -> int:
     """What each mechanism's files create (arch/attnres.py, arch/hyper.py,
     arch/gated_residual.py), minus the plain sum's RMSNorm gain (d) per sublayer, where a
     mechanism has no Pre-Norm of its own."""
-    L, n, d, r = 2 * cfg.num_layers, cfg.residual_streams, cfg.d_model, cfg.gr_rank
+    L, n, d, r = 2 * cfg.num_layers, cfg.residual_streams, cfg.d_model, cfg.gated_residual.rank
     if cfg.residual in ("attnres", "block_attnres"):  # pseudo-queries w_0 … w_L, final read's too
         return (L + 1) * d
     if cfg.residual == "hc":  # static a, A_r, b; norm of H̄, W_m, W_r, W_β, s_α, s_β
@@ -127,23 +127,26 @@ def expected_added_parameters(cfg) -> int:
         return L * n
     if cfg.residual == "gated_residual":  # gains, W_down, two gates (bias + W_up) − the norm
         def gate(which):
-            switch = cfg[f"gr_channelwise_{which}"]
-            width = d if (cfg.gr_channelwise if switch is None else switch) else 1
-            return n * width * cfg.gr_static + r * n * width * cfg.residual_dynamic
+            switch = cfg.gated_residual[f"channelwise_{which}"]
+            width = d if (cfg.gated_residual.channelwise if switch is None else switch) else 1
+            return n * width * cfg.gated_residual.static + r * n * width * cfg.residual_dynamic
         return L * (n * d + n * d * r * cfg.residual_dynamic + gate("read") + gate("write")
-                    + n * n * cfg.gr_mixing - d)
+                    + n * n * cfg.gated_residual.mixing - d)
     raise AssertionError(cfg.residual)
 
 
-MECHANISMS = [dict(residual="attnres"), dict(residual="block_attnres", attnres_block_size=2),
+MECHANISMS = [dict(residual="attnres"), dict(residual="block_attnres", attnres__block_size=2),
               dict(residual="hc"), dict(residual="hc", residual_dynamic=False),
               dict(residual="mhc"), dict(residual="width"), dict(residual="gated_residual"),
-              dict(residual="gated_residual", gr_channelwise=False, gr_mixing=True,
-                   gr_state_dtype="float8_e4m3fn"),
-              dict(residual="gated_residual", gr_channelwise_read=False),
-              dict(residual="gated_residual", gr_channelwise=False, gr_channelwise_write=True),
-              dict(residual="gated_residual", gr_static=False),
-              dict(residual="gated_residual", gr_init="random", gr_read_top_k=2)]
+              dict(residual="gated_residual", gated_residual__channelwise=False,
+                   gated_residual__mixing=True,
+                   gated_residual__state_dtype="float8_e4m3fn"),
+              dict(residual="gated_residual", gated_residual__channelwise_read=False),
+              dict(residual="gated_residual", gated_residual__channelwise=False,
+                   gated_residual__channelwise_write=True),
+              dict(residual="gated_residual", gated_residual__static=False),
+              dict(residual="gated_residual", gated_residual__init="random",
+                   gated_residual__read_top_k=2)]
 
 
 @pytest.mark.parametrize("model", MECHANISMS, ids=lambda m: ",".join(map(str, m.values())))
@@ -160,9 +163,10 @@ def test_accounting_of_the_mechanisms(model):
     assert books["history_elements_per_token"] == history
     # what the scan carries: AttnRes adds a cached 1/rms per source and head, FP8 a scale per row
     extra = {"attnres": L + 1, "block_attnres": 3 + 1}.get(cfg.residual, 0)
-    extra += n if cfg.gr_state_dtype == "float8_e4m3fn" else 0
+    extra += n if cfg.gated_residual.state_dtype == "float8_e4m3fn" else 0
     assert books["state_elements_per_token"] == history + extra
-    if cfg.gr_state_dtype == "float8_e4m3fn":  # branches at 1 byte (+ scale), the rest float32
+    # float8: branches at 1 byte (+ scale), the rest float32
+    if cfg.gated_residual.state_dtype == "float8_e4m3fn":
         state = io.state_total()
         assert books["io_bytes_per_token_per_sublayer"] == pytest.approx(
             d * (state * (1 + 4 / d) + (io.total - state) * 4))
@@ -217,11 +221,11 @@ def test_accounting_measures_added_parameters_and_state_generically():
 
 
 def test_mixing_rows_follow_network_order_with_interleaved_moe():
-    # With model.moe_every=k the scan runs groups of k blocks (attributes block_j, stacked over
+    # With model.moe.every=k the scan runs groups of k blocks (attributes block_j, stacked over
     # groups g: block g·k + j). Each sublayer's read weights are set to 10·g + j (+ 0.5 for the
     # ffn), so the rows must come out as 0, 0.5, 1, 1.5, 10, ... in network order.
-    cfg, model = tiny_model(residual="width", ffn="moe", moe_every=2, num_layers=4,
-                            moe_experts=4)
+    cfg, model = tiny_model(residual="width", ffn="moe", moe__every=2, num_layers=4,
+                            moe__experts=4)
     n = cfg.residual_streams
     for j in range(2):
         block = getattr(model.blocks, f"block_{j}")
@@ -297,7 +301,7 @@ def test_attnres_prefill_history_bytes_per_sequence_and_per_device():
     """The AttnRes report's example: a 128K-token prefill with eight blocks keeps about 15 GB of
     block summaries (N·T·d at d = 7168 in bfloat16) before sequence sharding; the books count
     the embedding source too, (N + 1)·T·d."""
-    cfg = resolved(residual="block_attnres", num_layers=8, attnres_block_size=2,
+    cfg = resolved(residual="block_attnres", num_layers=8, attnres__block_size=2,
                    d_model=7168, num_heads=56, num_kv_heads=8, dtype="bfloat16",
                    max_seq_len=131072)
     tokens, d, blocks = 131072, 7168, 8

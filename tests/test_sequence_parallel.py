@@ -14,11 +14,11 @@ from config import ConfigError
 from sharding.mesh import make_mesh
 from sharding.rules import STREAM, logical_to_spec
 from sharding.sequence import any_causal_pair, stripe_batch, stripe_order
-from tests.helpers import random_tokens, tiny_config
+from tests.helpers import override, random_tokens, tiny_config
 from train.config import validate
 from train.step import TrainProgram, next_token_loss
 
-RESIDUALS = {"prenorm": {}, "block_attnres": dict(attnres_block_size=2), "mhc": {},
+RESIDUALS = {"prenorm": {}, "block_attnres": dict(attnres__block_size=2), "mhc": {},
              "gated_residual": {}}
 TOKENS = np.asarray(random_tokens((8, 17)))
 
@@ -110,7 +110,7 @@ def test_ring_attention_skips_the_same_number_of_blocks_on_every_shard():
             assert computed == [3] + [2] * (shards - 1), (shards, shard, computed)
 
 
-# (residual, model.sequence_attention, mesh): 8 devices each; sequence 2 and 4, both attentions,
+# (residual, execution.sequence_attention, mesh): 8 devices each; sequence 2 and 4, both attentions,
 # with data, fsdp and tensor (Megatron-style stream), for Pre-Norm, mHC and Block AttnRes.
 CASES = [
     ("prenorm", "ring", dict(data=2, sequence=2, tensor=2)),
@@ -127,7 +127,7 @@ CASES = [
 def test_sequence_parallel_matches_single_device(residual, attention, mesh, single_device):
     variables, expected = single_device(residual)
     decode = residual == "prenorm"
-    program = program_on(mesh, residual, sequence_attention=attention)
+    program = program_on(mesh, residual, execution__sequence_attention=attention)
     got, hlo = loss_grads_logits(program, *variables, decode=decode)
     np.testing.assert_allclose(got["loss"], expected["loss"], rtol=1e-5)
     np.testing.assert_allclose(got["logits"], expected["logits"], atol=2e-5, rtol=1e-5)
@@ -140,7 +140,7 @@ def test_sequence_parallel_matches_single_device(residual, attention, mesh, sing
 
 
 def test_block_attnres_history_is_sharded_over_sequence():
-    config = tiny_config(residual="block_attnres", attnres_block_size=2)
+    config = tiny_config(residual="block_attnres", attnres__block_size=2)
     config.mesh.update(data=2, sequence=2, tensor=2)
     validate(config, 8)
     cfg = config.model
@@ -165,9 +165,8 @@ def test_sequence_parallel_config_errors():
         sizes = {"sequence": 2, **(mesh or {})}
         config = tiny_config()
         config.mesh.update(data=1, **sizes)
-        for key, value in overrides.items():
-            target = config if key == "seq_len" else config.model
-            target[key] = value
+        config.seq_len = overrides.pop("seq_len", config.seq_len)
+        override(config, **overrides)
         with pytest.raises(ConfigError) as raised:
             validate(config, int(np.prod(list(sizes.values()))))
         return str(raised.value)
@@ -175,13 +174,13 @@ def test_sequence_parallel_config_errors():
     assert error(mesh=dict(sequence=4), seq_len=12) == (
         "seq_len=12 is invalid: must be divisible by 2×mesh.sequence = 8 (causal load balancing "
         "gives each sequence shard two chunks)")
-    assert error(sequence_attention="ring", attention="mla").startswith(
-        "model.sequence_attention='ring' is invalid: ring attention supports "
+    assert error(execution__sequence_attention="ring", attention="mla").startswith(
+        "execution.sequence_attention='ring' is invalid: ring attention supports "
         "model.attention='mha' (got 'mla')")
-    assert error(mesh=dict(stage=2), sequence_attention="ring") == (
-        "model.sequence_attention='ring' is invalid: ring attention does not run inside the "
-        "pipeline (mesh.stage=2); use model.sequence_attention='all_gather'")
-    assert error(sequence_attention="ulysses").startswith(
-        "model.sequence_attention='ulysses' is invalid: valid: all_gather, ring")
+    assert error(mesh=dict(stage=2), execution__sequence_attention="ring") == (
+        "execution.sequence_attention='ring' is invalid: ring attention does not run inside the "
+        "pipeline (mesh.stage=2); use execution.sequence_attention='all_gather'")
+    assert error(execution__sequence_attention="ulysses").startswith(
+        "execution.sequence_attention='ulysses' is invalid: valid: all_gather, ring")
     assert error(norm="causal_batchnorm").startswith("model.norm='causal_batchnorm' is invalid")
-    assert error(ffn="moe").startswith("model.moe_dropless=False is invalid: MoE capacity")
+    assert error(ffn="moe").startswith("model.moe.dropless=False is invalid: MoE capacity")

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from config.cli import UsageError, load_module
+from config.defaults import base_config
 from config.validate import check_fields
 from tests.helpers import one_device_env, tiny_config
 from tests.test_launch import calls, fake_command
@@ -156,16 +157,18 @@ def test_the_gated_residual_table_arms_change_what_they_name():
     assert models["prenorm"].residual == "prenorm"
     assert models["mhc_static"].residual_dynamic is False and models["mhc"].residual_dynamic
     gr = models["gr"]
-    assert (gr.residual, gr.residual_streams, gr.gr_channelwise, gr.gr_static, gr.gr_init,
-            gr.gr_read_top_k, gr.gr_mixing) == ("gated_residual", 4, True, True, "graded", 0,
-                                                False)
-    changed = {"gr_no_channel_read": ("gr_channelwise_read", False),
-               "gr_no_channel_write": ("gr_channelwise_write", False),
-               "gr_mixing": ("gr_mixing", True), "gr_no_static": ("gr_static", False),
-               "gr_random_init": ("gr_init", "random"), "gr_top2": ("gr_read_top_k", 2)}
+    assert (gr.residual, gr.residual_streams) == ("gated_residual", 4)
+    assert gr.gated_residual.to_dict() == base_config().model.gated_residual.to_dict()
+    changed = {"gr_no_channel_read": ("channelwise_read", False),
+               "gr_no_channel_write": ("channelwise_write", False),
+               "gr_mixing": ("mixing", True), "gr_no_static": ("static", False),
+               "gr_random_init": ("init", "random"), "gr_top2": ("read_top_k", 2)}
     for arm, (field, value) in changed.items():
-        differences = {name for name, setting in models[arm].items() if setting != gr[name]}
-        assert differences == {field} and models[arm][field] == value, (arm, differences)
+        model = models[arm]
+        assert {name for name in model if model[name] != gr[name]} == {"gated_residual"}, arm
+        differences = {name for name, setting in model.gated_residual.items()
+                       if setting != gr.gated_residual[name]}
+        assert differences == {field} and model.gated_residual[field] == value, (arm, differences)
     assert module.get_config("gr,paper").data.name == "prepared"
 
 

@@ -251,7 +251,7 @@ def test_muon_updates_hidden_matrices_as_optax_muon_and_the_rest_as_adamw():
 
     from train.optim import muon_dimensions
 
-    _, model = tiny_model(position="learned", head="untied", ffn="moe", moe_experts=2)
+    _, model = tiny_model(position="learned", head="untied", ffn="moe", moe__experts=2)
     params = nnx.state(model, nnx.Param)
     opt = tiny_config().optimizer
     opt.update(name="muon", warmup_steps=0, weight_decay=0.1, grad_clip=0.0)

@@ -32,22 +32,23 @@ VARIANTS = {
     "mhc-dyt-glu-moc-learned-bert": dict(residual="mhc", norm="dyt", ffn="glu", head="moc",
                                          position="learned", init=dict(default="bert")),
     "gated-residual-gatednorm-leaky-fixnorm-depth-scaled": dict(
-        residual="gated_residual", gr_mixing=True, gr_channelwise=False, norm="gatednorm",
+        residual="gated_residual", gated_residual__mixing=True, gated_residual__channelwise=False,
+        norm="gatednorm",
         ffn="mlp", activation="leaky_relu", fixnorm=True,
         init=dict(attention_output="depth_scaled", ffn_output="depth_scaled")),
     "block-attnres-causal-batchnorm-mla-tanh": dict(
-        residual="block_attnres", attnres_block_size=3, norm="causal_batchnorm",
-        attention="mla", ffn="mlp", activation="tanh", mla_kv_rank=16, mla_rope_dim=8),
-    "attnres-heads-batchnorm-hardtanh-xavier": dict(residual="attnres", attnres_heads=2,
+        residual="block_attnres", attnres__block_size=3, norm="causal_batchnorm",
+        attention="mla", ffn="mlp", activation="tanh", mla__kv_rank=16, mla__rope_dim=8),
+    "attnres-heads-batchnorm-hardtanh-xavier": dict(residual="attnres", attnres__heads=2,
                                                     norm="batchnorm", ffn="mlp",
                                                     activation="hardtanh",
                                                     init=dict(default="xavier")),
     "noskip-none-sigmoid": dict(residual="noskip", norm="none", ffn="mlp", activation="sigmoid"),
     "hc-relu-zero-outputs": dict(residual="hc", ffn="mlp", activation="relu",
                                  init=dict(attention_output="zeros", ffn_output="zeros")),
-    "width-moe-every-2nd-shared-mlp-silu": dict(residual="width", ffn="moe", moe_every=2,
-                                                moe_experts=4, moe_shared_experts=1,
-                                                moe_expert_ffn="mlp", activation="silu"),
+    "width-moe-every-2nd-shared-mlp-silu": dict(residual="width", ffn="moe", moe__every=2,
+                                                moe__experts=4, moe__shared_experts=1,
+                                                moe__expert_ffn="mlp", activation="silu"),
 }
 
 # A residual mechanism no combination above rides with trains alone, with the defaults: every

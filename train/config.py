@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from arch.config import resolve_model
+from arch.config import resolve_execution, resolve_model
 from config import check
 from config.validate import check_fields
 from sharding.mesh import ici_dcn_shapes, mesh_shape
@@ -22,6 +22,7 @@ def validate(config, device_count: int, slice_count: int = 1) -> dict[str, int]:
     if model.max_seq_len is None:
         model.max_seq_len = config.seq_len
     resolve_model(model)
+    resolve_execution(config.execution)
 
     mesh = mesh_shape(config.mesh, device_count)
     ici_dcn_shapes(config.mesh, mesh, slice_count)
@@ -36,9 +37,9 @@ def validate(config, device_count: int, slice_count: int = 1) -> dict[str, int]:
     check(model.d_ff % tensor == 0, "model.d_ff", model.d_ff,
           f"must be divisible by mesh.tensor={tensor}")
     if model.ffn == "moe":
-        check(model.moe_experts % mesh["expert"] == 0, "model.moe_experts", model.moe_experts,
+        check(model.moe.experts % mesh["expert"] == 0, "model.moe.experts", model.moe.experts,
               f"must be divisible by mesh.expert={mesh['expert']}")
-        check(model.moe_d_ff % tensor == 0, "model.moe_d_ff", model.moe_d_ff,
+        check(model.moe.d_ff % tensor == 0, "model.moe.d_ff", model.moe.d_ff,
               f"must be divisible by mesh.tensor={tensor}")
     if mesh["sequence"] > 1:
         _check_sequence_parallel(config, mesh["sequence"], mesh["stage"])
@@ -54,7 +55,7 @@ def _check_accumulation(config, batch_shards: int, stages: int) -> None:
         return
     check(stages == 1, "accumulation_steps", steps,
           f"does not compose with the pipeline (mesh.stage={stages}), which already "
-          "microbatches; use model.pipeline_microbatches or accumulation_steps=1")
+          "microbatches; use execution.pipeline.microbatches or accumulation_steps=1")
     micro = config.batch_size // steps
     check(micro % batch_shards == 0, "accumulation_steps", steps,
           f"leaves microbatches of batch_size/accumulation_steps = {micro} sequences, not "
@@ -65,22 +66,22 @@ def _check_accumulation(config, batch_shards: int, stages: int) -> None:
 def _check_sequence_parallel(config, shards: int, stages: int) -> None:
     """What sequence parallelism (`sharding/sequence.py`) needs: a sequence that stripes into
     2 × shards chunks, and components that do not depend on the tokens' array order."""
-    model = config.model
+    model, execution = config.model, config.execution
     check(config.seq_len % (2 * shards) == 0, "seq_len", config.seq_len,
           f"must be divisible by 2×mesh.sequence = {2 * shards} (causal load balancing gives "
           "each sequence shard two chunks)")
-    if model.sequence_attention == "ring":
-        check(model.attention == "mha", "model.sequence_attention", "ring",
+    if execution.sequence_attention == "ring":
+        check(model.attention == "mha", "execution.sequence_attention", "ring",
               f"ring attention supports model.attention='mha' (got {model.attention!r}); use "
-              "model.sequence_attention='all_gather'")
-        check(stages == 1, "model.sequence_attention", "ring",
+              "execution.sequence_attention='all_gather'")
+        check(stages == 1, "execution.sequence_attention", "ring",
               f"ring attention does not run inside the pipeline (mesh.stage={stages}); use "
-              "model.sequence_attention='all_gather'")
+              "execution.sequence_attention='all_gather'")
     check(model.norm != "causal_batchnorm", "model.norm", model.norm,
           f"its statistics accumulate in token order, which mesh.sequence={shards} permutes "
           "(striping); use another norm or mesh.sequence=1")
     if model.use_ffn and model.ffn == "moe":
-        check(model.moe_dropless, "model.moe_dropless", model.moe_dropless,
+        check(model.moe.dropless, "model.moe.dropless", model.moe.dropless,
               f"MoE capacity goes first-come-first-served in token order, which "
-              f"mesh.sequence={shards} permutes (striping); set model.moe_dropless=True or "
+              f"mesh.sequence={shards} permutes (striping); set model.moe.dropless=True or "
               "mesh.sequence=1")

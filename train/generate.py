@@ -26,6 +26,7 @@ from flax import nnx
 from config import ConfigError
 from config.cli import ArgumentParser
 from config.defaults import base_config
+from config.legacy import upgrade
 from config.validate import check_generation
 from train.restore import restore_run
 from train.tokenizer import load_tokenizer, tokenizer_of
@@ -93,7 +94,7 @@ def check_arguments(workdir: str, prompt: str, num_tokens, temperature, top_k,
     if not config_path.exists():
         raise FileNotFoundError(f"--workdir={workdir} holds no config.json; train a model there "
                                 "first with python -m train")
-    saved = json.loads(config_path.read_text())
+    saved = upgrade(json.loads(config_path.read_text()))
     model = {**base_config().model.to_dict(), **saved.get("model", {})}
     context = model["max_seq_len"] or saved.get("seq_len") or base_config().seq_len
     tokenizer = load_tokenizer(saved.get("data", {}).get("tokenizer") or "byte")

@@ -205,8 +205,8 @@ def _train_locked(program: TrainProgram, config, workdir: Path) -> dict:
         static = {}  # facts of the run's layout, logged with every record
         if program.mesh.shape["stage"] > 1:  # idle share of each device's pipeline iterations
             static["pipeline_bubble_fraction"] = bubble_fraction(
-                program.mesh.shape["stage"], config.model.pipeline_virtual_stages,
-                config.model.pipeline_microbatches)
+                program.mesh.shape["stage"], config.execution.pipeline.virtual_stages,
+                config.execution.pipeline.microbatches)
         rows = program.process_rows()
         previous = None  # (step, metrics) of the last step, checked a step late: no sync per step
         first_step = timer_step = step

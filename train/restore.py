@@ -19,6 +19,7 @@ from flax import nnx
 
 from config import ConfigError
 from config.defaults import base_config
+from config.legacy import upgrade
 from train import data, shards
 from train.checkpoint import Checkpointer
 from train.data import VALIDATION_SEED
@@ -36,7 +37,7 @@ def restore_run(workdir: str | Path):
         raise FileNotFoundError(f"--workdir={workdir} holds no config.json; train a model there "
                                 "first with python -m train")
     config = base_config()  # fields added since the run was saved keep their defaults
-    config.update(json.loads(config_path.read_text()))
+    config.update(upgrade(json.loads(config_path.read_text())))
     config.mesh = dict(data=-1, fsdp=1, tensor=1, sequence=1, stage=1, expert=1)
     program = build_program(config)
     with Checkpointer(workdir) as checkpointer:

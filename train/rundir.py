@@ -21,18 +21,20 @@ from pathlib import Path
 
 from config import ConfigError
 from config.defaults import base_config
+from config.legacy import upgrade
 
 log = logging.getLogger(__name__)
 
 LOCK_FILE = "lock"
 # Fields that may differ between a run's config.json and the config that resumes it: how long
 # it runs (the learning-rate schedule follows `steps`), its logging, evaluation and checkpoint
-# cadence, the final sample, the mesh, where the data is cached, and the guards themselves.
+# cadence, the final sample, the mesh, where the data is cached, the guards themselves, and how
+# the model executes (kernels, remat, pipeline schedule).
 # Every other field defines the model, the optimizer state, the data or the batch order.
 MAY_CHANGE_ON_RESUME = ("steps", "log_every", "eval_every", "eval_batches", "checkpoint_every",
                         "keep_checkpoints", "sample_tokens", "sample_prompt", "temperature",
                         "top_k", "mesh", "data.data_dir", "resume_mode", "finetune_from",
-                        "nonfinite_policy", "accumulation_steps")
+                        "nonfinite_policy", "accumulation_steps", "execution")
 
 
 class WorkdirError(ConfigError):
@@ -235,12 +237,13 @@ def identity_differences(saved: dict, new: dict, *, resolved: bool) -> list[tupl
 
 def saved_config(workdir: str | Path, defaults: dict) -> dict | None:
     """The run's config.json as JSON data over `defaults` (fields added since it was written keep
-    their defaults), or None if there is none. Raises `WorkdirError` if it is unreadable."""
+    their defaults; names it uses from earlier versions moved by `config.legacy.upgrade`), or
+    None if there is none. Raises `WorkdirError` if it is unreadable."""
     path = Path(workdir) / "config.json"
     if not path.exists():
         return None
     try:
-        saved = json.loads(path.read_text())
+        saved = upgrade(json.loads(path.read_text()))
     except (OSError, json.JSONDecodeError) as error:
         raise WorkdirError(f"--workdir={workdir}: config.json cannot be read ({error}); use a "
                            "new --workdir") from None

@@ -70,7 +70,9 @@ class TrainProgram:
         self.config, self.mesh = config, mesh
         self.sequence_shards = mesh.shape["sequence"]
         self.model_cfg = ml_collections.FrozenConfigDict(config.model)
-        abstract = nnx.eval_shape(lambda: TransformerLM(self.model_cfg, rngs=nnx.Rngs(0)))
+        self.execution = ml_collections.FrozenConfigDict(config.execution)
+        abstract = nnx.eval_shape(lambda: TransformerLM(self.model_cfg, execution=self.execution,
+                                                        rngs=nnx.Rngs(0)))
         self.graphdef, abstract_params, abstract_model_state = nnx.split(abstract, nnx.Param, ...)
         self.optimizer = make_optimizer(config.optimizer, config.steps)
         self.learning_rate = schedule(config.optimizer, config.steps)
@@ -104,7 +106,8 @@ class TrainProgram:
         return stripe_batch(tokens_BxT1, self.sequence_shards)
 
     def _init_state(self, seed):
-        model = TransformerLM(self.model_cfg, rngs=nnx.Rngs(jax.random.key(seed)))
+        model = TransformerLM(self.model_cfg, execution=self.execution,
+                              rngs=nnx.Rngs(jax.random.key(seed)))
         _, params, model_state = nnx.split(model, nnx.Param, ...)
         return {"step": jnp.zeros((), jnp.int32), "params": params, "model_state": model_state,
                 "opt_state": self.optimizer.init(params)}

@@ -14,8 +14,8 @@ row i + 1, position i). Branch m before sublayer j is
     x_m⁽ʲ⁾ = E_{j,m} x⁰ + Σ_{i<j} e_{i→j,m} ⊙ F_i,
     e_{i→j} = M_{j−1} ⋯ M_{i+1} s_i,   E_j = M_{j−1} ⋯ M_0 1,
 
-with s_i the write strengths of sublayer i and M the mixing matrices (without `gr_mixing`,
-M = I: e_{i→j} = s_i and E_j = 1).
+with s_i the write strengths of sublayer i and M the mixing matrices (without
+`gated_residual.mixing`, M = I: e_{i→j} = s_i and E_j = 1).
 
 Terms. Read j is h_j = Σ_m G_{j,m} ⊙ g_{j,m} ⊙ r_{j,m} ⊙ x_m⁽ʲ⁾: read gates G, branch gains g,
 and r_{j,m} = 1/sqrt(mean(x_m⁽ʲ⁾²) + ε), the inverse rms the forward pass used, taken as a

@@ -7,7 +7,7 @@ Conventions shared by every function here:
   tokens[:, :-1] (B×T); the loss is the next-token cross-entropy against tokens[:, 1:]
   (`train.step.next_token_loss`: mean over the B·T targets, in nats). MoE auxiliary losses are
   not part of it.
-- Depth: blocks are numbered 0..L−1 in network order; with MoE interleaving (`model.moe_every`
+- Depth: blocks are numbered 0..L−1 in network order; with MoE interleaving (`model.moe.every`
   = k > 1) the stack is groups × k and block g·k + j is member j of group g. Boundary i = 0..L is
   the input of block i, boundary L the output of the last block (what the final norm reads).
   Sublayer index 0 is attention, 1 the FFN (`SUBLAYERS`).
@@ -391,7 +391,7 @@ def _stacked_blocks(model: TransformerLM) -> list:
     """The stacked Block modules of the model: [model.blocks] (leading axis: layers), or the k
     members of the stacked BlockGroup (leading axis: groups; member j holds blocks g·k + j)."""
     if interleaves_moe(model.cfg):
-        return [getattr(model.blocks, f"block_{j}") for j in range(model.cfg.moe_every)]
+        return [getattr(model.blocks, f"block_{j}") for j in range(model.cfg.moe.every)]
     return [model.blocks]
 
 
@@ -450,8 +450,8 @@ def prune_blocks(model: TransformerLM, drop: Sequence[int]
     cfg = model.cfg
     require_probeable(cfg)
     if interleaves_moe(cfg):
-        raise ValueError(f"model.moe_every={cfg.moe_every}: pruning single blocks breaks the "
-                         "dense/MoE groups; prune a model with model.moe_every=1")
+        raise ValueError(f"model.moe.every={cfg.moe.every}: pruning single blocks breaks the "
+                         "dense/MoE groups; prune a model with model.moe.every=1")
     drop = sorted({int(i) for i in drop})
     if any(not 0 <= i < cfg.num_layers for i in drop) or len(drop) >= cfg.num_layers:
         raise ValueError(f"drop={drop}: expected distinct block indices in 0..{cfg.num_layers - 1}"

@@ -1,0 +1,77 @@
+"""Configs in sections (`config.legacy`): every old flat name maps to an existing field, a
+config.json written before the sections restores through that one mapping, and an old name on
+the command line is refused in one line that names its new place. No JAX."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from config.cli import UsageError, apply_override
+from config.defaults import base_config
+from config.legacy import MOVED, upgrade
+from config.validate import check_fields
+from train import rundir
+
+ROOT = Path(__file__).resolve().parents[1]
+# A run of the first AttnRes study, written with the flat names (docs/results/attnres_ablation).
+OLD_RUN = ROOT / "docs/results/attnres_ablation/block/seed0"
+
+
+def _get(tree: dict, path: str):
+    for part in path.split("."):
+        tree = tree[part]
+    return tree
+
+
+def test_every_old_name_moves_to_an_existing_field_and_none_is_still_in_use():
+    current = json.loads(base_config().to_json_best_effort())
+    for old, new in MOVED.items():
+        _get(current, new)  # KeyError if the mapping points nowhere
+        with pytest.raises(KeyError):
+            _get(current, old)
+
+
+def test_upgrade_moves_flat_fields_and_merges_the_remat_switches():
+    old = {"steps": 7, "model": {"attnres_block_size": 2, "gr_static": False, "d_model": 64,
+                                 "remat": True, "remat_policy": None,
+                                 "pipeline_microbatches": 8, "attention_chunk": 64}}
+    new = upgrade(old)
+    assert new == {"steps": 7,
+                   "model": {"d_model": 64, "attnres": {"block_size": 2},
+                             "gated_residual": {"static": False}},
+                   "execution": {"remat": "full", "attention_chunk": 64,
+                                 "pipeline": {"microbatches": 8}}}
+    assert "attnres_block_size" in old["model"]  # the argument is not changed
+    assert upgrade({"model": {"remat": False, "remat_policy": "dots_saveable"}}) == {
+        "model": {}, "execution": {"remat": "dots_saveable"}}
+    today = json.loads(base_config().to_json_best_effort())
+    assert upgrade(today) == today
+
+
+def test_a_run_written_with_flat_names_restores_its_config():
+    saved = json.loads((OLD_RUN / "config.json").read_text())
+    assert "attnres_block_size" in saved["model"]  # this file predates the sections
+    config = base_config()
+    config.update(rundir.saved_config(OLD_RUN, json.loads(base_config().to_json_best_effort())))
+    check_fields(config)
+    assert (config.model.residual, config.model.attnres.block_size) == ("block_attnres", 4)
+    assert config.execution.remat == "none" and config.model.num_layers == 8
+
+
+@pytest.mark.parametrize("field,message", [
+    ("model.attnres_block_size", "--config.model.attnres_block_size: "
+     "model.attnres_block_size moved to model.attnres.block_size; use "
+     "--config.model.attnres.block_size=VALUE"),
+    ("model.pipeline_microbatches", "--config.model.pipeline_microbatches: "
+     "model.pipeline_microbatches moved to execution.pipeline.microbatches; use "
+     "--config.execution.pipeline.microbatches=VALUE"),
+    ("model.remat", "--config.model.remat: model.remat moved to execution.remat, which names a "
+     "policy (arch.remat): use --config.execution.remat=full for remat=True"),
+])
+def test_an_old_name_on_the_command_line_names_its_new_place(field, message):
+    with pytest.raises(UsageError) as error:
+        apply_override(base_config(), field, "2")
+    assert str(error.value) == message
