@@ -44,7 +44,7 @@ def parameter_count(model_cfg) -> int:
 def _routed_expert_share(model_cfg, model) -> tuple[int, int, int]:
     """(routed-expert weights, k, E): the stacked weights of `arch.moe.RoutedExperts`, of which
     each token uses k of E experts (0 weights without MoE)."""
-    if model_cfg.ffn != "moe":
+    if model_cfg.ffn.name != "moe":
         return 0, 1, 1
     routed = nnx.state(model, lambda path, _: "routed_experts" in path)
     return _size(routed), model_cfg.moe.top_k, model_cfg.moe.experts
@@ -67,7 +67,7 @@ def matmul_parameter_count(model_cfg) -> int:
     count = _size(nnx.state(model, lambda path, _: path[-1] == "kernel"))
     routed, k, experts = _routed_expert_share(model_cfg, model)
     count += routed * k // experts
-    return count + HEADS[model_cfg.head].reused_matmul_parameters(model_cfg)
+    return count + HEADS[model_cfg.head.name].reused_matmul_parameters(model_cfg)
 
 
 COMPONENTS = ("embedding", "attention", "ffn", "norms", "residual", "head")
@@ -120,9 +120,9 @@ def parameter_breakdown(model_cfg) -> dict[str, int]:
             vocabulary += size
     total = sum(counts.values())
     untied = ml_collections.ConfigDict(model_cfg.to_dict())
-    untied.update(head="untied", fixnorm=False)
+    untied.head.name, untied.fixnorm = "untied", False
     tied = ml_collections.ConfigDict(untied.to_dict())
-    tied.head = "tied"
+    tied.head.name = "tied"
     return {"total": total, "active": active_parameter_count(model_cfg), **counts,
             "vocabulary": vocabulary, "non_embedding": total - vocabulary,
             "tying_savings": parameter_count(untied) - parameter_count(tied)}
@@ -133,7 +133,7 @@ def kv_cache_bytes_per_token(model_cfg, dtype: str | None = None) -> int:
     `cache_shapes` per position (MHA/GQA/MQA: keys and values, 2·h_kv·p; MLA: the latent and
     the decoupled rotary key, d_c + d_r), × num_layers × the itemsize of `dtype` (default the
     compute dtype `model.dtype`). Per sequence: × its length."""
-    shapes = ATTENTION[model_cfg.attention].cache_shapes(model_cfg, 1, 1)
+    shapes = ATTENTION[model_cfg.attention.name].cache_shapes(model_cfg, 1, 1)
     per_layer = sum(math.prod(shape) for shape in shapes.values())
     itemsize = jnp.dtype(dtype or model_cfg.dtype).itemsize
     return model_cfg.num_layers * per_layer * itemsize
@@ -144,7 +144,7 @@ def flops_per_token(model_cfg, seq_len: int, training: bool = True) -> float:
     attention class's `score_flops_per_token`: position t attends to t + 1 keys, not T).
     Training (forward + backward) is 3× forward.
     """
-    attention = ATTENTION[model_cfg.attention].score_flops_per_token(model_cfg, seq_len)
+    attention = ATTENTION[model_cfg.attention.name].score_flops_per_token(model_cfg, seq_len)
     forward = 2 * matmul_parameter_count(model_cfg) + model_cfg.num_layers * attention
     return float(3 * forward if training else forward)
 
@@ -154,7 +154,7 @@ def flops_per_token(model_cfg, seq_len: int, training: bool = True) -> float:
 def _mechanism(model_cfg, what: str):
     """The registered class of `model.residual`; ValueError naming the mechanisms that model
     `what` (a `ResidualMechanism` hook) when it is not registered."""
-    name = model_cfg.residual
+    name = model_cfg.residual.name
     if name not in RESIDUALS:
         base = getattr(ResidualMechanism, what).__func__
         modelled = [key for key, mechanism in RESIDUALS.items()
@@ -187,7 +187,7 @@ def residual_state_elements_per_token(model_cfg) -> int:
     frozen = ml_collections.FrozenConfigDict(model_cfg)
 
     def begin(x_BxTxD):
-        stream = RESIDUALS[frozen.residual].stream(frozen, rngs=nnx.Rngs(0))
+        stream = RESIDUALS[frozen.residual.name].stream(frozen, rngs=nnx.Rngs(0))
         return stream.begin(x_BxTxD)
 
     def size(positions: int) -> int:
@@ -263,7 +263,7 @@ def books(model_cfg, seq_len: int, sequence_shards: int = 1) -> dict:
                   "inference_per_token": flops_per_token(model_cfg, seq_len, False)},
         "kv_cache": {"dtype": model_cfg.dtype, "bytes_per_token": kv_per_token,
                      "bytes_per_sequence": kv_per_token * seq_len},
-        "residual": {"mechanism": model_cfg.residual,
+        "residual": {"mechanism": model_cfg.residual.name,
                      "io_per_token_per_sublayer_d": residual["io_per_token_per_sublayer"],
                      "history_elements_per_token": residual["history_elements_per_token"],
                      "history_bytes_per_sequence": history_bytes,

@@ -112,7 +112,7 @@ class MultiHeadAttention(nnx.Module):
 
     q = x W_Q (d → H×P), k = x W_K, v = x W_V (d → K×P); head j reads KV head ⌊j/G⌋;
     y = concat_j softmax(q_j k_⌊j/G⌋ᵀ/√P + M) v_⌊j/G⌋ · W_O (H×P → d), M the causal mask.
-    H·P may differ from d (`attention_width`). With `model.linear_bias` each of the four
+    H·P may differ from d (`attention.width`). With `model.linear_bias` each of the four
     projections adds a bias (x W + b; GPT-2, Radford et al. 2019), zero-initialized.
     Initialization: `model.init` groups query, key, value and attention_output (default: variance
     1/fan_in for all four).
@@ -127,7 +127,8 @@ class MultiHeadAttention(nnx.Module):
     """
 
     def __init__(self, cfg, *, execution=None, rngs: nnx.Rngs):
-        d, h, k, p = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        attention = cfg.attention
+        d, h, k, p = cfg.d_model, attention.num_heads, attention.num_kv_heads, attention.head_dim
         dtype, bias = jnp.dtype(cfg.dtype), cfg.linear_bias
         self.query = Dense((d,), (h, p), ("embed",), ("heads", "head_dim"), rngs=rngs, dtype=dtype,
                            use_bias=bias, init=group_init(cfg, "query"))
@@ -146,11 +147,11 @@ class MultiHeadAttention(nnx.Module):
     def score_flops_per_token(cfg, seq_len: int) -> float:
         """Forward FLOPs of QKᵀ and AV per token, causal: position t attends to t + 1 keys, so
         4·H·P·(t + 1) averages to 2·H·P·(T + 1) over t = 0..T−1."""
-        return 2 * cfg.num_heads * cfg.head_dim * (seq_len + 1)
+        return 2 * cfg.attention.num_heads * cfg.attention.head_dim * (seq_len + 1)
 
     @staticmethod
     def cache_shapes(cfg, batch: int, length: int) -> dict[str, tuple[int, ...]]:
-        shape = (batch, length, cfg.num_kv_heads, cfg.head_dim)
+        shape = (batch, length, cfg.attention.num_kv_heads, cfg.attention.head_dim)
         return {"key": shape, "value": shape}
 
     def __call__(self, x_BxTxD, positions_BxT, rotate, cache=None):
@@ -193,16 +194,18 @@ class MultiHeadLatentAttention(nnx.Module):
         q_i = [q^C_i; q^R_i],  k_i = [k^C_i; k^R]                               (eqs. 16–17)
         o_i = softmax(q_i k_iᵀ / √(N + R) + M) v_i;  y = [o_1; …; o_H] W_O      (eqs. 18–19)
 
-    N = `mla.nope_dim`, R = `mla.rope_dim`, V = `mla.v_dim` (N and V default to `head_dim`).
+    N = `mla.nope_dim`, R = `mla.rope_dim`, V = `mla.v_dim` (N and V default to
+    `attention.head_dim`).
     With `mla.q_rank` = 0 the query is full-rank: c_Q = x (no W_DQ, no norm), W_UQ: d → H×N and
     W_QR: d → H×R, together the d → H×(N + R) projection of eq. 16's q. The RMSNorms on the
-    latents (gain 1, `norm_eps`) are not in the paper's equations but are in the released
+    latents (gain 1, `norm.eps`) are not in the paper's equations but are in the released
     DeepSeek-V2 model (`kv_a_layernorm`, `q_a_layernorm`) and are kept here.
-    `num_kv_heads` is not used: every head has its own k^C, v, up-projected from the latent.
+    `attention.num_kv_heads` is not used: every head has its own k^C, v, up-projected from the
+    latent.
 
     Positions: "RoPE" is the `rotate` hook the model passes in, applied only to q^R and k^R (the
     decoupled rotary parts; the latent parts never see positions, which is what lets W_UK be
-    absorbed). Any position scheme is accepted: with `position="rope"` it rotates (R must be
+    absorbed). Any position scheme is accepted: with `position.name="rope"` it rotates (R must be
     even); with "none" or "learned" `rotate` is the identity and k^R is a plain shared key part.
 
     Initialization: `model.init` groups query (W_DQ, W_UQ, W_QR), key (W_DKV, W_UK, W_KR), value
@@ -221,7 +224,7 @@ class MultiHeadLatentAttention(nnx.Module):
     """
 
     def __init__(self, cfg, *, execution=None, rngs: nnx.Rngs):
-        d, h = cfg.d_model, cfg.num_heads
+        d, h = cfg.d_model, cfg.attention.num_heads
         c, c_q, r = cfg.mla.kv_rank, cfg.mla.q_rank, cfg.mla.rope_dim
         n, v = cfg.mla.nope_dim, cfg.mla.v_dim
         dtype = jnp.dtype(cfg.dtype)
@@ -229,7 +232,7 @@ class MultiHeadLatentAttention(nnx.Module):
         if c_q:
             self.query_down = Dense((d,), (c_q,), ("embed",), ("q_latent",), rngs=rngs, dtype=dtype,
                                     init=group_init(cfg, "query"))
-            self.query_norm = RMSNorm(c_q, eps=cfg.norm_eps, rngs=rngs)
+            self.query_norm = RMSNorm(c_q, eps=cfg.norm.eps, rngs=rngs)
             q_in, q_axis = c_q, "q_latent"
         else:
             self.query_down = self.query_norm = None
@@ -240,7 +243,7 @@ class MultiHeadLatentAttention(nnx.Module):
                                 dtype=dtype, init=group_init(cfg, "query"))
         self.kv_down = Dense((d,), (c,), ("embed",), ("kv_latent",), rngs=rngs, dtype=dtype,
                              init=group_init(cfg, "key"))
-        self.kv_norm = RMSNorm(c, eps=cfg.norm_eps, rngs=rngs)
+        self.kv_norm = RMSNorm(c, eps=cfg.norm.eps, rngs=rngs)
         self.key_up = Dense((c,), (h, n), ("kv_latent",), ("heads", "head_dim"), rngs=rngs,
                             dtype=dtype, init=group_init(cfg, "key"))
         self.value_up = Dense((c,), (h, v), ("kv_latent",), ("heads", "head_dim"), rngs=rngs,
@@ -258,7 +261,7 @@ class MultiHeadLatentAttention(nnx.Module):
     def score_flops_per_token(cfg, seq_len: int) -> float:
         """Causal QKᵀ over N + R features and AV over V: H·(N + R + V)·(T + 1) on average."""
         width = cfg.mla.nope_dim + cfg.mla.rope_dim + cfg.mla.v_dim
-        return cfg.num_heads * width * (seq_len + 1)
+        return cfg.attention.num_heads * width * (seq_len + 1)
 
     @staticmethod
     def cache_shapes(cfg, batch: int, length: int) -> dict[str, tuple[int, ...]]:

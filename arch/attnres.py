@@ -856,7 +856,7 @@ class AttentionResidual(ResidualMechanism):
                            block_size=cls.block_size(cfg), heads=cfg.attnres.heads,
                            weights=cfg.attnres.weights, query=cfg.attnres.query,
                            key_norm=cfg.attnres.key_norm, window=cfg.attnres.window,
-                           eps=cfg.norm_eps)
+                           eps=cfg.norm.eps)
 
     @classmethod
     def stream(cls, cfg, *, rngs: nnx.Rngs) -> nnx.Module:
@@ -892,8 +892,8 @@ class AttentionResidual(ResidualMechanism):
                for k in range(len(old_blocks) - 1)):
             per_block, size = sublayers_per_block(cfg), cls.block_size(cfg)
             raise ValueError(
-                f"model.residual={cfg.residual!r}: dropping blocks {list(drop)} regroups the "
-                f"remaining sublayers into other AttnRes blocks of model.attnres.block_size="
+                f"model.residual.name={cfg.residual.name!r}: dropping blocks {list(drop)} regroups "
+                f"the remaining sublayers into other AttnRes blocks of model.attnres.block_size="
                 f"{size}; drop blocks whose {per_block} sublayer(s) fill whole AttnRes blocks, "
                 "or the last blocks")
 

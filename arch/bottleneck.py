@@ -69,5 +69,5 @@ def model_bottleneck(model, tokens_BxT: jax.Array, *, num_tokens: int | None = N
     subset = (reference_token + 1 + np.arange(num_tokens)) % vocab
     result = softmax_bottleneck(np.asarray(log_probs).reshape(-1, vocab), tokens=subset,
                                 reference_token=reference_token, rtol=rtol)
-    result["bound"] = None if cfg.head == "mos" else cfg.d_model + int(cfg.head_bias)
+    result["bound"] = None if cfg.head.name == "mos" else cfg.d_model + int(cfg.head.bias)
     return result

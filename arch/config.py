@@ -12,7 +12,7 @@ from arch.positions import POSITIONS
 from arch.registry import Registry
 from arch.remat import REMAT_POLICIES, host_offload_supported
 from arch.residual import RESIDUALS
-from config import ConfigError, check
+from config import ConfigError, check, lookup
 from config.defaults import INIT_GROUPS
 from sharding.sequence import SEQUENCE_ATTENTIONS
 
@@ -28,68 +28,75 @@ def check_choice(field: str, value, registry: Registry) -> None:
 
 def resolve_model(cfg) -> None:
     """Validate `cfg` (the `model` ConfigDict) in place and fill in its derived fields:
-    `head_dim` (from `attention_width` or d / h) and `d_ff` (`arch.ffn.hidden_width`)."""
-    for field, registry in (("attention", ATTENTION), ("norm", NORMS), ("position", POSITIONS),
-                            ("ffn", FFNS), ("activation", ACTIVATIONS), ("residual", RESIDUALS),
-                            ("head", HEADS)):
-        check_choice(f"model.{field}", cfg[field], registry)
+    `attention.head_dim` (from `attention.width` or d / h) and `ffn.d_ff`
+    (`arch.ffn.hidden_width`)."""
+    for field, registry in (("attention.name", ATTENTION), ("norm.name", NORMS),
+                            ("position.name", POSITIONS), ("ffn.name", FFNS),
+                            ("ffn.activation", ACTIVATIONS), ("residual.name", RESIDUALS),
+                            ("head.name", HEADS)):
+        check_choice(f"model.{field}", lookup(cfg, field), registry)
     for group in ("default", *INIT_GROUPS):
         if group != "default" and cfg.init[group] is None:
             continue
         check_choice(f"model.init.{group}", cfg.init[group], INITS)
     check(cfg.dtype in ("float32", "bfloat16"), "model.dtype", cfg.dtype, "use float32 or bfloat16")
-    check(isinstance(cfg.gated_norm_rank, int) and cfg.gated_norm_rank > 0,
-          "model.gated_norm_rank", cfg.gated_norm_rank, "must be a positive integer")
-    check(0 <= cfg.batchnorm_momentum < 1, "model.batchnorm_momentum", cfg.batchnorm_momentum,
-          "must be in [0, 1)")
-    check(cfg.dyt_alpha_init > 0, "model.dyt_alpha_init", cfg.dyt_alpha_init, "must be positive")
-    check(not cfg.fixnorm or cfg.head == "tied", "model.fixnorm", cfg.fixnorm,
-          f"FixNorm is used with a tied output head; set model.head='tied' (got {cfg.head!r})")
+    check(isinstance(cfg.norm.gated_rank, int) and cfg.norm.gated_rank > 0,
+          "model.norm.gated_rank", cfg.norm.gated_rank, "must be a positive integer")
+    check(0 <= cfg.norm.batchnorm_momentum < 1, "model.norm.batchnorm_momentum",
+          cfg.norm.batchnorm_momentum, "must be in [0, 1)")
+    check(cfg.norm.dyt_alpha_init > 0, "model.norm.dyt_alpha_init", cfg.norm.dyt_alpha_init,
+          "must be positive")
+    check(not cfg.fixnorm or cfg.head.name == "tied", "model.fixnorm", cfg.fixnorm,
+          "FixNorm is used with a tied output head; set model.head.name='tied' (got "
+          f"{cfg.head.name!r})")
     check(cfg.fixnorm_scale is None or cfg.fixnorm_scale > 0, "model.fixnorm_scale",
           cfg.fixnorm_scale, "must be positive (or None: unit-length rows)")
-    for field in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads"):
-        check(isinstance(cfg[field], int) and cfg[field] > 0, f"model.{field}", cfg[field],
+    for field in ("vocab_size", "d_model", "num_layers", "attention.num_heads",
+                  "attention.num_kv_heads"):
+        value = lookup(cfg, field)
+        check(isinstance(value, int) and value > 0, f"model.{field}", value,
               "must be a positive integer")
-    h, h_kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.d_model
-    check(h % h_kv == 0, "model.num_kv_heads", h_kv,
-          f"must divide model.num_heads={h}; valid: {_divisors(h)}")
-    width = cfg.attention_width
-    if cfg.head_dim is None:
+    h, h_kv, d = cfg.attention.num_heads, cfg.attention.num_kv_heads, cfg.d_model
+    check(h % h_kv == 0, "model.attention.num_kv_heads", h_kv,
+          f"must divide model.attention.num_heads={h}; valid: {_divisors(h)}")
+    attention = cfg.attention
+    width, p = attention.width, attention.head_dim
+    if p is None:
         width = width or d
-        check(width % h == 0, "model.num_heads", h,
+        check(width % h == 0, "model.attention.num_heads", h,
               f"must divide the attention width {width}; valid: {_divisors(width)}")
-        cfg.head_dim = width // h
-    elif h * cfg.head_dim != (width or d):
+        attention.head_dim = p = width // h
+    elif h * p != (width or d):
         raise ConfigError(
-            f"model.head_dim={cfg.head_dim} gives h·p = {h}·{cfg.head_dim} = {h * cfg.head_dim} "
-            f"≠ {'model.attention_width' if width else 'model.d_model'}={width or d}; set "
-            f"model.attention_width={h * cfg.head_dim} to use an attention width different from d")
-    cfg.attention_width = h * cfg.head_dim
-    if cfg.position == "rope":
-        check(cfg.head_dim % 2 == 0, "model.head_dim", cfg.head_dim,
+            f"model.attention.head_dim={p} gives h·p = {h}·{p} = {h * p} "
+            f"≠ {'model.attention.width' if width else 'model.d_model'}={width or d}; set "
+            f"model.attention.width={h * p} to use an attention width different from d")
+    attention.width = h * p
+    if cfg.position.name == "rope":
+        check(cfg.attention.head_dim % 2 == 0, "model.attention.head_dim", cfg.attention.head_dim,
               "RoPE needs an even head width")
-    if cfg.attention == "mla":
+    if cfg.attention.name == "mla":
         _resolve_mla(cfg)
-    check(cfg.ffn_width in FFN_WIDTHS, "model.ffn_width", cfg.ffn_width,
+    check(cfg.ffn.width in FFN_WIDTHS, "model.ffn.width", cfg.ffn.width,
           f"valid widths: {', '.join(FFN_WIDTHS)}")
-    check(isinstance(cfg.ffn_multiple_of, int) and cfg.ffn_multiple_of > 0,
-          "model.ffn_multiple_of", cfg.ffn_multiple_of, "must be a positive integer")
-    if cfg.d_ff is None:
-        cfg.d_ff = hidden_width(cfg)  # ffn_ratio·d, or matched to the two-projection FFN
-    check(cfg.d_ff > 0, "model.d_ff", cfg.d_ff, "must be positive")
+    check(isinstance(cfg.ffn.multiple_of, int) and cfg.ffn.multiple_of > 0,
+          "model.ffn.multiple_of", cfg.ffn.multiple_of, "must be a positive integer")
+    if cfg.ffn.d_ff is None:
+        cfg.ffn.d_ff = hidden_width(cfg)  # ffn.ratio·d, or matched to the two-projection FFN
+    check(cfg.ffn.d_ff > 0, "model.ffn.d_ff", cfg.ffn.d_ff, "must be positive")
     if cfg.linear_bias:  # biases exist in MultiHeadAttention and the dense FFNs only
-        check(cfg.attention == "mha", "model.linear_bias", True,
-              f"model.attention={cfg.attention!r} has no biases; use attention='mha' or "
-              "linear_bias=False")
-        check(not cfg.use_ffn or cfg.ffn != "moe", "model.linear_bias", True,
-              "model.ffn='moe' has no biases; use a dense model.ffn or linear_bias=False")
-    check(isinstance(cfg.mos_components, int) and cfg.mos_components >= 1,
-          "model.mos_components", cfg.mos_components, "must be an integer ≥ 1")
-    if cfg.ffn == "moe":  # arch/moe.py
+        check(cfg.attention.name == "mha", "model.linear_bias", True,
+              f"model.attention.name={cfg.attention.name!r} has no biases; use "
+              "attention.name='mha' or linear_bias=False")
+        check(not cfg.use_ffn or cfg.ffn.name != "moe", "model.linear_bias", True,
+              "model.ffn.name='moe' has no biases; use a dense model.ffn.name or linear_bias=False")
+    check(isinstance(cfg.head.mos_components, int) and cfg.head.mos_components >= 1,
+          "model.head.mos_components", cfg.head.mos_components, "must be an integer ≥ 1")
+    if cfg.ffn.name == "moe":  # arch/moe.py
         _resolve_moe(cfg)
     if cfg.reversible:  # arch/reversible.py
         _resolve_reversible(cfg)
-    resolve_residual = getattr(RESIDUALS[cfg.residual], "resolve", None)
+    resolve_residual = getattr(RESIDUALS[cfg.residual.name], "resolve", None)
     if resolve_residual is not None:  # the mechanism's own fields (e.g. arch/attnres.py)
         resolve_residual(cfg)
 
@@ -118,7 +125,7 @@ def _resolve_mla(cfg) -> None:
     mla = cfg.mla
     for field in ("nope_dim", "v_dim"):
         if mla[field] is None:
-            mla[field] = cfg.head_dim
+            mla[field] = cfg.attention.head_dim
     for field in ("kv_rank", "rope_dim", "nope_dim", "v_dim"):
         check(isinstance(mla[field], int) and mla[field] > 0, f"model.mla.{field}", mla[field],
               "must be a positive integer")
@@ -130,15 +137,15 @@ def _resolve_mla(cfg) -> None:
 
 def _resolve_reversible(cfg) -> None:
     """Reversible blocks (`arch.reversible`) couple a Pre-Norm attention and FFN, statelessly."""
-    check(cfg.residual == "prenorm", "model.reversible", True,
-          f"reversible blocks need model.residual='prenorm' (got {cfg.residual!r})")
+    check(cfg.residual.name == "prenorm", "model.reversible", True,
+          f"reversible blocks need model.residual.name='prenorm' (got {cfg.residual.name!r})")
     check(cfg.use_ffn, "model.reversible", True,
           "reversible blocks couple attention with an FFN; set model.use_ffn=True")
-    check(cfg.norm not in ("batchnorm", "causal_batchnorm"), "model.reversible", True,
-          f"reversible blocks cannot replay running statistics of model.norm={cfg.norm!r}; "
-          "use a stateless norm")
-    check(cfg.ffn != "moe", "model.reversible", True,
-          "reversible blocks do not carry the MoE auxiliary losses; use a dense model.ffn")
+    check(cfg.norm.name not in ("batchnorm", "causal_batchnorm"), "model.reversible", True,
+          "reversible blocks cannot replay running statistics of "
+          f"model.norm.name={cfg.norm.name!r}; use a stateless norm")
+    check(cfg.ffn.name != "moe", "model.reversible", True,
+          "reversible blocks do not carry the MoE auxiliary losses; use a dense model.ffn.name")
 
 
 def _resolve_moe(cfg) -> None:
@@ -162,6 +169,6 @@ def _resolve_moe(cfg) -> None:
     for field in ("balance_coef", "z_coef"):
         check(cfg.moe[field] >= 0, f"model.moe.{field}", cfg.moe[field], "must be non-negative")
     if cfg.moe.d_ff is None:
-        cfg.moe.d_ff = cfg.d_ff
+        cfg.moe.d_ff = cfg.ffn.d_ff
     check(isinstance(cfg.moe.d_ff, int) and cfg.moe.d_ff > 0, "model.moe.d_ff", cfg.moe.d_ff,
           "must be a positive integer")

@@ -2,12 +2,12 @@
 
 Two families (Shazeer 2020, "GLU Variants Improve Transformer", §2):
 
-- two-projection `mlp`: y = φ(x W₁) W₂, φ = `model.activation` (eqs. 2–3);
+- two-projection `mlp`: y = φ(x W₁) W₂, φ = `model.ffn.activation` (eqs. 2–3);
 - gated `glu`, `reglu`, `geglu`, `swiglu`: y = (φ(x W) ⊙ x V) W₂ with φ fixed by the name
   (eqs. 4–6): one class, `GatedFFN`, parametrized by its gate activation.
 
 Every FFN class says how many d × d_ff projections it has (`projections`); `hidden_width` uses it
-to size d_ff for `model.ffn_width="match_mlp"`, so adding an FFN never needs editing the config.
+to size d_ff for `model.ffn.width="match_mlp"`, so adding an FFN never needs editing the config.
 
 Activations are a registry of their own (`ACTIVATIONS`, elementwise functions x ↦ φ(x)); build
 one for a config with `activation(cfg, name)`, which binds its config options (the leaky slope).
@@ -36,7 +36,8 @@ ACTIVATIONS.register("gelu")(jax.nn.gelu)
 ACTIVATIONS.register("relu")(jax.nn.relu)
 # SiLU / Swish₁ (Ramachandran et al. 2017; Hendrycks & Gimpel 2016): x·σ(x)
 ACTIVATIONS.register("silu")(jax.nn.silu)
-# Leaky ReLU (Maas et al. 2013): x if x ≥ 0 else α·x, α = `model.leaky_relu_slope` (see activation)
+# Leaky ReLU (Maas et al. 2013): x if x ≥ 0 else α·x, α = `model.ffn.leaky_relu_slope` (see
+# activation)
 ACTIVATIONS.register("leaky_relu")(jax.nn.leaky_relu)
 # logistic sigmoid: σ(x) = 1 / (1 + e^(−x))
 ACTIVATIONS.register("sigmoid")(jax.nn.sigmoid)
@@ -51,11 +52,11 @@ _HIDDEN = ("act_batch", "act_seq", "act_mlp")
 
 
 def activation(cfg, name: str | None = None) -> Callable[[jax.Array], jax.Array]:
-    """The elementwise activation `name` (default `cfg.activation`) with its config options bound:
-    leaky_relu gets its negative slope α from `cfg.leaky_relu_slope`."""
-    name = name or cfg.activation
+    """The elementwise activation `name` (default `cfg.ffn.activation`) with its config options
+    bound: leaky_relu gets its negative slope α from `cfg.ffn.leaky_relu_slope`."""
+    name = name or cfg.ffn.activation
     if name == "leaky_relu":
-        return _leaky_relu(float(cfg.leaky_relu_slope))
+        return _leaky_relu(float(cfg.ffn.leaky_relu_slope))
     return ACTIVATIONS[name]
 
 
@@ -67,25 +68,25 @@ def _leaky_relu(slope: float) -> Callable[[jax.Array], jax.Array]:
 
 
 def hidden_width(cfg) -> int:
-    """d_ff derived from the config (when `model.d_ff` is not given).
+    """d_ff derived from the config (when `model.ffn.d_ff` is not given).
 
-    `ffn_width="ratio"`: d_ff = ffn_ratio·d. `"match_mlp"`: d_ff = (2 / n)·ffn_ratio·d for an FFN
+    `ffn.width="ratio"`: d_ff = ffn.ratio·d. `"match_mlp"`: d_ff = (2 / n)·ffn.ratio·d for an FFN
     with n = `projections` d × d_ff matrices, so that n·d·d_ff equals the two-projection FFN's
-    2·d·(ffn_ratio·d): 2/3 of the ratio for the gated FFNs (Shazeer 2020 §2: d_ff 3072 → 2048),
+    2·d·(ffn.ratio·d): 2/3 of the ratio for the gated FFNs (Shazeer 2020 §2: d_ff 3072 → 2048),
     unchanged for `mlp`. Rounded to the nearest integer, then up to a multiple of
-    `ffn_multiple_of`.
+    `ffn.multiple_of`.
     """
-    width = cfg.ffn_ratio * cfg.d_model
-    if cfg.ffn_width == "match_mlp":
-        width *= 2 / FFNS[cfg.ffn].projections
-    multiple = cfg.ffn_multiple_of
+    width = cfg.ffn.ratio * cfg.d_model
+    if cfg.ffn.width == "match_mlp":
+        width *= 2 / FFNS[cfg.ffn.name].projections
+    multiple = cfg.ffn.multiple_of
     return multiple * math.ceil(int(round(width)) / multiple)
 
 
 @FFNS.register("mlp")
 class MLP(nnx.Module):
     """Two-projection FFN (Vaswani et al. 2017 eq. 2; Shazeer 2020 eqs. 2–3, no biases):
-    y = φ(x W₁) W₂, W₁ (`up`): d → d_ff, W₂ (`down`): d_ff → d, φ = `model.activation`.
+    y = φ(x W₁) W₂, W₁ (`up`): d → d_ff, W₂ (`down`): d_ff → d, φ = `model.ffn.activation`.
     `model.linear_bias`: y = φ(x W₁ + b₁) W₂ + b₂ (Vaswani et al. eq. 2 as written; GPT-2),
     biases zero-initialized. Initialization: `model.init` groups ffn_input (W₁) and ffn_output
     (W₂); default variance 1/fan_in."""
@@ -93,10 +94,10 @@ class MLP(nnx.Module):
     projections = 2
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
-        dtype, bias = jnp.dtype(cfg.dtype), cfg.linear_bias
-        self.up = Dense((cfg.d_model,), (cfg.d_ff,), ("embed",), ("mlp",), rngs=rngs, dtype=dtype,
+        dtype, bias, d, f = jnp.dtype(cfg.dtype), cfg.linear_bias, cfg.d_model, cfg.ffn.d_ff
+        self.up = Dense((d,), (f,), ("embed",), ("mlp",), rngs=rngs, dtype=dtype,
                         use_bias=bias, init=group_init(cfg, "ffn_input"))
-        self.down = Dense((cfg.d_ff,), (cfg.d_model,), ("mlp",), ("embed",), rngs=rngs, dtype=dtype,
+        self.down = Dense((f,), (d,), ("mlp",), ("embed",), rngs=rngs, dtype=dtype,
                           use_bias=bias, init=group_init(cfg, "ffn_output"))
         self.activation = activation(cfg)
 
@@ -110,8 +111,8 @@ class GatedFFN(nnx.Module):
 
     φ is the class's `gate_activation`, a name in `ACTIVATIONS`; the registered subclasses fix it
     as in Shazeer 2020 eq. 5/6: `glu` σ (sigmoid), `reglu` ReLU, `geglu` GELU, `swiglu` Swish₁ =
-    SiLU. `model.activation` is not used. Three d × d_ff matrices instead of two: use
-    `model.ffn_width="match_mlp"` for the parameter count of the two-projection FFN.
+    SiLU. `model.ffn.activation` is not used. Three d × d_ff matrices instead of two: use
+    `model.ffn.width="match_mlp"` for the parameter count of the two-projection FFN.
     `model.linear_bias`: every projection adds a zero-initialized bias,
     y = (φ(x W + b) ⊙ (x V + c)) W₂ + b₂.
     Initialization: `model.init` groups ffn_input (W, V) and ffn_output (W₂); default variance
@@ -123,7 +124,7 @@ class GatedFFN(nnx.Module):
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         dtype, bias = jnp.dtype(cfg.dtype), cfg.linear_bias
-        d, f = cfg.d_model, cfg.d_ff
+        d, f = cfg.d_model, cfg.ffn.d_ff
         self.gate = Dense((d,), (f,), ("embed",), ("mlp",), rngs=rngs, dtype=dtype,
                           use_bias=bias, init=group_init(cfg, "ffn_input"))
         self.up = Dense((d,), (f,), ("embed",), ("mlp",), rngs=rngs, dtype=dtype,

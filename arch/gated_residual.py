@@ -4,7 +4,7 @@ Source: the Qwen3.8-Next architecture report, §2.2 ("Gated Residual", built on 
 `arch.norms.GatedNorm`). We only have the issue's summary of that section; what it specifies and
 what this file chooses are marked [spec] and [ours] below.
 
-The residual state is n = `model.residual_streams` branches x_1 … x_n [spec], stored stacked
+The residual state is n = `model.residual.streams` branches x_1 … x_n [spec], stored stacked
 n×B×T×D in `model.gated_residual.state_dtype`. Every attention and FFN sublayer has its own GR
 module, which replaces the sublayer's pre-norm [spec] (so `model.norm` is not used by the reads; the
 final norm still is):
@@ -26,7 +26,7 @@ exact form here is [ours]; each default is the mechanism above, bit for bit):
   defaults to None, which follows `gated_residual.channelwise` (the switch for both).
 - `gated_residual.static=False`: no b_read, b_write: G = σ(z W_read), s = 2σ(z W_write), so at z = 0
   every G_m = 1/2 and every s_m = 1 (h = (n/2)·RMSNorm(x) while the branches are equal). Needs
-  `residual_dynamic=True`. [ours] W_read and W_write are then initialized N(0, 1/r) (truncated
+  `residual.dynamic=True`. [ours] W_read and W_write are then initialized N(0, 1/r) (truncated
   normal, fan-in r), not zero: zero up-projections would start every branch at the same gates
   and give them equal gradients, so the branches would stay copies of one stream forever.
 - `gated_residual.init="random"`: b_write[m, c] ~ U(logit(1/(2n)), logit(1 − 1/(2n))) i.i.d. per
@@ -46,7 +46,7 @@ softmax and need not sum to one; write strengths in (0,2) per branch; no branch-
 replaces the pre-norm, one GR module per sublayer; ablations: channel-specific vs scalar reads and
 writes (`model.gated_residual.channelwise`, or each alone: `gated_residual.channelwise_read`,
 `gated_residual.channelwise_write`), a branch-mixing operator added back
-(`model.gated_residual.mixing`), static vs dynamic gates (`model.residual_dynamic`), the static term
+(`model.gated_residual.mixing`), static vs dynamic gates (`model.residual.dynamic`), the static term
 removed (`model.gated_residual.static`), random instead of graded initialization
 (`model.gated_residual.init`), top-k reads (`model.gated_residual.read_top_k`); an FP8 residual
 state (`model.gated_residual.state_dtype`).
@@ -56,7 +56,7 @@ state (`model.gated_residual.state_dtype`).
   write strengths (HC/mHC also predict every dynamic weight from the sublayer's input); W_read and
   W_write are zero-initialized as GatedNorm's up-projection, so the gates start at their static
   values and the up-projections get gradient from the first step (with `gated_residual.static=False`
-  they are random: above). `residual_dynamic=False`: no W_down/W_read/W_write, G = σ(b_read) and
+  they are random: above). `residual.dynamic=False`: no W_down/W_read/W_write, G = σ(b_read) and
   s = 2σ(b_write).
 - Initialization. g_m = 1. b_read = logit(1/n), so G_m = 1/n and Σ_m G_m = 1: while the branches
   are equal, h = RMSNorm(x) exactly as a Pre-Norm read (no GatedNorm-style 1/2 factor). b_write is
@@ -71,7 +71,7 @@ state (`model.gated_residual.state_dtype`).
   zero-initialized and unconstrained (HC's static A_r, not mHC's doubly-stochastic projection);
   weight decay on Δ pulls M toward the identity (no mixing).
 - begin: the embedding copied into every branch. end: the mean of the branches (the final norm
-  is scale-invariant, so the mean and HC's sum differ only with `final_norm=False`, where the
+  is scale-invariant, so the mean and HC's sum differ only with `norm.final=False`, where the
   mean keeps the scale of one stream).
 - State dtype. "float32" (default) or "bfloat16": the branches are cast. "float8_e4m3fn": each
   branch row x_m[b, t, :] is stored as FP8 values times a power-of-two scale 2^e, the smallest with
@@ -248,7 +248,7 @@ class GatedResidualStream(ResidualStream):
     mean."""
 
     def __init__(self, cfg):
-        self.n = cfg.residual_streams
+        self.n = cfg.residual.streams
         self.state_dtype = cfg.gated_residual.state_dtype
         self.dtype = jnp.dtype(cfg.dtype)
 
@@ -286,15 +286,15 @@ class GatedResidual(ResidualMechanism):
     """
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
-        n, d, rank = cfg.residual_streams, cfg.d_model, cfg.gated_residual.rank
+        n, d, rank = cfg.residual.streams, cfg.d_model, cfg.gated_residual.rank
         read_width = d if channelwise(cfg, "read") else 1
         write_width = d if channelwise(cfg, "write") else 1
-        self.n, self.eps = n, cfg.norm_eps
+        self.n, self.eps = n, cfg.norm.eps
         self.read_top_k = cfg.gated_residual.read_top_k
         self.dtype = jnp.dtype(cfg.dtype)
         self.state_dtype = cfg.gated_residual.state_dtype
         self.scale = param(rngs, nnx.initializers.ones, (n, d), (None, "norm"))
-        dynamic = cfg.residual_dynamic
+        dynamic = cfg.residual.dynamic
         self.gate_down = (Dense((n, d), (rank,), (None, "embed"), ("norm_rank",), rngs=rngs)
                           if dynamic else None)
         static = cfg.gated_residual.static
@@ -315,8 +315,8 @@ class GatedResidual(ResidualMechanism):
 
     @staticmethod
     def resolve(cfg) -> None:
-        check(isinstance(cfg.residual_streams, int) and cfg.residual_streams >= 2,
-              "model.residual_streams", cfg.residual_streams,
+        check(isinstance(cfg.residual.streams, int) and cfg.residual.streams >= 2,
+              "model.residual.streams", cfg.residual.streams,
               "gated_residual needs an integer n ≥ 2 branches (one branch: use "
               "residual='prenorm' with norm='gatednorm')")
         gr = cfg.gated_residual
@@ -324,8 +324,8 @@ class GatedResidual(ResidualMechanism):
               "must be a positive integer (rank of the gate predictor)")
         check(gr.state_dtype in STATE_DTYPES, "model.gated_residual.state_dtype", gr.state_dtype,
               f"valid: {', '.join(STATE_DTYPES)}")
-        check(isinstance(cfg.residual_dynamic, bool), "model.residual_dynamic",
-              cfg.residual_dynamic, "must be a bool")
+        check(isinstance(cfg.residual.dynamic, bool), "model.residual.dynamic",
+              cfg.residual.dynamic, "must be a bool")
         for field in ("channelwise", "mixing", "static"):
             check(isinstance(gr[field], bool), f"model.gated_residual.{field}", gr[field],
                   "must be a bool")
@@ -333,17 +333,17 @@ class GatedResidual(ResidualMechanism):
             check(gr[field] is None or isinstance(gr[field], bool),
                   f"model.gated_residual.{field}", gr[field],
                   "must be a bool, or None: follow model.gated_residual.channelwise")
-        check(gr.static or cfg.residual_dynamic, "model.gated_residual.static", gr.static,
-              "removing the static gate term needs model.residual_dynamic=True (with "
-              "residual_dynamic=False the gates have no other term)")
+        check(gr.static or cfg.residual.dynamic, "model.gated_residual.static", gr.static,
+              "removing the static gate term needs model.residual.dynamic=True (with "
+              "residual.dynamic=False the gates have no other term)")
         check(gr.init in INITS, "model.gated_residual.init", gr.init, f"valid: {', '.join(INITS)}")
         check(gr.init == "graded" or gr.static, "model.gated_residual.init", gr.init,
               "initializes the static write logits, which model.gated_residual.static=False "
               "removes")
-        n, k = cfg.residual_streams, gr.read_top_k
+        n, k = cfg.residual.streams, gr.read_top_k
         check(isinstance(k, int) and not isinstance(k, bool) and 0 <= k <= n,
               "model.gated_residual.read_top_k", k,
-              f"must be an integer in [0, model.residual_streams={n}] (0: read all branches)")
+              f"must be an integer in [0, model.residual.streams={n}] (0: read all branches)")
 
     def _gates_input(self, state: dict):
         """Loaded branches (float32), their inverse rms (n×B×T×1), normalized branches n̂ and the
@@ -360,7 +360,7 @@ class GatedResidual(ResidualMechanism):
         """n branches: gates read nd; apply read: read nd, write d; write: read d (output) + read
         nd (branches), write nd → (4n + 2)d (18d at n = 4); with `gated_residual.mixing` the mixing
         matrix adds read nd + write nd → (6n + 2)d. Branch traffic is state traffic."""
-        n, T = cfg.residual_streams, ResidualTraffic
+        n, T = cfg.residual.streams, ResidualTraffic
         items = (T("compute the read gates", n, 0, state=True),
                  T("apply the read gates: read the branches", n, 0, state=True),
                  T("apply the read gates: write the read", 0, 1),
@@ -372,7 +372,7 @@ class GatedResidual(ResidualMechanism):
 
     @classmethod
     def residual_history(cls, cfg) -> int:
-        return cfg.residual_streams
+        return cfg.residual.streams
 
     @classmethod
     def state_itemsize(cls, cfg) -> float:

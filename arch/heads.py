@@ -6,9 +6,9 @@ A head returns either logits or normalized log-probabilities: the loss
 log-probabilities unchanged, so both are correct scores for training and sampling. Heads that
 return log-probabilities say so.
 
-Config: `model.head` names the head; `model.head_bias` adds an output bias b ∈ R^V (zeros, logical
-axis `vocab`) to every head; `model.mos_components` (K) and `model.mos_tied` configure `mos` and
-`moc`.
+Config: `model.head` names the head; `model.head.bias` adds an output bias b ∈ R^V (zeros, logical
+axis `vocab`) to every head; `model.head.mos_components` (K) and `model.head.mos_tied` configure
+`mos` and `moc`.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ HEADS = Registry("head")
 
 
 def _output_bias(cfg, rngs: nnx.Rngs) -> nnx.Param | None:
-    """b ∈ R^V, zero-initialized, logical axis `vocab`; None unless `model.head_bias`."""
-    return param(rngs, nnx.initializers.zeros, (cfg.vocab_size,), ("vocab",)) if cfg.head_bias \
+    """b ∈ R^V, zero-initialized, logical axis `vocab`; None unless `model.head.bias`."""
+    return param(rngs, nnx.initializers.zeros, (cfg.vocab_size,), ("vocab",)) if cfg.head.bias \
         else None
 
 
@@ -34,7 +34,7 @@ def _output_bias(cfg, rngs: nnx.Rngs) -> nnx.Param | None:
 class TiedHead(nnx.Module):
     """Tied head (Press & Wolf 2017, "Using the Output Embedding to Improve Language Models"):
     logits = x Eᵀ (+ b) with E the input embedding. No parameters besides the optional bias b
-    (`model.head_bias`, zero-initialized)."""
+    (`model.head.bias`, zero-initialized)."""
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         self.bias = _output_bias(cfg, rngs)
@@ -54,11 +54,11 @@ class TiedHead(nnx.Module):
 @HEADS.register("untied")
 class UntiedHead(nnx.Module):
     """Untied head: logits = x W_out (+ b), W_out ∈ R^{d×V} initialized by `model.init.head`
-    (default variance 1/d), b ∈ R^V zero-initialized when `model.head_bias`."""
+    (default variance 1/d), b ∈ R^V zero-initialized when `model.head.bias`."""
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         self.output = Dense((cfg.d_model,), (cfg.vocab_size,), ("embed",), ("vocab",), rngs=rngs,
-                            dtype=jnp.dtype(cfg.dtype), use_bias=cfg.head_bias,
+                            dtype=jnp.dtype(cfg.dtype), use_bias=cfg.head.bias,
                             init=group_init(cfg, "head"))
 
     @staticmethod
@@ -72,14 +72,14 @@ class UntiedHead(nnx.Module):
 
 class _MixtureHead(nnx.Module):
     """Parameters shared by `mos` and `moc` (Yang et al. 2018, "Breaking the Softmax Bottleneck:
-    A High-Rank RNN Language Model", ICLR, §3.2–3.3), with K = `model.mos_components`:
+    A High-Rank RNN Language Model", ICLR, §3.2–3.3), with K = `model.head.mos_components`:
 
         π_k = softmax_k(h W_π)        W_π ∈ R^{d×K}    (mixing weights)
         h_k = tanh(h W_k)             W_k ∈ R^{d×d}    (one context per component)
         scores_k = h_k E_outᵀ (+ b)   E_out ∈ R^{V×d}
 
-    E_out is the input embedding when `model.mos_tied` (the paper ties it), else an own d×V
-    matrix; b is the optional `model.head_bias`, shared by the components. No biases inside π or
+    E_out is the input embedding when `model.head.mos_tied` (the paper ties it), else an own d×V
+    matrix; b is the optional `model.head.bias`, shared by the components. No biases inside π or
     h_k (as in the paper's equations). Initialization: W_π, W_k and an untied E_out follow
     `model.init.head` (default: variance 1/fan_in = 1/d); b = 0. Logical axes: W_π (embed,
     head_mixture), W_k (embed, head_mixture, head_context) — the context width is sharded over
@@ -87,14 +87,14 @@ class _MixtureHead(nnx.Module):
     """
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
-        d, k, v = cfg.d_model, cfg.mos_components, cfg.vocab_size
+        d, k, v = cfg.d_model, cfg.head.mos_components, cfg.vocab_size
         self.dtype = jnp.dtype(cfg.dtype)
         init = group_init(cfg, "head")
         self.mixing = Dense((d,), (k,), ("embed",), ("head_mixture",), rngs=rngs, dtype=self.dtype,
                             init=init)
         self.contexts = Dense((d,), (k, d), ("embed",), ("head_mixture", "head_context"),
                               rngs=rngs, dtype=self.dtype, init=init)
-        self.output = (None if cfg.mos_tied else Dense((d,), (v,), ("embed",), ("vocab",),
+        self.output = (None if cfg.head.mos_tied else Dense((d,), (v,), ("embed",), ("vocab",),
                                                        rngs=rngs, dtype=self.dtype, init=init))
         self.bias = _output_bias(cfg, rngs)
 
@@ -139,7 +139,8 @@ class MixtureOfSoftmaxes(_MixtureHead):
 
     @staticmethod
     def reused_matmul_parameters(cfg) -> int:
-        projections = cfg.mos_components - (0 if cfg.mos_tied else 1)  # E_out's kernel counts once
+        # E_out's kernel counts once
+        projections = cfg.head.mos_components - (0 if cfg.head.mos_tied else 1)
         return projections * cfg.vocab_size * cfg.d_model
 
     def __call__(self, x_BxTxD: jax.Array, embedding: Embedding) -> jax.Array:
@@ -163,7 +164,7 @@ class MixtureOfContexts(_MixtureHead):
 
     @staticmethod
     def reused_matmul_parameters(cfg) -> int:
-        return cfg.vocab_size * cfg.d_model if cfg.mos_tied else 0
+        return cfg.vocab_size * cfg.d_model if cfg.head.mos_tied else 0
 
     def __call__(self, x_BxTxD: jax.Array, embedding: Embedding) -> jax.Array:
         pi_BxTxK = jnp.exp(self.log_mixing_weights(x_BxTxD))

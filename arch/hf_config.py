@@ -4,30 +4,33 @@ accounting of public models (`arch.reference_shapes`) reads it without the impor
 
 Architecture (`model_config_from_hf`: config.json → `config.defaults.model_config()` fields):
 
-    ours             llama / mistral                          gpt2
-    vocab_size       vocab_size                               vocab_size
-    d_model          hidden_size                              n_embd
-    num_layers       num_hidden_layers                        n_layer
-    num_heads        num_attention_heads                      n_head
-    num_kv_heads     num_key_value_heads (default: heads)     n_head
-    head_dim         head_dim (default: hidden/heads; h·p ≠ d sets attention_width)  n_embd/n_head
-    d_ff             intermediate_size                        n_inner (default: 4·n_embd)
-    norm_eps         rms_norm_eps                             layer_norm_epsilon
-    rope_base        rope_theta or rope_parameters.rope_theta —
-    max_seq_len      max_position_embeddings                  n_positions
-    head             tie_word_embeddings (default false)      tie_word_embeddings (default true)
-                     → "tied" / "untied"
-    ffn              hidden_act silu, swish / relu / sigmoid  "mlp"
-                     / gelu_new, gelu_pytorch_tanh
-                     → swiglu / reglu / glu / geglu
-    activation       —                                        activation_function gelu_new,
-                                                              gelu_pytorch_tanh / relu / silu,
-                                                              swish / tanh / sigmoid → gelu /
-                                                              relu / silu / tanh / sigmoid
-    norm, position   "rmsnorm", "rope"                        "layernorm", "learned"
-    linear_bias      False                                    True
+    ours                    llama / mistral                          gpt2
+    vocab_size              vocab_size                               vocab_size
+    d_model                 hidden_size                              n_embd
+    num_layers              num_hidden_layers                        n_layer
+    attention.num_heads     num_attention_heads                      n_head
+    attention.num_kv_heads  num_key_value_heads (default: heads)     n_head
+    attention.head_dim      head_dim (default: hidden/heads; h·p ≠ d n_embd/n_head
+                            sets attention.width)
+    ffn.d_ff                intermediate_size                        n_inner (default: 4·n_embd)
+    norm.eps                rms_norm_eps                             layer_norm_epsilon
+    position.rope_base      rope_theta or rope_parameters.rope_theta —
+    max_seq_len             max_position_embeddings                  n_positions
+    head.name               tie_word_embeddings (default false)      tie_word_embeddings (default
+                            → "tied" / "untied"                      true)
+    ffn.name                hidden_act silu, swish / relu / sigmoid  "mlp"
+                            / gelu_new, gelu_pytorch_tanh
+                            → swiglu / reglu / glu / geglu
+    ffn.activation          —                                        activation_function gelu_new,
+                                                                     gelu_pytorch_tanh / relu /
+                                                                     silu, swish / tanh / sigmoid
+                                                                     → gelu / relu / silu / tanh /
+                                                                     sigmoid
+    norm.name, position.name "rmsnorm", "rope"                       "layernorm", "learned"
+    linear_bias             False                                    True
 
-Both: attention="mha", residual="prenorm", final_norm=True, head_bias=False, dtype float32.
+Both: the defaults for the rest (attention.name="mha", residual.name="prenorm", norm.final=True,
+head.bias=False, dtype float32).
 Our "gelu" is the tanh approximation, which is HF's gelu_new / gelu_pytorch_tanh (HF's "gelu" is
 the erf form and raises). What the framework cannot represent raises ValueError naming the field
 and value, never a silently different model: any `rope_scaling` (or `rope_parameters` other than
@@ -105,13 +108,14 @@ def _llama_fields(hf: Mapping) -> dict:
     head_dim = int(hf.get("head_dim") or d // heads)
     return dict(
         vocab_size=int(_required(hf, "vocab_size")), d_model=d,
-        num_layers=int(_required(hf, "num_hidden_layers")), num_heads=heads,
-        num_kv_heads=int(hf.get("num_key_value_heads") or heads), head_dim=head_dim,
-        attention_width=None if heads * head_dim == d else heads * head_dim,
-        d_ff=int(_required(hf, "intermediate_size")), norm="rmsnorm",
-        norm_eps=float(_required(hf, "rms_norm_eps")), position="rope",
-        rope_base=_rope_base(hf), max_seq_len=max_positions, ffn=LLAMA_GATED_FFN[hidden_act],
-        linear_bias=False, head="tied" if hf.get("tie_word_embeddings", False) else "untied")
+        num_layers=int(_required(hf, "num_hidden_layers")), max_seq_len=max_positions,
+        attention=dict(num_heads=heads, num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+                       head_dim=head_dim,
+                       width=None if heads * head_dim == d else heads * head_dim),
+        ffn=dict(name=LLAMA_GATED_FFN[hidden_act], d_ff=int(_required(hf, "intermediate_size"))),
+        norm=dict(name="rmsnorm", eps=float(_required(hf, "rms_norm_eps"))),
+        position=dict(name="rope", rope_base=_rope_base(hf)), linear_bias=False,
+        head=dict(name="tied" if hf.get("tie_word_embeddings", False) else "untied"))
 
 
 def _gpt2_fields(hf: Mapping) -> dict:
@@ -128,14 +132,16 @@ def _gpt2_fields(hf: Mapping) -> dict:
                            "'gelu' is the tanh approximation, HF's gelu_new; HF's 'gelu' is the "
                            "erf form)")
     d = int(_required(hf, "n_embd"))
+    heads = int(_required(hf, "n_head"))
     return dict(
         vocab_size=int(_required(hf, "vocab_size")), d_model=d,
-        num_layers=int(_required(hf, "n_layer")), num_heads=int(_required(hf, "n_head")),
-        num_kv_heads=int(_required(hf, "n_head")), d_ff=int(hf.get("n_inner") or 4 * d),
-        norm="layernorm", norm_eps=float(_required(hf, "layer_norm_epsilon")),
-        position="learned", max_seq_len=int(_required(hf, "n_positions")), ffn="mlp",
-        activation=GPT2_ACTIVATION[activation], linear_bias=True,
-        head="tied" if hf.get("tie_word_embeddings", True) else "untied")
+        num_layers=int(_required(hf, "n_layer")), max_seq_len=int(_required(hf, "n_positions")),
+        attention=dict(num_heads=heads, num_kv_heads=heads),
+        ffn=dict(name="mlp", d_ff=int(hf.get("n_inner") or 4 * d),
+                 activation=GPT2_ACTIVATION[activation]),
+        norm=dict(name="layernorm", eps=float(_required(hf, "layer_norm_epsilon"))),
+        position=dict(name="learned"), linear_bias=True,
+        head=dict(name="tied" if hf.get("tie_word_embeddings", True) else "untied"))
 
 
 def model_config_from_hf(hf_config: Mapping) -> ml_collections.ConfigDict:
@@ -150,8 +156,7 @@ def model_config_from_hf(hf_config: Mapping) -> ml_collections.ConfigDict:
     else:
         raise _unsupported("model_type", model_type, f"supported: {', '.join(MODEL_TYPES)}")
     cfg = model_config()
-    cfg.update(fields, attention="mha", residual="prenorm", final_norm=True, head_bias=False,
-               dtype="float32")
+    cfg.update(fields)  # over the defaults: mha, prenorm, a final norm, no head bias, float32
     resolve_model(cfg)
     return cfg
 

@@ -1,7 +1,7 @@
 """Multi-stream residuals: Hyper-Connections ("hc"), manifold-constrained Hyper-Connections
 ("mhc") and the simple width baseline ("width"). Registered in `RESIDUALS`.
 
-The residual state is n = `model.residual_streams` streams H = (h_1 … h_n), stored stacked
+The residual state is n = `model.residual.streams` streams H = (h_1 … h_n), stored stacked
 n×B×T×D in the compute dtype, plus an int32 sublayer counter k (0, 1, 2, … over the 2L
 sublayers, attention then FFN of each block; L of them with `model.use_ffn=False`) that the layer
 scan carries: per-sublayer parameters are built under `nnx.vmap`, so a sublayer learns its own
@@ -61,19 +61,19 @@ class StreamState(NamedTuple):
 
 
 def _resolve_streams(cfg) -> None:
-    check(isinstance(cfg.residual_streams, int) and cfg.residual_streams >= 1,
-          "model.residual_streams", cfg.residual_streams,
+    check(isinstance(cfg.residual.streams, int) and cfg.residual.streams >= 1,
+          "model.residual.streams", cfg.residual.streams,
           "must be a positive integer (the number of residual streams n)")
 
 
 def _resolve_hyper(cfg) -> None:
     _resolve_streams(cfg)
-    check(isinstance(cfg.residual_dynamic, bool), "model.residual_dynamic", cfg.residual_dynamic,
+    check(isinstance(cfg.residual.dynamic, bool), "model.residual.dynamic", cfg.residual.dynamic,
           "must be True (static + input-dependent weights) or False (static only)")
-    if cfg.residual_dynamic:
+    if cfg.residual.dynamic:
         check(cfg.hyper.dynamic_scale > 0, "model.hyper.dynamic_scale", cfg.hyper.dynamic_scale,
               "must be positive: with the zero-initialized projections a scale of 0 keeps the "
-              "dynamic part at 0 forever; set model.residual_dynamic=False for static weights")
+              "dynamic part at 0 forever; set model.residual.dynamic=False for static weights")
 
 
 def _hyper_io(cfg) -> ResidualIO:
@@ -82,7 +82,7 @@ def _hyper_io(cfg) -> ResidualIO:
     write strengths: read d, write nd; apply the mixing matrix: read nd, write nd; merge: read
     2nd, write nd → (8n + 2)d (34d at n = 4), plus 2n² + 4n scalars (the n×n matrix and 2n
     coefficients, read and written)."""
-    n, T = cfg.residual_streams, ResidualTraffic
+    n, T = cfg.residual.streams, ResidualTraffic
     items = (T("compute the coefficients", n, 0), T("apply the read weights", n, 1),
              T("apply the write strengths", 1, n), T("apply the mixing matrix", n, n),
              T("merge", 2 * n, n))
@@ -95,7 +95,7 @@ def _shift_read_offsets(cfg, blocks_state, kept, name: str, scale: float) -> Non
     `static_read`, mhc: `read_bias`). A kept sublayer moves from k to k'; adding
     `scale`·(e_{k mod n} − e_{k' mod n}) (hc: 1, mhc: 2c) to its parameter keeps its read
     weights (to float rounding)."""
-    n, per_block = cfg.residual_streams, sublayers_per_block(cfg)
+    n, per_block = cfg.residual.streams, sublayers_per_block(cfg)
     old, new = np.asarray(kept), np.arange(len(kept))
     for j, residual in enumerate(("attention_residual", "ffn_residual")[:per_block]):
         shift_LxN = scale * (np.eye(n)[(old * per_block + j) % n]
@@ -181,7 +181,7 @@ class _CopiedStreamsMechanism(ResidualMechanism):
 
     @classmethod
     def stream(cls, cfg, *, rngs: nnx.Rngs) -> nnx.Module:
-        return CopiedStreams(cfg.residual_streams)
+        return CopiedStreams(cfg.residual.streams)
 
     @classmethod
     def residual_io(cls, cfg) -> ResidualIO:
@@ -190,20 +190,20 @@ class _CopiedStreamsMechanism(ResidualMechanism):
     @classmethod
     def residual_history(cls, cfg) -> int:
         """The n streams."""
-        return cfg.residual_streams
+        return cfg.residual.streams
 
 
 @RESIDUALS.register("hc")
 class HyperConnection(_CopiedStreamsMechanism):
     """Hyper-Connections (Zhu et al. 2024, "Hyper-Connections", arXiv 2409.19606; §2.1 static,
-    §2.2 dynamic, §2.3 initialization, Appendix J Algorithm 2) with n = `model.residual_streams`
+    §2.2 dynamic, §2.3 initialization, Appendix J Algorithm 2) with n = `model.residual.streams`
     streams H ∈ R^{n×d}. In the paper's orientation (A_m ∈ R^n reads, A_r ∈ R^{n×n} mixes,
     B ∈ R^n writes), one sublayer F is
 
         h = norm(A_mᵀ H),    H ← A_rᵀ H + Bᵀ F(h)
 
     i.e. read weights a = A_m, mixing matrix M = A_rᵀ, write strengths b = B. Dynamic HC
-    (`model.residual_dynamic=True`) adds input-dependent terms computed from each stream
+    (`model.residual.dynamic=True`) adds input-dependent terms computed from each stream
     normalized on its own, H̄ = norm(H) (`model.norm`, one norm shared by the streams):
 
         A_m(H) = s_α ⊙ tanh(H̄ W_m) + A_m,   A_r(H) = s_α ⊙ tanh(H̄ W_r) + A_r,
@@ -224,9 +224,9 @@ class HyperConnection(_CopiedStreamsMechanism):
     """
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
-        n, d = cfg.residual_streams, cfg.d_model
+        n, d = cfg.residual.streams, cfg.d_model
         self.streams = n
-        self.dynamic = cfg.residual_dynamic
+        self.dynamic = cfg.residual.dynamic
         self.norm = make_norm(cfg, rngs=rngs)  # the sublayer's Pre-Norm
         self.static_read = param(rngs, nnx.initializers.zeros, (n,), (None,), MixingParam)
         self.static_mixing = param(rngs, lambda key, shape, dtype: jnp.eye(n, dtype=dtype),
@@ -292,7 +292,7 @@ class HyperConnection(_CopiedStreamsMechanism):
 class ManifoldHyperConnection(_CopiedStreamsMechanism):
     """Manifold-constrained Hyper-Connections (Xie et al. 2025, DeepSeek-AI, "mHC:
     Manifold-Constrained Hyper-Connections", arXiv 2512.24880, §4 "Parameterization and Manifold
-    Projection"). With the n streams x_l ∈ R^{n×d} (`model.residual_streams`), one sublayer F is
+    Projection"). With the n streams x_l ∈ R^{n×d} (`model.residual.streams`), one sublayer F is
 
         x_{l+1} = H_res x_l + H_postᵀ F(norm(H_pre x_l)),
 
@@ -313,7 +313,7 @@ class ManifoldHyperConnection(_CopiedStreamsMechanism):
     attenuates the mean of the streams. φ_pre, φ_post ∈ R^{nd×n}, φ_res ∈ R^{nd×n²}
     (`read_projection`, `write_projection`, `mixing_projection`), α (`read_scale`,
     `write_scale`, `mixing_scale`), b (`read_bias`, `write_bias`, `mixing_bias`).
-    `model.residual_dynamic=False`: the static variant, H̃ = b.
+    `model.residual.dynamic=False`: the static variant, H̃ = b.
 
     Initialization: the gating factors α = `model.hyper.dynamic_scale` (the paper's 0.01); the
     paper does not fix φ and b, and we choose HC's Pre-Norm initialization (Zhu et al. 2024,
@@ -329,9 +329,9 @@ class ManifoldHyperConnection(_CopiedStreamsMechanism):
     """
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
-        n, d = cfg.residual_streams, cfg.d_model
+        n, d = cfg.residual.streams, cfg.d_model
         self.streams = n
-        self.dynamic = cfg.residual_dynamic
+        self.dynamic = cfg.residual.dynamic
         self.sinkhorn_iterations = cfg.hyper.sinkhorn_iters
         self.norm = make_norm(cfg, rngs=rngs)  # the sublayer's Pre-Norm
         self.read_bias = param(rngs, nnx.initializers.zeros, (n,), (None,), MixingParam)
@@ -408,7 +408,7 @@ class ManifoldHyperConnection(_CopiedStreamsMechanism):
 
 @RESIDUALS.register("width")
 class WidthBaseline(ResidualMechanism):
-    """The simple width baseline (issue 4, item 6): n = `model.residual_streams` branches and no
+    """The simple width baseline (issue 4, item 6): n = `model.residual.streams` branches and no
     mixing between them. Sublayer k reads a learned scalar mixture of the branches and adds its
     update to one branch, in round-robin order:
 
@@ -424,7 +424,7 @@ class WidthBaseline(ResidualMechanism):
     """
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
-        self.streams = cfg.residual_streams
+        self.streams = cfg.residual.streams
         self.norm = make_norm(cfg, rngs=rngs)  # the sublayer's Pre-Norm
         self.branch_weights = param(rngs, nnx.initializers.ones, (self.streams,), (None,),
                                     MixingParam)
@@ -435,30 +435,30 @@ class WidthBaseline(ResidualMechanism):
 
     @classmethod
     def stream(cls, cfg, *, rngs: nnx.Rngs) -> nnx.Module:
-        return SeparateBranches(cfg.residual_streams)
+        return SeparateBranches(cfg.residual.streams)
 
     @classmethod
     def residual_io(cls, cfg) -> ResidualIO:
         """Read nd, write d (the mixed read); read d (output) + read d (the target branch),
         write d → (n + 4)d."""
-        n, T = cfg.residual_streams, ResidualTraffic
+        n, T = cfg.residual.streams, ResidualTraffic
         return ResidualIO((T("mix the read", n, 1), T("read the sublayer output", 1, 0),
                            T("update the target branch", 1, 1)))
 
     @classmethod
     def residual_history(cls, cfg) -> int:
         """The n branches."""
-        return cfg.residual_streams
+        return cfg.residual.streams
 
     @classmethod
     def check_prunable(cls, cfg, kept, drop) -> None:
         """Sublayer k writes into branch k mod n: a kept sublayer that moves from k to k' must
         keep its branch, k − k' ≡ 0 (mod n)."""
-        n, per_block = cfg.residual_streams, sublayers_per_block(cfg)
+        n, per_block = cfg.residual.streams, sublayers_per_block(cfg)
         if any((old - new) * per_block % n for new, old in enumerate(kept)):
             raise ValueError(
-                f"model.residual='width': dropping blocks {list(drop)} moves the round-robin "
-                f"write target (branch k mod n, n = model.residual_streams={n}) of later "
+                f"model.residual.name='width': dropping blocks {list(drop)} moves the round-robin "
+                f"write target (branch k mod n, n = model.residual.streams={n}) of later "
                 f"sublayers; drop blocks whose removal shifts k ({per_block} per block) by a "
                 "multiple of n, e.g. the last blocks")
 

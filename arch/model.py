@@ -46,11 +46,11 @@ class Block(nnx.Module):
     each wrapped by its own instance of the residual mechanism."""
 
     def __init__(self, cfg, *, execution=None, ffn: str | None = None, rngs: nnx.Rngs):
-        self.attention = ATTENTION[cfg.attention](cfg, execution=execution, rngs=rngs)
-        self.attention_residual = RESIDUALS[cfg.residual](cfg, rngs=rngs)
+        self.attention = ATTENTION[cfg.attention.name](cfg, execution=execution, rngs=rngs)
+        self.attention_residual = RESIDUALS[cfg.residual.name](cfg, rngs=rngs)
         if cfg.use_ffn:  # False: a pure-attention stack (rank-collapse ablation)
-            self.ffn = FFNS[ffn or cfg.ffn](cfg, rngs=rngs)
-            self.ffn_residual = RESIDUALS[cfg.residual](cfg, rngs=rngs)
+            self.ffn = FFNS[ffn or cfg.ffn.name](cfg, rngs=rngs)
+            self.ffn_residual = RESIDUALS[cfg.residual.name](cfg, rngs=rngs)
         self.use_ffn = cfg.use_ffn
 
     def __call__(self, stream, positions_BxT, rotate, cache=None):
@@ -121,7 +121,7 @@ class TransformerLM(nnx.Module):
         self.embed = Embedding(cfg.vocab_size, cfg.d_model, rngs=rngs, dtype=jnp.dtype(cfg.dtype),
                                fixnorm=cfg.fixnorm, fixnorm_scale=cfg.fixnorm_scale,
                                init=group_init(cfg, "embedding")(cfg.d_model, cfg.vocab_size))
-        self.position = POSITIONS[cfg.position](cfg, rngs=rngs)
+        self.position = POSITIONS[cfg.position.name](cfg, rngs=rngs)
 
         unit = BlockGroup if interleaves_moe(cfg) else Block
         self.stack_shape = ((cfg.num_layers // cfg.moe.every, cfg.moe.every)
@@ -133,9 +133,9 @@ class TransformerLM(nnx.Module):
             return unit(cfg, execution=self.execution, rngs=rngs)
 
         self.blocks = stacked_blocks(rngs)
-        self.residual_stream = RESIDUALS[cfg.residual].stream(cfg, rngs=rngs)
-        self.final_norm = make_norm(cfg, rngs=rngs) if cfg.final_norm else None
-        self.head = HEADS[cfg.head](cfg, rngs=rngs)
+        self.residual_stream = RESIDUALS[cfg.residual.name].stream(cfg, rngs=rngs)
+        self.final_norm = make_norm(cfg, rngs=rngs) if cfg.norm.final else None
+        self.head = HEADS[cfg.head.name](cfg, rngs=rngs)
 
     def __call__(self, tokens_BxT: jax.Array, positions_BxT: jax.Array | None = None
                  ) -> jax.Array:
@@ -150,7 +150,7 @@ class TransformerLM(nnx.Module):
     def init_cache(self, batch: int, length: int, dtype=jnp.float32) -> dict:
         """Zeroed KV cache for `length` positions, stacked over layers (groups × k when MoE is
         interleaved)."""
-        shapes = ATTENTION[self.cfg.attention].cache_shapes(self.cfg, batch, length)
+        shapes = ATTENTION[self.cfg.attention.name].cache_shapes(self.cfg, batch, length)
         return {name: jnp.zeros((*self.stack_shape, *shape), dtype)
                 for name, shape in shapes.items()}
 

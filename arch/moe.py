@@ -1,4 +1,4 @@
-"""Mixture-of-experts FFN, registered in `FFNS` as "moe" (so `model.ffn="moe"` puts it in every
+"""Mixture-of-experts FFN, registered in `FFNS` as "moe" (so `model.ffn.name="moe"` puts it in every
 block). Token-choice top-k routing with GShard-style capacity dispatch, optional shared experts,
 and the Switch load-balancing and ST-MoE router z-loss auxiliary losses.
 
@@ -14,7 +14,7 @@ dispatched into (B, E, C, d) where they live, then constrained to ("act_expert_b
 sharding into an all-to-all (and the reverse one after the experts).
 
 Interleaving dense and MoE blocks (MoE every k-th layer) needs heterogeneous layers in the
-model's scan and is not implemented here: `model.ffn="moe"` makes every block's FFN an MoE.
+model's scan and is not implemented here: `model.ffn.name="moe"` makes every block's FFN an MoE.
 """
 
 from __future__ import annotations
@@ -57,9 +57,9 @@ def _router_init(fan_in: int, fan_out: int):
 
 
 def _with_width(cfg, d_ff: int) -> ml_collections.ConfigDict:
-    """A copy of `cfg` with another `d_ff` (the shared experts' dense FFN of width s·f)."""
+    """A copy of `cfg` with another `ffn.d_ff` (the shared experts' dense FFN of width s·f)."""
     copy = ml_collections.ConfigDict(cfg.to_dict())
-    copy.d_ff = d_ff
+    copy.ffn.d_ff = d_ff
     return copy
 
 
@@ -115,7 +115,7 @@ def z_loss(logits_BxTxE: jax.Array) -> jax.Array:
 class RoutedExperts(nnx.Module):
     """E expert FFNs with stacked weights: gated, y_e = (φ(x W_e) ⊙ x V_e) W₂_e, when
     `FFNS[model.moe.expert_ffn]` has 3 projections (φ = its `gate_activation`), else
-    y_e = φ(x W_e) W₂_e with φ = `model.activation`. W_e, V_e: (E, d, f) with logical axes
+    y_e = φ(x W_e) W₂_e with φ = `model.ffn.activation`. W_e, V_e: (E, d, f) with logical axes
     ("experts", "embed", "mlp"); W₂_e: (E, f, d), ("experts", "mlp", "embed").
     Initialization: `model.init` groups ffn_input (W, V; fan_in = d) and ffn_output (W₂;
     fan_in = f), as the dense FFNs (per expert, Dense-like fans)."""
@@ -182,7 +182,7 @@ class MixtureOfExperts(nnx.Module):
     ffn_input / ffn_output).
     """
 
-    # d × f matrices per expert with the default swiglu experts: `ffn_width="match_mlp"` sizes
+    # d × f matrices per expert with the default swiglu experts: `ffn.width="match_mlp"` sizes
     # d_ff as for a gated FFN (set `model.moe.d_ff` for other expert kinds).
     projections = 3
 

@@ -4,9 +4,9 @@ Statistics are computed in float32 whatever the compute dtype; the result is cas
 LayerNorm are rematerialized (`rematerialized`): a call keeps only its input for the backward pass
 (one B×T×D array instead of four), at the cost of recomputing its statistics there; measured:
 docs/performance.md#norms-rematerialized-statistics.
-A norm with options beyond `eps` declares them in `config_fields` (constructor argument → config
-field) and keeps a default for each; `make_norm(cfg, rngs=...)` builds the configured norm with
-them.
+A norm with options beyond `eps` declares them in `config_fields` (constructor argument → field of
+the `model.norm` section) and keeps a default for each; `make_norm(cfg, rngs=...)` builds the
+configured norm with them.
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ class DynamicTanh(nnx.Module):
     """Dynamic Tanh (Zhu et al. 2025, "Transformers without Normalization", eq. 1):
     y = γ ⊙ tanh(α · x) + β, an element-wise replacement for a norm layer: no statistics at all.
 
-    α is ONE learned scalar, initialized to `alpha_init` (config `model.dyt_alpha_init`; the
+    α is ONE learned scalar, initialized to `alpha_init` (config `model.norm.dyt_alpha_init`; the
     paper's default α₀ = 0.5; its α₀ study finds wide LLMs want smaller values); γ ∈ R^d
     initialized to 1, β ∈ R^d to 0 (α stored with shape (1,), as ScaleNorm's g). `eps` is
     accepted for the common signature and unused.
@@ -138,7 +138,7 @@ class GatedNorm(nnx.Module):
 
         n = g ⊙ x / sqrt(mean(x²) + ε),    y = n ⊙ σ(n W_down W_up),
 
-    W_down ∈ R^{d×r}, W_up ∈ R^{r×d}, r = `rank` (config `model.gated_norm_rank`).
+    W_down ∈ R^{d×r}, W_up ∈ R^{r×d}, r = `rank` (config `model.norm.gated_rank`).
 
     Initialization: g = 1; W_down truncated normal with variance 1/d (so n W_down has unit-scale
     entries); W_up = 0, so the gate starts at exactly σ(0) = 0.5 for every feature and token,
@@ -149,7 +149,7 @@ class GatedNorm(nnx.Module):
     The gate is computed in float32 like the statistics (its cost, 2·d·r per token, is small).
     """
 
-    config_fields: ClassVar[dict[str, str]] = {"rank": "gated_norm_rank"}
+    config_fields: ClassVar[dict[str, str]] = {"rank": "gated_rank"}
 
     def __init__(self, dim: int, *, eps: float = 1e-6, rngs: nnx.Rngs, rank: int = 16):
         if rank <= 0:
@@ -169,9 +169,9 @@ class GatedNorm(nnx.Module):
 
 
 def make_norm(cfg, dim: int | None = None, *, rngs: nnx.Rngs) -> nnx.Module:
-    """Build `NORMS[cfg.norm]` over `dim` features (default `cfg.d_model`) with every option it
-    reads from the config: `eps` from `cfg.norm_eps`, plus the norm's `config_fields`
-    (constructor argument → config field, e.g. DyT's `alpha_init` ← `model.dyt_alpha_init`)."""
-    norm = NORMS[cfg.norm]
-    options = {arg: cfg[field] for arg, field in getattr(norm, "config_fields", {}).items()}
-    return norm(cfg.d_model if dim is None else dim, eps=cfg.norm_eps, rngs=rngs, **options)
+    """Build `NORMS[cfg.norm.name]` over `dim` features (default `cfg.d_model`) with every option it
+    reads from the config: `eps` from `cfg.norm.eps`, plus the norm's `config_fields`
+    (constructor argument → config field, e.g. DyT's `alpha_init` ← `model.norm.dyt_alpha_init`)."""
+    norm = NORMS[cfg.norm.name]
+    options = {arg: cfg.norm[field] for arg, field in getattr(norm, "config_fields", {}).items()}
+    return norm(cfg.d_model if dim is None else dim, eps=cfg.norm.eps, rngs=rngs, **options)

@@ -55,7 +55,7 @@ class RoPE(NoPositions):
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         del rngs
-        self.base = cfg.rope_base
+        self.base = cfg.position.rope_base
 
     def rotate(self, x_BxTxHxP, positions_BxT):
         half = x_BxTxHxP.shape[-1] // 2

@@ -14,22 +14,24 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from config import lookup
+
 
 def _norm(cfg, p, x):
     x32 = x.astype(jnp.float32)
-    if cfg.norm == "layernorm":
+    if cfg.norm.name == "layernorm":
         x32 = x32 - x32.mean(-1, keepdims=True)
-        y = x32 / jnp.sqrt((x32**2).mean(-1, keepdims=True) + cfg.norm_eps)
+        y = x32 / jnp.sqrt((x32**2).mean(-1, keepdims=True) + cfg.norm.eps)
         return (y * p["scale"] + p["bias"]).astype(x.dtype)
-    y = x32 / jnp.sqrt((x32**2).mean(-1, keepdims=True) + cfg.norm_eps)
+    y = x32 / jnp.sqrt((x32**2).mean(-1, keepdims=True) + cfg.norm.eps)
     return (y * p["scale"]).astype(x.dtype)
 
 
 def _rope(cfg, x, t):
-    if cfg.position != "rope":
+    if cfg.position.name != "rope":
         return x
     half = x.shape[-1] // 2
-    freq = cfg.rope_base ** (-jnp.arange(half) / half)
+    freq = cfg.position.rope_base ** (-jnp.arange(half) / half)
     angle = t[:, None] * freq[None, :]                      # T × P/2
     cos, sin = jnp.cos(angle)[:, None, :], jnp.sin(angle)[:, None, :]
     x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
@@ -39,7 +41,7 @@ def _rope(cfg, x, t):
 def _attention(cfg, a, y, dtype):
     """Causal multi-head attention of the normalized input y."""
     b, t, _ = y.shape
-    h, k = cfg.num_heads, cfg.num_kv_heads
+    h, k = cfg.attention.num_heads, cfg.attention.num_kv_heads
     pos = jnp.arange(t)
     q = _rope(cfg, jnp.einsum("btd,dhp->bthp", y, a["query"]["kernel"].astype(dtype)), pos)
     kk = _rope(cfg, jnp.einsum("btd,dkp->btkp", y, a["key"]["kernel"].astype(dtype)), pos)
@@ -52,11 +54,11 @@ def _attention(cfg, a, y, dtype):
 
 
 def _ffn(cfg, f, y, dtype):
-    if cfg.ffn == "swiglu":
+    if cfg.ffn.name == "swiglu":
         hid = jax.nn.silu(y @ f["gate"]["kernel"].astype(dtype)) * (y @ f["up"]["kernel"]
                                                                     .astype(dtype))
     else:
-        act = {"gelu": jax.nn.gelu, "relu": jax.nn.relu, "silu": jax.nn.silu}[cfg.activation]
+        act = {"gelu": jax.nn.gelu, "relu": jax.nn.relu, "silu": jax.nn.silu}[cfg.ffn.activation]
         hid = act(y @ f["up"]["kernel"].astype(dtype))
     return hid @ f["down"]["kernel"].astype(dtype)
 
@@ -80,7 +82,7 @@ def _depth_read(cfg, sources, index, stream, projection):
     def key(x):
         if not cfg.attnres.key_norm:
             return split(x)
-        return split(x) / jnp.sqrt(jnp.mean(split(x) ** 2, -1, keepdims=True) + cfg.norm_eps)
+        return split(x) / jnp.sqrt(jnp.mean(split(x) ** 2, -1, keepdims=True) + cfg.norm.eps)
 
     if cfg.attnres.weights == "static":
         table = stream["static_weights"][index]                       # slots × H
@@ -100,7 +102,7 @@ def _depth_read(cfg, sources, index, stream, projection):
 def _attnres_stack(cfg, x, params, dtype):
     """Full/Block AttnRes over Python lists: `sources` holds the embedding and the completed
     block summaries, `partial` the current block's partial sum (None while empty)."""
-    block_size = cfg.attnres.block_size if cfg.residual == "block_attnres" else 1
+    block_size = cfg.attnres.block_size if cfg.residual.name == "block_attnres" else 1
     stream = params["residual_stream"]
     sources, partial, index = [x], None, 0
     for layer in range(cfg.num_layers):
@@ -120,20 +122,20 @@ def _attnres_stack(cfg, x, params, dtype):
                        stream.get("final_query_projection")).astype(dtype)
 
 
-SUPPORTED = dict(attention=("mha",), norm=("rmsnorm", "layernorm"), ffn=("mlp", "swiglu"),
-                 activation=("gelu", "relu", "silu"),
-                 residual=("prenorm", "attnres", "block_attnres"), head=("tied", "untied"),
-                 position=("rope", "learned", "none"))
+SUPPORTED = {"attention.name": ("mha",), "norm.name": ("rmsnorm", "layernorm"),
+             "ffn.name": ("mlp", "swiglu"), "ffn.activation": ("gelu", "relu", "silu"),
+             "residual.name": ("prenorm", "attnres", "block_attnres"),
+             "head.name": ("tied", "untied"), "position.name": ("rope", "learned", "none")}
 
 
 def unsupported(cfg) -> str | None:
     """Why the reference cannot compute `cfg`'s model, or None if it can."""
     for field, choices in SUPPORTED.items():
-        if cfg[field] not in choices:
-            return (f"the reference model has no model.{field}={cfg[field]!r}; it covers "
+        if lookup(cfg, field) not in choices:
+            return (f"the reference model has no model.{field}={lookup(cfg, field)!r}; it covers "
                     f"{', '.join(choices)}")
-    if cfg.fixnorm or cfg.head_bias or cfg.linear_bias or not cfg.use_ffn or cfg.reversible:
-        return ("the reference model covers neither fixnorm, head_bias, linear_bias, "
+    if cfg.fixnorm or cfg.head.bias or cfg.linear_bias or not cfg.use_ffn or cfg.reversible:
+        return ("the reference model covers neither fixnorm, head.bias, linear_bias, "
                 "use_ffn=False nor reversible blocks")
     return None
 
@@ -149,19 +151,19 @@ def logits(cfg, params: dict, tokens_BxT: jax.Array, unrolled: bool = False) -> 
     dtype = jnp.dtype(cfg.dtype)
     table = params["embed"]["embedding"]
     x = table[tokens_BxT].astype(dtype)
-    if cfg.position == "learned":
+    if cfg.position.name == "learned":
         x = x + params["position"]["table"][: tokens_BxT.shape[1]].astype(dtype)
-    if cfg.residual == "prenorm" and unrolled:
+    if cfg.residual.name == "prenorm" and unrolled:
         for layer in range(cfg.num_layers):
             x = _block(cfg, x, jax.tree.map(lambda a, layer=layer: a[layer], params["blocks"]),
                        dtype)
-    elif cfg.residual == "prenorm":
+    elif cfg.residual.name == "prenorm":
         x, _ = jax.lax.scan(lambda x, p: (_block(cfg, x, p, dtype), None), x, params["blocks"])
     else:
         x = _attnres_stack(cfg, x, params, dtype)
-    if cfg.final_norm:
+    if cfg.norm.final:
         x = _norm(cfg, params["final_norm"], x)
-    w = table.T if cfg.head == "tied" else params["head"]["output"]["kernel"]
+    w = table.T if cfg.head.name == "tied" else params["head"]["output"]["kernel"]
     return (x @ w.astype(dtype)).astype(jnp.float32)
 
 

@@ -71,10 +71,11 @@ def transformer_base_block() -> ml_collections.ConfigDict:
     d = 512, d_ff = 2048, h = 8, ReLU FFN, biases on every projection, Post-LN LayerNorm,
     sinusoidal positions (no parameters), 37,000-token shared BPE vocabulary with the embedding
     tied to the pre-softmax projection (§3.4), N = 6 layers."""
-    return _resolved(vocab_size=37000, d_model=512, num_layers=6, num_heads=8, num_kv_heads=8,
-                     d_ff=2048, ffn="mlp", activation="relu", linear_bias=True,
-                     norm="layernorm", residual="postnorm", final_norm=False, position="none",
-                     head="tied")
+    return _resolved(vocab_size=37000, d_model=512, num_layers=6, linear_bias=True,
+                     attention=dict(num_heads=8, num_kv_heads=8),
+                     ffn=dict(name="mlp", d_ff=2048, activation="relu"),
+                     norm=dict(name="layernorm", final=False), residual=dict(name="postnorm"),
+                     position=dict(name="none"), head=dict(name="tied"))
 
 
 def transformer_base_parameters() -> dict[str, int]:
@@ -86,7 +87,7 @@ def transformer_base_parameters() -> dict[str, int]:
     block's weight matrices, biases excluded: 2·d·d_ff / (4d² + 2·d·d_ff) = 2/3)."""
     cfg = transformer_base_block()
     parts = parameter_breakdown(cfg)
-    layers, d, d_ff = cfg.num_layers, cfg.d_model, cfg.d_ff
+    layers, d, d_ff = cfg.num_layers, cfg.d_model, cfg.ffn.d_ff
     attention, norm = parts["attention"] // layers, parts["norms"] // (2 * layers)
     encoder = parts["attention"] + parts["ffn"] + parts["norms"]
     decoder = encoder + layers * (attention + norm)
@@ -104,8 +105,10 @@ def worked_examples() -> dict[str, ml_collections.ConfigDict]:
                  10.5·d² FFN parameters per block (the Llama 3 8B / Mistral 7B block).
     """
     return {
-        "tying": _resolved(vocab_size=50000, d_model=2048, num_layers=1, num_heads=16,
-                           num_kv_heads=16, head="untied"),
-        "wide_glu": _resolved(vocab_size=32000, d_model=4096, num_layers=1, num_heads=32,
-                              num_kv_heads=32, d_ff=14336, ffn="swiglu"),
+        "tying": _resolved(vocab_size=50000, d_model=2048, num_layers=1,
+                           attention=dict(num_heads=16, num_kv_heads=16),
+                           head=dict(name="untied")),
+        "wide_glu": _resolved(vocab_size=32000, d_model=4096, num_layers=1,
+                              attention=dict(num_heads=32, num_kv_heads=32),
+                              ffn=dict(name="swiglu", d_ff=14336)),
     }

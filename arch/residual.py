@@ -237,13 +237,13 @@ class ResidualMechanism(nnx.Module):
     def residual_io(cls, cfg) -> ResidualIO:
         """Closed-form residual I/O per token per sublayer (worst case over the sublayers), in
         units of d, itemized. Default: not modelled, ValueError."""
-        raise ValueError(f"no residual I/O model for {cfg.residual!r}")
+        raise ValueError(f"no residual I/O model for {cfg.residual.name!r}")
 
     @classmethod
     def residual_history(cls, cfg) -> int:
         """Residual state kept per token, in units of d elements. Default: not modelled,
         ValueError."""
-        raise ValueError(f"no residual history model for {cfg.residual!r}")
+        raise ValueError(f"no residual history model for {cfg.residual.name!r}")
 
     @classmethod
     def state_itemsize(cls, cfg) -> float:
@@ -304,7 +304,7 @@ class PostNormSum(PreNormSum):
     """Post-Norm (Vaswani et al. 2017 §3.1; Xiong et al. 2020 Fig. 1a): x ← norm(x + F(x)).
 
     The sublayer reads the raw stream; every write is normalized (gain 1 at initialization).
-    The original model has no final norm: set `model.final_norm=False` to match it.
+    The original model has no final norm: set `model.norm.final=False` to match it.
     """
 
     def read(self, stream_BxTxD):
@@ -330,8 +330,9 @@ class DeepNormSum(PostNormSum):
 
     @classmethod
     def check_prunable(cls, cfg, kept, drop) -> None:
-        raise ValueError("model.residual='deepnorm': pruning changes DeepNorm's α = (2M)^(1/4) of "
-                         "every remaining block; prune a model with another model.residual")
+        raise ValueError("model.residual.name='deepnorm': pruning changes DeepNorm's α = "
+                         "(2M)^(1/4) of every remaining block; prune a model with another "
+                         "model.residual.name")
 
     def write(self, stream_BxTxD, update_BxTxD, read_context=None):
         return self.norm(self.alpha * stream_BxTxD + update_BxTxD)

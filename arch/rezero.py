@@ -10,7 +10,7 @@ Initialization: α = 0, so at initialization every block is the identity and the
 embedding followed by the output path (final norm, head); the first gradient step moves only
 the α's (∂loss/∂α = ⟨∂loss/∂x, F(x)⟩), the sublayer weights start moving once α ≠ 0. The
 sublayer reads the raw stream: ReZero removes LayerNorm (`model.norm` is not used by the
-sublayers; set `model.final_norm=False` to remove the final norm too). α is a `MixingParam`,
+sublayers; set `model.norm.final=False` to remove the final norm too). α is a `MixingParam`,
 kept out of weight decay unless `optimizer.decay_mixing=True`.
 
 Cost: one scalar multiply per sublayer; memory: the plain sum's (the state is the stream x); 2L

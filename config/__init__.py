@@ -9,6 +9,13 @@ class ConfigError(ValueError):
     """A user error in the config: one line naming the field, the bad value and what is valid."""
 
 
+def lookup(config, path: str):
+    """The field at dotted `path` of a ConfigDict (or dict): lookup(model, "ffn.name")."""
+    for part in path.split("."):
+        config = config[part]
+    return config
+
+
 def check(condition: bool, field: str, value, valid: str) -> None:
     """Raise `ConfigError` "`field`=`value` is invalid: `valid`" unless `condition`."""
     if not condition:

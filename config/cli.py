@@ -226,8 +226,9 @@ def apply_override(config: ml_collections.ConfigDict, field: str, text: str | No
     holder, name = _holder(config, field, f"{flag} {field}" if flag else PREFIX + field)
     current = holder[name]
     if isinstance(current, ml_collections.ConfigDict):
+        example = "name" if "name" in current else next(iter(current.keys()), "FIELD")
         raise UsageError(f"{flag or PREFIX + field}: {field} is a section; set its fields, e.g. "
-                         f"{PREFIX}{field}.{next(iter(current.keys()), 'FIELD')}=VALUE")
+                         f"{PREFIX}{field}.{example}=VALUE")
     field_type = holder.get_type(name)
     reference = isinstance(holder._fields.get(name), ml_collections.FieldReference)
     try:

@@ -13,19 +13,22 @@ INIT_GROUPS = ("embedding", "query", "key", "value", "attention_output", "ffn_in
 
 
 def model_config() -> ml_collections.ConfigDict:
-    """A small Pre-Norm RMSNorm/RoPE/SwiGLU decoder; registries name every component."""
+    """A small Pre-Norm RMSNorm/RoPE/SwiGLU decoder. Each component is a section whose `name`
+    picks it from its registry; a section's other fields are that component's options."""
     return ml_collections.ConfigDict(dict(
         vocab_size=256,           # ≥ the tokenizer's (data.tokenizer); 0: the tokenizer's
         d_model=256,
         num_layers=4,
-        num_heads=4,
-        num_kv_heads=4,           # = num_heads: MHA; 1: MQA; in between: GQA
-        head_dim=ml_collections.FieldReference(None, field_type=int),        # default d / h
-        attention_width=ml_collections.FieldReference(None, field_type=int),  # h·p if ≠ d
-        d_ff=ml_collections.FieldReference(None, field_type=int),            # default ratio·d
-        ffn_ratio=4.0,
-        attention="mha",          # arch.attention.ATTENTION
-        mla=dict(                 # attention="mla" (arch.attention.MultiHeadLatentAttention)
+        max_seq_len=ml_collections.FieldReference(None, field_type=int),  # default: seq_len
+        dtype="float32",          # compute dtype; parameters are always float32
+        attention=dict(
+            name="mha",           # arch.attention.ATTENTION
+            num_heads=4,
+            num_kv_heads=4,       # = num_heads: MHA; 1: MQA; in between: GQA
+            head_dim=ml_collections.FieldReference(None, field_type=int),  # default d / h
+            width=ml_collections.FieldReference(None, field_type=int),     # h·p if ≠ d
+        ),
+        mla=dict(                 # attention.name="mla" (arch.attention.MultiHeadLatentAttention)
             kv_rank=64,           # key/value latent width d_c (cached per token)
             q_rank=0,             # query latent width d_c'; 0 = full-rank query projection
             rope_dim=16,          # width of the decoupled rotary query/key parts (even)
@@ -33,22 +36,33 @@ def model_config() -> ml_collections.ConfigDict:
             v_dim=ml_collections.FieldReference(None, field_type=int),     # default head_dim
             absorb=False,         # cached attention in the latent space (W_UK absorbed)
         ),
-        norm="rmsnorm",           # arch.norms.NORMS
-        norm_eps=1e-6,
-        batchnorm_momentum=0.9,   # norm="batchnorm"/"causal_batchnorm": running-average momentum
-        dyt_alpha_init=0.5,       # norm="dyt": initial scalar α (Zhu et al. 2025 default α₀)
-        gated_norm_rank=16,       # norm="gatednorm": rank r of the gate's d→r→d projection
-        fixnorm=False,            # FixNorm: ℓ2-normalized embedding rows (needs head="tied")
+        position=dict(
+            name="rope",          # arch.positions.POSITIONS
+            rope_base=10_000.0,
+        ),
+        norm=dict(
+            name="rmsnorm",       # arch.norms.NORMS
+            eps=1e-6,
+            final=True,           # a norm after the last block
+            batchnorm_momentum=0.9,  # batchnorm/causal_batchnorm: running-average momentum
+            dyt_alpha_init=0.5,   # dyt: initial scalar α (Zhu et al. 2025 default α₀)
+            gated_rank=16,        # gatednorm: rank r of the gate's d→r→d projection
+        ),
+        fixnorm=False,            # FixNorm: ℓ2-normalized embedding rows (needs head.name="tied")
         fixnorm_scale=ml_collections.FieldReference(None, field_type=float),  # row norm; default 1
-        position="rope",          # arch.positions.POSITIONS
-        rope_base=10_000.0,
-        max_seq_len=ml_collections.FieldReference(None, field_type=int),  # default: seq_len
-        ffn="swiglu",             # arch.ffn.FFNS
-        activation="gelu",        # arch.ffn.ACTIVATIONS (used by ffn="mlp")
-        leaky_relu_slope=0.01,    # negative slope α of activation="leaky_relu"
-        ffn_width="ratio",        # d_ff if not given: "ratio" (ratio·d) or "match_mlp" (gated: 2/3)
-        ffn_multiple_of=1,        # round a derived d_ff up to a multiple of this
-        moe=dict(                 # ffn="moe" (arch.moe.MixtureOfExperts)
+        ffn=dict(
+            name="swiglu",        # arch.ffn.FFNS
+            d_ff=ml_collections.FieldReference(None, field_type=int),  # default ratio·d
+            ratio=4.0,
+            width="ratio",        # d_ff if not given: "ratio" (ratio·d) or "match_mlp" (gated: 2/3)
+            multiple_of=1,        # round a derived d_ff up to a multiple of this
+            activation="gelu",    # arch.ffn.ACTIVATIONS (used by name="mlp")
+            leaky_relu_slope=0.01,  # negative slope α of activation="leaky_relu"
+        ),
+        use_ffn=True,             # False: attention-only blocks (rank-collapse ablation)
+        linear_bias=False,        # + b on attention q/k/v/output and FFN projections (GPT-2); mha
+                                  # and dense FFNs only (not mla, not moe)
+        moe=dict(                 # ffn.name="moe" (arch.moe.MixtureOfExperts)
             experts=8,            # number of routed experts E
             top_k=2,              # experts per token k (token choice), 1 ≤ k ≤ E
             every=1,              # every k-th block is MoE, the others use moe.dense_ffn
@@ -62,15 +76,18 @@ def model_config() -> ml_collections.ConfigDict:
             balance_coef=0.01,    # load-balancing loss coefficient α (Switch eq. 4)
             z_coef=1e-3,          # router z-loss coefficient β (ST-MoE eq. 5)
         ),
-        residual="prenorm",       # arch.residual.RESIDUALS (prenorm, postnorm, deepnorm, noskip,
-                                  # attnres, block_attnres, hc, mhc, width, gated_residual)
-        residual_streams=4,       # hc/mhc/width/gated_residual: streams or branches n
-        residual_dynamic=True,    # hc/mhc/gated_residual: input-dependent part on (False: static)
-        hyper=dict(               # residual="hc"/"mhc" (arch.hyper)
+        residual=dict(
+            name="prenorm",       # arch.residual.RESIDUALS (prenorm, postnorm, deepnorm, noskip,
+                                  # rezero, attnres, block_attnres, hc, mhc, width,
+                                  # gated_residual)
+            streams=4,            # hc/mhc/width/gated_residual: streams or branches n
+            dynamic=True,         # hc/mhc/gated_residual: input-dependent part on (False: static)
+        ),
+        hyper=dict(               # residual.name="hc"/"mhc" (arch.hyper)
             dynamic_scale=0.01,   # initial scale s of the tanh dynamic weights
             sinkhorn_iters=20,    # mhc: Sinkhorn iterations onto doubly-stochastic matrices
         ),
-        attnres=dict(             # residual="attnres"/"block_attnres" (arch.attnres)
+        attnres=dict(             # residual.name="attnres"/"block_attnres" (arch.attnres)
             block_size=4,         # block_attnres: sublayers per block S (1: Full AttnRes)
             query="static",       # "static" pseudo-query, or "input": + W·(current state)
             heads=1,              # depth-attention heads (divides d)
@@ -78,32 +95,29 @@ def model_config() -> ml_collections.ConfigDict:
             key_norm=True,        # RMS-normalized keys (False: raw sources)
             window=0,             # attend to the W most recent sources only (0: all)
         ),
-        gated_residual=dict(      # residual="gated_residual" (arch.gated_residual)
+        gated_residual=dict(      # residual.name="gated_residual" (arch.gated_residual)
             rank=16,              # rank of the read-gate predictor
             channelwise=True,     # per-channel reads and writes (False: scalar per branch)
             channelwise_read=ml_collections.FieldReference(None, field_type=bool),   # reads and
             channelwise_write=ml_collections.FieldReference(None, field_type=bool),  # writes, per
                                   # channel or scalar per branch; None: follow channelwise
             static=True,          # static gate logits b_read, b_write (False: the gates are the
-                                  # dynamic part only; needs residual_dynamic)
+                                  # dynamic part only; needs residual.dynamic)
             init="graded",        # write strengths "graded" or "random" at init
             read_top_k=0,         # read the k branches of largest gate per token, the others'
                                   # gates zeroed (0: all n)
             mixing=False,         # add back an n×n branch-mixing operator
             state_dtype="float32",  # branch dtype: float32, bfloat16, float8_e4m3fn
         ),
-        use_ffn=True,             # False: attention-only blocks (rank-collapse ablation)
-        linear_bias=False,        # + b on attention q/k/v/output and FFN projections (GPT-2); mha
-                                  # and dense FFNs only (not mla, not moe)
-        head="tied",              # arch.heads.HEADS
+        head=dict(
+            name="tied",          # arch.heads.HEADS
+            bias=False,           # output bias b ∈ R^V on every head
+            mos_components=4,     # K for mos/moc (Yang et al. 2018)
+            mos_tied=True,        # mos/moc: output projection = the input embedding
+        ),
         # Initialization scheme (arch.init.INITS) per parameter group; None: `default`.
         init=dict(default="fan_in", **{group: ml_collections.FieldReference(None, field_type=str)
                                        for group in INIT_GROUPS}),
-        head_bias=False,          # output bias b ∈ R^V on every head
-        mos_components=4,         # K for head="mos"/"moc" (Yang et al. 2018)
-        mos_tied=True,            # mos/moc: output projection = the input embedding
-        final_norm=True,
-        dtype="float32",          # compute dtype; parameters are always float32
         reversible=False,         # RevNet/Reformer coupling, activations O(1) in depth (prenorm)
     ))
 
@@ -115,7 +129,7 @@ def execution_config() -> ml_collections.ConfigDict:
         attention_implementation="auto",  # auto, xla, blocked, cudnn, splash (attention_kernels)
         attention_chunk=128,      # blocked: query/key tile length (memory O(T·chunk)); splash block
         sequence_attention="all_gather",  # mesh.sequence > 1: "all_gather" keys/values, or
-                                  # "ring" (ppermute around the sequence axis; attention="mha")
+                                  # "ring" (ppermute around the sequence axis; mha only)
         remat="none",             # what a block keeps for its backward pass (arch.remat.
                                   # REMAT_POLICIES): none, full (recompute each block), ...
         scan_unroll=1,            # layers per loop iteration of the layer scan (its unroll;

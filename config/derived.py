@@ -8,4 +8,4 @@ from __future__ import annotations
 def interleaves_moe(model_cfg) -> bool:
     """Whether MoE FFNs alternate with dense ones (`model.moe.every` = k > 1): the layer scan then
     runs groups of k blocks (`arch.model.BlockGroup`) instead of single blocks."""
-    return model_cfg.use_ffn and model_cfg.ffn == "moe" and model_cfg.moe.every > 1
+    return model_cfg.use_ffn and model_cfg.ffn.name == "moe" and model_cfg.moe.every > 1

@@ -22,6 +22,19 @@ MOVED: dict[str, str] = {
     **{f"model.gr_{field}": f"model.gated_residual.{field}"
        for field in ("rank", "channelwise", "channelwise_read", "channelwise_write", "static",
                      "init", "read_top_k", "mixing", "state_dtype")},
+    **{f"model.{choice}": f"model.{choice}.name"
+       for choice in ("attention", "position", "norm", "ffn", "residual", "head")},
+    **{f"model.{old}": f"model.{new}" for old, new in (
+        ("num_heads", "attention.num_heads"), ("num_kv_heads", "attention.num_kv_heads"),
+        ("head_dim", "attention.head_dim"), ("attention_width", "attention.width"),
+        ("rope_base", "position.rope_base"), ("norm_eps", "norm.eps"),
+        ("final_norm", "norm.final"), ("batchnorm_momentum", "norm.batchnorm_momentum"),
+        ("dyt_alpha_init", "norm.dyt_alpha_init"), ("gated_norm_rank", "norm.gated_rank"),
+        ("d_ff", "ffn.d_ff"), ("ffn_ratio", "ffn.ratio"), ("ffn_width", "ffn.width"),
+        ("ffn_multiple_of", "ffn.multiple_of"), ("activation", "ffn.activation"),
+        ("leaky_relu_slope", "ffn.leaky_relu_slope"), ("residual_streams", "residual.streams"),
+        ("residual_dynamic", "residual.dynamic"), ("head_bias", "head.bias"),
+        ("mos_components", "head.mos_components"), ("mos_tied", "head.mos_tied"))},
     "model.hc_dynamic_scale": "model.hyper.dynamic_scale",
     "model.mhc_sinkhorn_iters": "model.hyper.sinkhorn_iters",
     "model.attention_implementation": "execution.attention_implementation",
@@ -38,7 +51,7 @@ MOVED: dict[str, str] = {
 def moved_hint(field: str) -> str | None:
     """For an old dotted name, "FIELD moved to NEW" with how to set it; None for other names."""
     new = MOVED.get(field)
-    if new is None:
+    if new is None or new.startswith(field + "."):  # a section now: apply_override says so
         return None
     if field == "model.remat":
         return (f"{field} moved to {new}, which names a policy (arch.remat): use "
@@ -75,6 +88,8 @@ def upgrade(saved: dict) -> dict:
         _put(saved, "execution.remat", policy or ("full" if remat else "none"))
     for old, new in MOVED.items():
         value, found = _pop(saved, old)
-        if found:
+        if isinstance(value, dict):  # already a section (model.attention, model.norm, ...)
+            _put(saved, old, value)
+        elif found:
             _put(saved, new, value)
     return saved

@@ -77,7 +77,7 @@ def check_training(config) -> None:
         # byte-level BPE (every token covers at least one byte).
         prompt_tokens = len((config.sample_prompt or "\n").encode("utf-8"))
         context = model.max_seq_len if model.max_seq_len is not None else config.seq_len
-        check_generation(model.vocab_size, model.position, context, prompt_tokens,
+        check_generation(model.vocab_size, model.position.name, context, prompt_tokens,
                          config.sample_tokens, config.temperature, config.top_k,
                          allow_extrapolation=True,
                          names=("sample_tokens", "temperature", "top_k"))

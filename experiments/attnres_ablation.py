@@ -55,12 +55,12 @@ PAPER_METRIC = "final validation loss (16-layer ablation table)"
 
 # Arm → the model fields it changes, on top of Block AttnRes with S = 4 unless it says otherwise.
 def _block(**attnres) -> dict:
-    return dict(residual="block_attnres", attnres=dict(block_size=4) | attnres)
+    return dict(residual=dict(name="block_attnres"), attnres=dict(block_size=4) | attnres)
 
 
 _ARMS = {
-    "baseline": dict(residual="prenorm"),
-    "full": dict(residual="attnres"),
+    "baseline": dict(residual=dict(name="prenorm")),
+    "full": dict(residual=dict(name="attnres")),
     "block": _block(),
     "block2": _block(block_size=2),
     "block8": _block(block_size=8),
@@ -71,7 +71,7 @@ _ARMS = {
     "sigmoid": _block(weights="sigmoid"),
     "no_key_norm": _block(key_norm=False),
     "static": _block(weights="static"),
-    "mhc": dict(residual="mhc", residual_streams=4),
+    "mhc": dict(residual=dict(name="mhc", streams=4)),
 }
 
 
@@ -79,17 +79,20 @@ def get_config(arg: str | None = None):
     arm, scale = arm_and_scale(arg, ARMS, SCALES, BASELINE)
     config = base_config()
     model = config.model
-    model.update(position="learned", ffn="mlp", activation="gelu", head="untied")
+    model.position.name, model.head.name = "learned", "untied"
+    model.ffn.update(name="mlp", activation="gelu")
     if scale == "cpu":
         config.update(steps=800, batch_size=32, seq_len=128, eval_every=100, eval_batches=16,
                       checkpoint_every=200, sample_tokens=0)
-        model.update(d_model=128, num_layers=8, num_heads=4, num_kv_heads=4)
+        model.update(d_model=128, num_layers=8)
+        model.attention.update(num_heads=4, num_kv_heads=4)
     else:
         config.update(steps=20_000, batch_size=256, seq_len=8192, eval_every=1000,
                       checkpoint_every=1000, sample_tokens=0, accumulation_steps=16)
         config.data.update(name="prepared", path="data/prepared")
-        model.update(d_model=1024, num_layers=16, num_heads=16, num_kv_heads=16, ffn="swiglu",
-                     position="rope", vocab_size=0, dtype="bfloat16")
+        model.update(d_model=1024, num_layers=16, vocab_size=0, dtype="bfloat16")
+        model.attention.update(num_heads=16, num_kv_heads=16)
+        model.ffn.name, model.position.name = "swiglu", "rope"
         config.execution.update(attention_implementation="blocked", remat="full")
     scale_lr = (3e-3, 100) if scale == "cpu" else (1e-3, 1000)
     config.optimizer.update(learning_rate=scale_lr[0], warmup_steps=scale_lr[1],

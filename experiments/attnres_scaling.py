@@ -18,7 +18,7 @@ Scales (the config argument is "ARM@SIZE" or "ARM@SIZE,SCALE"; SIZE is xs, s, m,
 - `paper`: five dense sizes spanning the report's range of activated parameters, d × layers =
   1024×10, 1024×14, 1280×14, 1280×18, 1408×18 (0.19B–0.52B with a 32K vocabulary and an untied
   head; the report's proxies are MoE, these are dense), heads of 128, SwiGLU at the MLP's
-  budget (`ffn_width="match_mlp"`), RoPE, seq 8192
+  budget (`ffn.width="match_mlp"`), RoPE, seq 8192
   with the blocked attention kernel, subword data
   (`data.name="prepared"` shards of `scripts/prepare_data.py` in data/prepared), bfloat16,
   batch 128 (1M tokens per step) in 8 accumulation steps with whole-block rematerialization,
@@ -47,8 +47,7 @@ PAPER_METRIC = "compute multiplier at matched loss"
 SIZES = {"cpu": {"xs": (64, 4), "s": (96, 6), "m": (128, 8), "l": (160, 8), "xl": (192, 8)},
          "paper": {"xs": (1024, 10), "s": (1024, 14), "m": (1280, 14), "l": (1280, 18),
                    "xl": (1408, 18)}}
-_RESIDUAL = {"baseline": dict(residual="prenorm"), "full": dict(residual="attnres"),
-             "block": dict(residual="block_attnres")}
+_RESIDUAL = {"baseline": "prenorm", "full": "attnres", "block": "block_attnres"}
 
 
 def get_config(arg: str | None = None):
@@ -62,20 +61,23 @@ def get_config(arg: str | None = None):
     config = base_config()
     model = config.model
     heads = d_model // (32 if scale == "cpu" else 128)
-    model.update(d_model=d_model, num_layers=layers, num_heads=heads, num_kv_heads=heads,
-                 **_RESIDUAL[arm])
+    model.update(d_model=d_model, num_layers=layers)
+    model.attention.update(num_heads=heads, num_kv_heads=heads)
+    model.residual.name = _RESIDUAL[arm]
     if arm == "block":
         model.attnres.block_size = 2 * layers // 4  # N = 4 blocks of S sublayers
     if scale == "cpu":
         config.update(steps=400, batch_size=16, seq_len=128, eval_every=100, eval_batches=16,
                       checkpoint_every=200, sample_tokens=0)
-        model.update(position="learned", ffn="mlp", activation="gelu", head="untied")
+        model.position.name, model.head.name = "learned", "untied"
+        model.ffn.update(name="mlp", activation="gelu")
         config.optimizer.update(learning_rate=3e-3, warmup_steps=40)
     else:
         config.update(steps=5_000, batch_size=128, seq_len=8192, eval_every=500,
                       checkpoint_every=500, sample_tokens=0, accumulation_steps=8)
         config.data.update(name="prepared", path="data/prepared")
-        model.update(vocab_size=0, dtype="bfloat16", head="untied", ffn_width="match_mlp")
+        model.update(vocab_size=0, dtype="bfloat16")
+        model.head.name, model.ffn.width = "untied", "match_mlp"
         config.execution.update(attention_implementation="blocked", remat="full")
         config.optimizer.update(learning_rate=1e-3, warmup_steps=500, schedule="wsd")
     return config

@@ -18,7 +18,8 @@ def use_deepnorm(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict
     """DeepNet (Wang et al. 2022): Post-LN with x ← LN(αx + F(x)) and β-scaled Xavier on the
     value, attention-output and FFN projections (Q/K keep gain 1); no final norm."""
     model = config.model
-    model.update(residual="deepnorm", norm="layernorm", final_norm=False)
+    model.residual.name = "deepnorm"
+    model.norm.update(name="layernorm", final=False)
     for group in ("value", "attention_output", "ffn_input", "ffn_output"):
         model.init[group] = "deepnorm"
     return config

@@ -19,12 +19,13 @@ Claims (the metric is the final validation loss; lower is better):
 Arms (the config argument is "ARM" or "ARM,SCALE"; n = 4 streams or branches throughout):
     prenorm             Pre-Norm sum (the baseline)
     width               the width baseline: 4 branches, a learned read mixture, round-robin
-                        writes (residual="width")
-    hc                  Hyper-Connections, dynamic (residual="hc")
-    mhc_static          mHC with static weights only (residual="mhc", residual_dynamic=False)
-    mhc                 mHC, dynamic (residual="mhc")
-    gr                  Gated Residual (residual="gated_residual"; channelwise reads and writes,
-                        static + dynamic gates, graded write strengths, no mixing, all reads)
+                        writes (residual.name="width")
+    hc                  Hyper-Connections, dynamic (residual.name="hc")
+    mhc_static          mHC with static weights only (residual.name="mhc", residual.dynamic=False)
+    mhc                 mHC, dynamic (residual.name="mhc")
+    gr                  Gated Residual (residual.name="gated_residual"; channelwise reads and
+                        writes, static + dynamic gates, graded write strengths, no mixing, all
+                        reads)
     gr_no_channel_read  GR with one read gate per branch and token
                         (gated_residual.channelwise_read=False)
     gr_no_channel_write GR with one write strength per branch and token
@@ -70,15 +71,15 @@ SCALES = ("cpu", "paper")
 
 # Arm → the model fields it changes; the GR ablations start from the full Gated Residual.
 def _gr(**gated_residual) -> dict:
-    return dict(residual="gated_residual", residual_streams=4, gated_residual=gated_residual)
+    return dict(residual=dict(name="gated_residual", streams=4), gated_residual=gated_residual)
 
 
 _ARMS = {
-    "prenorm": dict(residual="prenorm"),
-    "width": dict(residual="width", residual_streams=4),
-    "hc": dict(residual="hc", residual_streams=4),
-    "mhc_static": dict(residual="mhc", residual_streams=4, residual_dynamic=False),
-    "mhc": dict(residual="mhc", residual_streams=4),
+    "prenorm": dict(residual=dict(name="prenorm")),
+    "width": dict(residual=dict(name="width", streams=4)),
+    "hc": dict(residual=dict(name="hc", streams=4)),
+    "mhc_static": dict(residual=dict(name="mhc", streams=4, dynamic=False)),
+    "mhc": dict(residual=dict(name="mhc", streams=4)),
     "gr": _gr(),
     "gr_no_channel_read": _gr(channelwise_read=False),
     "gr_no_channel_write": _gr(channelwise_write=False),
@@ -96,15 +97,16 @@ def get_config(arg: str | None = None):
     if scale == "cpu":
         config.update(steps=600, batch_size=16, seq_len=128, eval_every=100, eval_batches=16,
                       checkpoint_every=200, sample_tokens=0)
-        model.update(d_model=128, num_layers=8, num_heads=4, num_kv_heads=4)
+        model.update(d_model=128, num_layers=8)
+        model.attention.update(num_heads=4, num_kv_heads=4)
         config.optimizer.update(learning_rate=3e-3, warmup_steps=60, schedule="cosine")
     else:
         config.update(steps=10_000, batch_size=256, seq_len=4096, eval_every=1000,
                       eval_batches=16, checkpoint_every=1000, sample_tokens=0,
                       accumulation_steps=8)
         config.data.update(name="prepared", path="data/prepared")
-        model.update(d_model=1024, num_layers=24, num_heads=16, num_kv_heads=16, vocab_size=0,
-                     dtype="bfloat16")
+        model.update(d_model=1024, num_layers=24, vocab_size=0, dtype="bfloat16")
+        model.attention.update(num_heads=16, num_kv_heads=16)
         config.execution.remat = "full"
         config.optimizer.update(learning_rate=3e-4, warmup_steps=1000, schedule="cosine")
     model.update(_ARMS[arm])

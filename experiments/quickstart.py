@@ -22,7 +22,7 @@ def get_config(arg: str | None = None):
     config.checkpoint_every = 100
     config.model.d_model = 192
     config.model.num_layers = 4
-    config.model.num_heads = 6
-    config.model.num_kv_heads = 2
+    config.model.attention.num_heads = 6
+    config.model.attention.num_kv_heads = 2
     config.optimizer.warmup_steps = 30
     return config

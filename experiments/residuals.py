@@ -29,12 +29,13 @@ def get_config(arg: str | None = None):
     config.eval_every = 200
     config.checkpoint_every = 200
     model = config.model
-    model.d_model, model.num_layers, model.num_heads, model.num_kv_heads = 128, 8, 4, 2
-    model.residual = mechanism
+    model.d_model, model.num_layers = 128, 8
+    model.attention.num_heads, model.attention.num_kv_heads = 4, 2
+    model.residual.name = mechanism
     model.attnres.block_size = 2  # block_attnres: 16 sublayers in N = 8 blocks
     config.optimizer.warmup_steps = 60
     if mechanism == "deepnorm":
         use_deepnorm(config)
     elif mechanism == "postnorm":
-        model.final_norm = False
+        model.norm.final = False
     return config

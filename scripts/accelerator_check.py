@@ -104,7 +104,8 @@ def _billion_config(seq_len: int, batch: int, implementation: str = "auto"):
     config.seq_len, config.batch_size = seq_len, batch
     config.mesh.data = 1
     model = config.model
-    model.d_model, model.num_layers, model.num_heads, model.num_kv_heads = 2048, 20, 16, 16
+    model.d_model, model.num_layers = 2048, 20
+    model.attention.num_heads, model.attention.num_kv_heads = 16, 16
     model.dtype, config.execution.attention_implementation = "bfloat16", implementation
     return config
 
@@ -168,10 +169,11 @@ def attnres_part(backend: str) -> dict:
     config = base_config()
     config.seq_len, config.batch_size, config.mesh.data = 2048, 8, 1
     model = config.model
-    model.d_model, model.num_layers, model.num_heads, model.num_kv_heads = 1024, 16, 8, 8
-    model.dtype, model.residual = "bfloat16", "prenorm"
+    model.d_model, model.num_layers = 1024, 16
+    model.attention.num_heads, model.attention.num_kv_heads = 8, 8
+    model.dtype, model.residual.name = "bfloat16", "prenorm"
     result = bench(config, steps=10, block=2, depth_check=False,
-                   compare="model.residual=block_attnres,model.attnres.block_size=4",
+                   compare="model.residual.name=block_attnres,model.attnres.block_size=4",
                    decode=True, decode_steps=200)
     entry = next(iter(result["compare"].values()))
     return {"step_time_vs_prenorm": entry["step_time_vs_config"],

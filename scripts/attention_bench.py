@@ -17,8 +17,9 @@
                   `auto`'s CPU threshold (`CPU_BLOCKED_FROM_KEYS`) was chosen from.
 
 Use a small model for --memory so that the compiles are quick on CPU, e.g.
-  --config.model.d_model=64 --config.model.num_layers=2 --config.model.num_heads=2
-  --config.model.num_kv_heads=2. Figures: docs/performance.md, "Attention implementations".
+  --config.model.d_model=64 --config.model.num_layers=2 --config.model.attention.num_heads=2
+  --config.model.attention.num_kv_heads=2. Figures: docs/performance.md, "Attention
+  implementations".
 """
 
 from __future__ import annotations
@@ -79,8 +80,8 @@ def _runner(name: str, q, k, v, positions, chunk: int):
 def speed(config, lengths: list[int], implementations: list[str], tokens: int, steps: int,
           block: int) -> dict:
     model = config.model
-    heads, kv_heads = model.num_heads, model.num_kv_heads
-    width = model.head_dim or model.d_model // heads
+    heads, kv_heads = model.attention.num_heads, model.attention.num_kv_heads
+    width = model.attention.head_dim or model.d_model // heads
     result = {}
     for length in lengths:
         batch = max(1, tokens // length)

@@ -123,16 +123,16 @@ XLA_FLAGS=--xla_force_host_platform_device_count=8 python scripts/bench.py
   --config experiments/quickstart.py --config.model.num_layers=16 --config.mesh.data=2
   --config.mesh.stage=4 --config.execution.pipeline.schedule=circular
   --config.execution.pipeline.virtual_stages=2 --config.execution.pipeline.microbatches=4
-  --config.batch_size=16 --config.model.residual=block_attnres
+  --config.batch_size=16 --config.model.residual.name=block_attnres
   --config.model.attnres.block_size=4 --compare execution.pipeline.transfer=full
 
 Residual-stream mechanisms (issue 4) against the plain Pre-Norm sum, 16 blocks = 32 sublayers, so
 8 AttnRes blocks of attnres.block_size=4 sublayers. Targets: compare.<block_attnres>.
 step_time_vs_config ≤ 1.05 and decode_time_vs_config ≤ 1.05; the others are reported:
   python scripts/bench.py --config experiments/quickstart.py --config.model.num_layers=16
-    --config.model.residual=prenorm --decode --compare "model.residual=block_attnres,
-    model.attnres.block_size=4;model.residual=attnres;model.residual=hc;model.residual=mhc;
-    model.residual=gated_residual"
+    --config.model.residual.name=prenorm --decode --compare "model.residual.name=block_attnres,
+    model.attnres.block_size=4;model.residual.name=attnres;model.residual.name=hc;model.residual.name=mhc;
+    model.residual.name=gated_residual"
 (one argument, no spaces or line breaks inside the quotes). Their residual I/O, history memory and
 added parameters come from `arch.accounting.residual_accounting(config.model)`. Add
 `;execution.scan_unroll=2` to --compare to time the plain sum stepped two layers per loop iteration,

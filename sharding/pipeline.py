@@ -116,7 +116,8 @@ def validate_pipeline(config, mesh: dict[str, int]) -> None:
           f"{batch_shards})")
     check(not model.reversible, "model.reversible", True,
           f"reversible blocks are not pipelined; use mesh.stage=1 (got mesh.stage={stages})")
-    check(model.norm not in ("batchnorm", "causal_batchnorm"), "model.norm", model.norm,
+    check(model.norm.name not in ("batchnorm", "causal_batchnorm"), "model.norm.name",
+          model.norm.name,
           f"batch statistics of a microbatch differ from the batch's under mesh.stage={stages};"
           " use a per-token norm or mesh.stage=1")
 

@@ -24,8 +24,9 @@ def one_device_env(*drop: str) -> dict[str, str]:
 
 def override(config: ml_collections.ConfigDict, **fields) -> ml_collections.ConfigDict:
     """Set model fields by name, a double underscore for a section: `attnres__block_size=2` is
-    `model.attnres.block_size`; a leading `execution__` names the `execution` section instead.
-    `config` is a whole config or its `model` section. Returns `config`."""
+    `model.attnres.block_size`; a leading `execution__` names the `execution` section instead. A
+    name alone picks a component: `residual="hc"` is `model.residual.name="hc"`. `config` is a
+    whole config or its `model` section. Returns `config`."""
     for name, value in fields.items():
         *sections, field = name.split("__")
         if sections[:1] == ["execution"]:
@@ -37,7 +38,8 @@ def override(config: ml_collections.ConfigDict, **fields) -> ml_collections.Conf
         if field not in node:
             raise KeyError(f"no config field {name!r}")
         if isinstance(node[field], ml_collections.ConfigDict):
-            node[field].update(value)  # a section: the named fields, the others kept
+            # a section: a name picks its component (residual="hc"), a dict sets the named fields
+            node[field].update(dict(name=value) if isinstance(value, str) else value)
         else:
             node[field] = value
     return config
@@ -56,7 +58,8 @@ def tiny_config(**model_overrides) -> ml_collections.ConfigDict:
     config.optimizer.warmup_steps = 2
     config.mesh.data = 1
     model = config.model
-    model.d_model, model.num_layers, model.num_heads, model.num_kv_heads = 32, 2, 4, 2
+    model.d_model, model.num_layers = 32, 2
+    model.attention.num_heads, model.attention.num_kv_heads = 4, 2
     return override(config, **model_overrides)
 
 

@@ -31,8 +31,9 @@ def resolved(**fields):
 
 def test_components_sum_to_the_total_and_match_closed_forms():
     v, d, layers, h, k, p, f = 256, 64, 3, 8, 2, 8, 96
-    cfg = resolved(vocab_size=v, d_model=d, num_layers=layers, num_heads=h, num_kv_heads=k,
-                   d_ff=f, head="untied", position="learned", head_bias=True)
+    cfg = resolved(vocab_size=v, d_model=d, num_layers=layers, attention__num_heads=h,
+                   attention__num_kv_heads=k,
+                   ffn__d_ff=f, head="untied", position="learned", head__bias=True)
     books = parameter_breakdown(cfg)
     attention = d * h * p + 2 * d * k * p + h * p * d            # Q, K, V (GQA), output
     assert books["attention"] == layers * attention
@@ -47,14 +48,16 @@ def test_components_sum_to_the_total_and_match_closed_forms():
     assert books["non_embedding"] == books["total"] - books["vocabulary"]
     assert books["tying_savings"] == v * d
     # A residual mechanism's own parameters are "residual"; its per-sublayer norm stays "norms".
-    hc = parameter_breakdown(resolved(residual="hc", d_model=d, num_heads=h, num_kv_heads=k))
+    hc = parameter_breakdown(resolved(residual="hc", d_model=d, attention__num_heads=h,
+                                      attention__num_kv_heads=k))
     assert hc["residual"] > 0 and hc["norms"] == 4 * 2 * d + d
 
 
 @pytest.mark.parametrize("fields, per_layer", [
-    (dict(num_heads=8, num_kv_heads=8), 2 * 8 * 16),             # MHA: keys and values
-    (dict(num_heads=8, num_kv_heads=2), 2 * 2 * 16),             # GQA
-    (dict(num_heads=8, num_kv_heads=1), 2 * 1 * 16),             # MQA
+    (dict(attention__num_heads=8, attention__num_kv_heads=8),
+     2 * 8 * 16),             # MHA: keys and values
+    (dict(attention__num_heads=8, attention__num_kv_heads=2), 2 * 2 * 16),             # GQA
+    (dict(attention__num_heads=8, attention__num_kv_heads=1), 2 * 1 * 16),             # MQA
     (dict(attention="mla", mla__kv_rank=24, mla__rope_dim=8), 24 + 8),  # latent + rotary key
 ], ids=["mha", "gqa", "mqa", "mla"])
 def test_kv_cache_bytes_per_token(fields, per_layer):
@@ -71,7 +74,7 @@ def test_seeds_worked_numbers():
     examples = worked_examples()
     assert parameter_breakdown(examples["tying"])["tying_savings"] == 102_400_000
     wide = examples["wide_glu"]
-    assert wide.head_dim == 128
+    assert wide.attention.head_dim == 128
     assert parameter_breakdown(wide)["ffn"] == 10.5 * 4096**2
 
 

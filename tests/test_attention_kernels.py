@@ -145,9 +145,9 @@ def test_blocked_memory_grows_linearly_in_length():
     assert explicit >= 10, explicit
 
 
-@pytest.mark.parametrize("overrides", [dict(num_kv_heads=2),
+@pytest.mark.parametrize("overrides", [dict(attention__num_kv_heads=2),
                                        dict(attention="mla", mla__kv_rank=16, mla__rope_dim=8),
-                                       dict(num_kv_heads=1, execution__remat="full")],
+                                       dict(attention__num_kv_heads=1, execution__remat="full")],
                          ids=["gqa", "mla", "mqa_remat"])
 def test_model_with_blocked_attention_equals_xla_in_logits_and_gradients(overrides):
     tokens = random_tokens((2, 16))
@@ -164,7 +164,7 @@ def test_model_with_blocked_attention_equals_xla_in_logits_and_gradients(overrid
         np.testing.assert_allclose(got, expected, **TOL)
 
 
-@pytest.mark.parametrize("overrides", [dict(num_kv_heads=1),
+@pytest.mark.parametrize("overrides", [dict(attention__num_kv_heads=1),
                                        dict(attention="mla", mla__kv_rank=16, mla__rope_dim=8),
                                        dict(attention="mla", mla__kv_rank=16, mla__rope_dim=8,
                                             mla__absorb=True)],

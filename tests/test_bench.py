@@ -29,11 +29,12 @@ BASELINE = ("baseline_step_time_s", "step_time_vs_baseline", "temp_bytes_vs_base
 
 
 # The family of configs the PyTorch model implements (train/instruments/torch_model.py).
-TORCH_MODEL = dict(norm="layernorm", position="learned", ffn="mlp", activation="gelu",
-                   head="untied", num_kv_heads=4)
+TORCH_MODEL_FIELDS = dict(norm__name="layernorm", position__name="learned", ffn__name="mlp",
+                          ffn__activation="gelu", head__name="untied", attention__num_kv_heads=4)
+TORCH_MODEL = {field.removesuffix("__name"): value for field, value in TORCH_MODEL_FIELDS.items()}
 TINY = ["--config", str(ROOT / "experiments" / "quickstart.py"), "--config.model.d_model=32",
-        "--config.model.num_heads=4", "--config.model.num_layers=2", "--config.seq_len=16",
-        "--config.batch_size=4", "--json", "--block", "1"]
+        "--config.model.attention.num_heads=4", "--config.model.num_layers=2",
+        "--config.seq_len=16", "--config.batch_size=4", "--json", "--block", "1"]
 
 
 def one_device_program(config) -> TrainProgram:
@@ -58,11 +59,11 @@ def test_bench_json_with_baseline_compare_decode_and_depth_memory():
     env["JAX_PLATFORMS"] = "cpu"
     command = [sys.executable, str(ROOT / "scripts" / "bench.py"),
                "--config", str(ROOT / "experiments" / "quickstart.py"),
-               "--config.model.d_model=32", "--config.model.num_heads=4",
+               "--config.model.d_model=32", "--config.model.attention.num_heads=4",
                "--config.model.num_layers=2", "--config.seq_len=16", "--config.batch_size=8",
                "--json", "--steps", "3", "--block", "1",
-               "--baseline", "model.ffn=mlp", "--depth_memory", "1,2",
-               "--compare", "model.num_kv_heads=1", "--decode", "--decode_steps", "4",
+               "--baseline", "model.ffn.name=mlp", "--depth_memory", "1,2",
+               "--compare", "model.attention.num_kv_heads=1", "--decode", "--decode_steps", "4",
                "--data", "--data_batches", "3"]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=300)
@@ -71,7 +72,8 @@ def test_bench_json_with_baseline_compare_decode_and_depth_memory():
     for key in REQUIRED + BASELINE + ("decode_time_s", "decode_time_vs_baseline",
                                       "loader_tokens_per_sec", "loader_sync_tokens_per_sec"):
         assert math.isfinite(result[key]) and result[key] > 0, (key, result.get(key))
-    variant = result["compare"]["num_kv_heads=1"]  # ratios are variant / benchmarked config
+    # ratios are variant / benchmarked config
+    variant = result["compare"]["attention.num_kv_heads=1"]
     for key in COMPARE:
         assert math.isfinite(variant[key]) and variant[key] > 0, (key, variant.get(key))
     assert result["loader_vs_step"] == result["loader_tokens_per_sec"] / result["tokens_per_sec"]
@@ -114,7 +116,7 @@ def test_remat_policies_become_compare_variants_reported_as_ratios_to_the_first(
 
 
 @pytest.mark.parametrize("overrides", [{}, {"head": "tied", "linear_bias": True,
-                                            "final_norm": False}])
+                                            "norm__final": False}])
 def test_torch_model_trains_like_the_framework_from_its_parameters(overrides):
     pytest.importorskip("torch")
     from train.instruments import torch_model
@@ -146,10 +148,10 @@ def test_torch_model_refuses_what_it_does_not_implement_in_one_line():
 
     config = tiny_config(**{**TORCH_MODEL, "ffn": "swiglu"})
     reason = torch_model.unsupported(config)
-    assert reason.startswith("the PyTorch model has no model.ffn='swiglu'; it models Pre-LN")
+    assert reason.startswith("the PyTorch model has no model.ffn.name='swiglu'; it models Pre-LN")
     assert "\n" not in reason
-    config = tiny_config(**{**TORCH_MODEL, "num_kv_heads": 2})
-    assert "num_kv_heads=2" in torch_model.unsupported(config)
+    config = tiny_config(**{**TORCH_MODEL, "attention__num_kv_heads": 2})
+    assert "model.attention.num_kv_heads=2" in torch_model.unsupported(config)
 
 
 def test_unrolled_reference_step_equals_the_scanned_one():
@@ -177,7 +179,8 @@ def test_unrolled_reference_step_equals_the_scanned_one():
 def test_bench_json_vs_torch_and_vs_unrolled():
     pytest.importorskip("torch")
     done = run_bench("--steps", "2", "--vs_torch", "--vs_unrolled",
-                     *(f"--config.model.{field}={value}" for field, value in TORCH_MODEL.items()))
+                     *(f"--config.model.{field.replace('__', '.')}={value}"
+                       for field, value in TORCH_MODEL_FIELDS.items()))
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout)
     for key in ("torch_step_time_s", "vs_torch", "unrolled_step_time_s", "vs_unrolled"):
@@ -195,5 +198,5 @@ def test_bench_vs_torch_refuses_an_unsupported_config_in_one_line():
     refusals = [line for line in done.stderr.splitlines() if "no PyTorch comparison" in line]
     assert len(refusals) == 1
     assert refusals[0].startswith("no PyTorch comparison: the PyTorch model has no "
-                                  "model.norm='rmsnorm'; it models Pre-LN")
+                                  "model.norm.name='rmsnorm'; it models Pre-LN")
     assert "vs_unrolled" not in result  # opt-in, as --vs_torch is

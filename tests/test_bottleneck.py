@@ -26,7 +26,7 @@ def fit(head: str, seed: int, steps: int = 1500, **overrides):
     """Adam-fit the 2 contexts (d = 1) and the head's parameters so that the head's log-odds of
     tokens (1, 2) against token 0 match TARGET; returns (log-probs 2×3, squared error)."""
     cfg = model_config()
-    override(cfg, vocab_size=3, d_model=1, head=head, head_bias=False, **overrides)
+    override(cfg, vocab_size=3, d_model=1, head=head, head__bias=False, **overrides)
     cfg = ml_collections.FrozenConfigDict(cfg)
     rngs = nnx.Rngs(seed)
     modules = nnx.Dict(embedding=Embedding(3, 1, rngs=rngs), head=HEADS[head](cfg, rngs=rngs))
@@ -70,7 +70,7 @@ def test_two_by_two_example_needs_more_than_a_d1_softmax():
     # Mixture of Softmaxes with two components represents it: an existence proof, by a fit that
     # reaches it (the loss is not convex: from seeds 0, 1, 4 and 5 Adam stops at local optima,
     # 0.25 or the rank-1 bound; from seeds 2 and 3 it reaches 0).
-    lp, error = fit("mos", seed=2, mos_components=2, mos_tied=False)
+    lp, error = fit("mos", seed=2, head__mos_components=2, head__mos_tied=False)
     report = softmax_bottleneck(lp, tokens=[1, 2], reference_token=0)
     assert error < 1e-6, error
     assert report["numerical_rank"] == 2
@@ -95,7 +95,7 @@ def test_diagnostic_states_dimensions_precision_and_threshold():
 def test_model_bottleneck_respects_the_d_plus_one_bound(head):
     """A tiny LM (d = 32) over 256 positions and 64 tokens: a tied softmax stays at rank ≤ d;
     MoS (K = 4) exceeds d + 1."""
-    cfg, model = tiny_model(head=head, mos_components=4)
+    cfg, model = tiny_model(head=head, head__mos_components=4)
     report = model_bottleneck(model, random_tokens((8, 32), seed=3), num_tokens=64)
     assert report["contexts"] == 256 and report["tokens"] == 64
     if head == "tied":

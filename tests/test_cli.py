@@ -119,7 +119,7 @@ def test_path_arg_calls_get_config_with_arg(experiment):
     assert parse(f"{experiment}:other", "--config.steps=3").to_dict() == expected(
         f"{experiment}:other", steps=3)
     residuals = parse(str(ROOT / "experiments" / "residuals.py") + ":block_attnres")
-    assert residuals.model.residual == "block_attnres"
+    assert residuals.model.residual.name == "block_attnres"
     config, args = parse_with_config(ArgumentParser("test"), [f"--config={experiment}:x"])
     assert config.name == "x" and args.config == f"{experiment}:x"
 

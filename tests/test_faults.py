@@ -202,7 +202,8 @@ def test_a_resumed_run_logs_each_step_once(trained_run, tmp_path):
      "model.vocab_size=100 is invalid: data.tokenizer='byte' has 256 tokens"),
     (["--config.steps=30"], "optimizer.warmup_steps=30 is invalid: must be in [0, steps=30)"),
     (["--config.temperature=-1"], "temperature=-1.0 is invalid: must be a finite number ≥ 0"),
-    (["--config.model.position=learned"], "sample_tokens=200 is invalid: the prompt (12 tokens)"),
+    (["--config.model.position.name=learned"],
+     "sample_tokens=200 is invalid: the prompt (12 tokens)"),
     (["--config.model.no_such=1"], "--config.model.no_such: model has no field 'no_such'"),
     (["--config.steps=abc"], "flag --config.steps=abc: invalid literal for int()"),
 ], ids=["keep-0", "top-k", "validation-0", "empty-text", "lr-negative", "lr-nan", "vocab",
@@ -265,7 +266,8 @@ def test_the_cli_reaches_a_config_error_without_importing_jax(tmp_path):
 ], ids=["negative-tokens", "temperature", "top-k-high", "top-k-negative", "context", "learned"])
 def test_generation_arguments_are_checked_before_loading(tmp_path, arguments, message):
     config = run_config()
-    config.model.update(max_seq_len=16, position=arguments.pop("position", "rope"))
+    config.model.max_seq_len = 16
+    config.model.position.name = arguments.pop("position", "rope")
     (tmp_path / "config.json").write_text(config.to_json_best_effort())
     values = dict(num_tokens=4, temperature=0.8, top_k=40, allow_extrapolation=False)
     values.update(arguments)
@@ -276,7 +278,7 @@ def test_generation_arguments_are_checked_before_loading(tmp_path, arguments, me
 
 def test_rope_generates_past_the_context_when_asked(tmp_path):
     config = run_config()
-    config.model.update(max_seq_len=16, position="rope")
+    config.model.max_seq_len = 16
     (tmp_path / "config.json").write_text(config.to_json_best_effort())
     check_arguments(str(tmp_path), "In", 20, 0.8, 40, allow_extrapolation=True)
 

@@ -21,7 +21,7 @@ from config import ConfigError
 from tests.helpers import prefill_then_decode, random_tokens, tiny_config, tiny_model
 from train.config import validate
 
-N = 4  # branches (the default model.residual_streams)
+N = 4  # branches (the default model.residual.streams)
 # The model most tests share (one build).
 GATED = dict(residual="gated_residual", gated_residual__mixing=True)
 
@@ -82,14 +82,14 @@ def reference(module: GatedResidual, branches, update, eps):
 
 @pytest.mark.parametrize("options", [
     dict(),
-    dict(gated_residual__channelwise=False, residual_dynamic=False),
+    dict(gated_residual__channelwise=False, residual__dynamic=False),
     dict(gated_residual__mixing=True, gated_residual__channelwise=False),
     dict(gated_residual__channelwise_read=False),
     dict(gated_residual__channelwise=False, gated_residual__channelwise_write=True),
     dict(gated_residual__static=False),
     dict(gated_residual__init="random", gated_residual__channelwise_write=False),
     dict(gated_residual__read_top_k=2),
-    dict(gated_residual__read_top_k=1, gated_residual__channelwise=False, residual_dynamic=False)])
+    dict(gated_residual__read_top_k=1, gated_residual__channelwise=False, residual__dynamic=False)])
 def test_read_and_write_follow_their_equations(options):
     cfg = resolved(**options)
     module = GatedResidual(cfg, rngs=nnx.Rngs(0))
@@ -97,7 +97,7 @@ def test_read_and_write_follow_their_equations(options):
     branches = jax.random.normal(jax.random.key(1), (N, 2, 5, cfg.d_model))
     update = jax.random.normal(jax.random.key(2), (2, 5, cfg.d_model))
     state = {"branches": branches}
-    expected_h, expected_branches = reference(module, branches, update, cfg.norm_eps)
+    expected_h, expected_branches = reference(module, branches, update, cfg.norm.eps)
     np.testing.assert_allclose(module.read(state), expected_h, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(module.write(state, update)["branches"], expected_branches,
                                rtol=1e-5, atol=1e-5)
@@ -106,9 +106,9 @@ def test_read_and_write_follow_their_equations(options):
         width = cfg.d_model if (cfg.gated_residual.channelwise if switch is None else switch) else 1
         if cfg.gated_residual.static:
             assert gate.bias.shape == (N, width)
-        if cfg.residual_dynamic:
+        if cfg.residual.dynamic:
             assert gate.up.kernel.shape == (cfg.gated_residual.rank, N, width)
-    assert (module.gate_down is None) == (not cfg.residual_dynamic)
+    assert (module.gate_down is None) == (not cfg.residual.dynamic)
 
 
 def test_initialization_reads_one_nth_of_each_branch_and_writes_graded_strengths():
@@ -123,7 +123,7 @@ def test_initialization_reads_one_nth_of_each_branch_and_writes_graded_strengths
     # Equal branches are read as a Pre-Norm read would: RMSNorm(x) with gain 1.
     x = jax.random.normal(jax.random.key(0), (2, 5, cfg.d_model))
     state = GatedResidualStream(cfg).begin(x)
-    rms_normalized = x / jnp.sqrt(jnp.mean(x**2, -1, keepdims=True) + cfg.norm_eps)
+    rms_normalized = x / jnp.sqrt(jnp.mean(x**2, -1, keepdims=True) + cfg.norm.eps)
     np.testing.assert_allclose(module.read(state), rms_normalized, rtol=1e-5, atol=1e-6)
 
 
@@ -230,7 +230,7 @@ def test_bfloat16_compute_reads_in_bfloat16_and_keeps_the_state_dtype():
 
 
 @pytest.mark.parametrize("field,value,message", [
-    ("residual_streams", 1, "model.residual_streams=1 is invalid: gated_residual needs an integer "
+    ("residual__streams", 1, "model.residual.streams=1 is invalid: gated_residual needs an integer "
                             "n ≥ 2 branches (one branch: use residual='prenorm' with "
                             "norm='gatednorm')"),
     ("gated_residual__state_dtype", "float16",
@@ -372,10 +372,10 @@ def test_without_the_static_term_the_gates_are_the_dynamic_part_alone():
     gates, _ = captured_gates(module, GatedResidualStream(cfg).begin(x))
     assert np.ptp(gates, axis=2).min() > 0  # every token and channel: branches differ
     with pytest.raises(ConfigError) as error:
-        resolved(gated_residual__static=False, residual_dynamic=False)
+        resolved(gated_residual__static=False, residual__dynamic=False)
     assert str(error.value) == ("model.gated_residual.static=False is invalid: removing the "
-                                "static gate term needs model.residual_dynamic=True (with "
-                                "residual_dynamic=False the gates have no other term)")
+                                "static gate term needs model.residual.dynamic=True (with "
+                                "residual.dynamic=False the gates have no other term)")
 
 
 def test_graded_init_is_exact_and_random_init_is_seeded_and_in_the_graded_range():
@@ -413,10 +413,10 @@ def test_graded_init_is_exact_and_random_init_is_seeded_and_in_the_graded_range(
      "model.gated_residual.init='uniform' is invalid: valid: graded, random"),
     ("gated_residual__read_top_k", 5,
      "model.gated_residual.read_top_k=5 is invalid: must be an integer in "
-                         "[0, model.residual_streams=4] (0: read all branches)"),
+                         "[0, model.residual.streams=4] (0: read all branches)"),
     ("gated_residual__read_top_k", -1,
      "model.gated_residual.read_top_k=-1 is invalid: must be an integer in "
-                          "[0, model.residual_streams=4] (0: read all branches)"),
+                          "[0, model.residual.streams=4] (0: read all branches)"),
 ])
 def test_invalid_switches_are_one_line_config_errors(field, value, message):
     with pytest.raises(ConfigError) as error:

@@ -106,5 +106,6 @@ def test_script_writes_json_and_png_and_refuses_other_mechanisms(tmp_path, capsy
     write_run(prenorm, tmp_path / "prenorm", step=1)
     assert gr_paths.main(["--workdir", str(tmp_path / "prenorm"), "--batch", "8"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: model.residual='prenorm' records no read gates/write strengths")
+    assert err.startswith("error: model.residual.name='prenorm' records no read gates/write "
+                          "strengths")
     assert err.count("\n") == 1, err

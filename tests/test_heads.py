@@ -74,8 +74,8 @@ def moc_reference(head, embedding, x) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("head", ["tied", "untied"])
 def test_bias_adds_b_to_the_logits(head):
-    embedding, with_bias = build_head(head, head_bias=True)
-    _, without = build_head(head, head_bias=False)
+    embedding, with_bias = build_head(head, head__bias=True)
+    _, without = build_head(head, head__bias=False)
     if head == "untied":
         np.testing.assert_array_equal(with_bias.output.kernel[...], without.output.kernel[...])
         bias = with_bias.output.bias
@@ -90,7 +90,7 @@ def test_bias_adds_b_to_the_logits(head):
 
 
 def test_bias_and_mixture_params_have_logical_axes():
-    _, head = build_head("mos", head_bias=True, mos_tied=False)
+    _, head = build_head("mos", head__bias=True, head__mos_tied=False)
     assert head.mixing.kernel.out_sharding == ("embed", "head_mixture")
     assert head.contexts.kernel.out_sharding == ("embed", "head_mixture", "head_context")
     assert head.output.kernel.out_sharding == ("embed", "vocab")
@@ -100,7 +100,8 @@ def test_bias_and_mixture_params_have_logical_axes():
 
 @pytest.mark.parametrize("tied,bias", [(True, False), (False, True)], ids=["tied", "untied+bias"])
 def test_mos_equals_probability_space_mixture(tied, bias):
-    embedding, head = build_head("mos", mos_tied=tied, head_bias=bias, mos_components=3)
+    embedding, head = build_head("mos", head__mos_tied=tied, head__bias=bias,
+                                 head__mos_components=3)
     if bias:
         set_random_bias(head.bias)
     x = hidden((2, 5, 8), scale=2.0)
@@ -123,7 +124,7 @@ def test_mos_is_stable_for_large_logits():
 
 
 def test_moc_is_one_softmax_of_the_mixed_context():
-    embedding, head = build_head("moc", mos_components=3)
+    embedding, head = build_head("moc", head__mos_components=3)
     x = hidden((2, 5, 8), scale=2.0)
     log_p = np.asarray(jax.nn.log_softmax(head(x, embedding)), np.float64)
     np.testing.assert_allclose(np.exp(log_p), moc_reference(head, embedding, x),
@@ -131,8 +132,8 @@ def test_moc_is_one_softmax_of_the_mixed_context():
 
 
 def test_one_component_mos_and_moc_give_the_same_distribution():
-    embedding, mos = build_head("mos", mos_components=1)
-    _, moc = build_head("moc", mos_components=1)  # same seed: same parameters
+    embedding, mos = build_head("mos", head__mos_components=1)
+    _, moc = build_head("moc", head__mos_components=1)  # same seed: same parameters
     x = hidden((2, 5, 8))
     np.testing.assert_allclose(mos(x, embedding), jax.nn.log_softmax(moc(x, embedding)),
                                atol=1e-5)
@@ -147,7 +148,7 @@ def test_softmax_bottleneck_rank(head):
     rank: `arch.bottleneck.softmax_bottleneck`'s default threshold.
     """
     d, vocab = 4, 32
-    embedding, module = build_head(head, vocab=vocab, d=d, mos_components=4)
+    embedding, module = build_head(head, vocab=vocab, d=d, head__mos_components=4)
     log_p = jax.nn.log_softmax(module(hidden((1, 64, d), seed=5), embedding))[0]
     report = softmax_bottleneck(log_p, tokens=np.arange(1, vocab), reference_token=0)
     if head == "mos":
@@ -157,14 +158,14 @@ def test_softmax_bottleneck_rank(head):
 
 
 def test_mos_components_must_be_positive():
-    config = tiny_config(head="mos", mos_components=0)
-    with pytest.raises(ConfigError, match=r"^model\.mos_components=0 is invalid: .*≥ 1$"):
+    config = tiny_config(head="mos", head__mos_components=0)
+    with pytest.raises(ConfigError, match=r"^model\.head\.mos_components=0 is invalid: .*≥ 1$"):
         validate(config, 1)
 
 
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("variant", [dict(head="tied", head_bias=True),
-                                     dict(head="untied", head_bias=True),
+@pytest.mark.parametrize("variant", [dict(head="tied", head__bias=True),
+                                     dict(head="untied", head__bias=True),
                                      dict(head="mos"),
                                      dict(head="moc")],
                          ids=["tied+bias", "untied+bias", "mos", "moc"])
@@ -194,7 +195,7 @@ def test_mos_under_tensor_parallelism_matches_single_device():
     """Two train steps of the MoS head (untied, with bias) on a (data=2, fsdp=2, tensor=2) mesh
     equal the same steps on one device; the second loss also checks the first step's update."""
     def program_on(devices, data, fsdp, tensor):
-        config = tiny_config(head="mos", mos_tied=False, head_bias=True, num_layers=1)
+        config = tiny_config(head="mos", head__mos_tied=False, head__bias=True, num_layers=1)
         config.mesh.update(data=data, fsdp=fsdp, tensor=tensor)
         validate(config, devices)
         return TrainProgram(config, make_mesh(config.mesh, jax.devices()[:devices]))

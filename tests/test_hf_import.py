@@ -93,8 +93,8 @@ def test_logits_equal_transformers(checkpoints, name):
                                                                       10_000.0),
                 "llama_tied_sharded": ("rope", "tied", 1, 64, 10_000.0),
                 "gpt2": ("learned", "tied", 4, 32, 10_000.0)}[name]
-    assert (model_cfg.position, model_cfg.head, model_cfg.num_kv_heads,
-            model_cfg.attention_width, model_cfg.rope_base) == expected
+    assert (model_cfg.position.name, model_cfg.head.name, model_cfg.attention.num_kv_heads,
+            model_cfg.attention.width, model_cfg.position.rope_base) == expected
 
 
 def test_bf16_and_prefixless_checkpoints_give_the_same_parameters(checkpoints, tmp_path):
@@ -142,15 +142,16 @@ def test_unsupported_fields_raise_naming_field_and_value(checkpoints):
             model_config_from_hf(hf_config)
     # config.json from before transformers 5: top-level rope_theta, rope_scaling null
     legacy = {k: v for k, v in llama.items() if k != "rope_parameters"}
-    assert model_config_from_hf({**legacy, "rope_theta": 5e5, "rope_scaling": None}).rope_base \
+    assert model_config_from_hf({**legacy, "rope_theta": 5e5,
+                                 "rope_scaling": None}).position.rope_base \
         == 5e5
     # linear_bias with a component that has no biases is a config error
     cfg = model_config()
-    cfg.update(linear_bias=True, attention="mla")
+    cfg.linear_bias, cfg.attention.name = True, "mla"
     with pytest.raises(ConfigError) as error:
         resolve_model(cfg)
-    assert str(error.value) == ("model.linear_bias=True is invalid: model.attention='mla' has no "
-                                "biases; use attention='mha' or linear_bias=False")
+    assert str(error.value) == ("model.linear_bias=True is invalid: model.attention.name='mla' "
+                                "has no biases; use attention.name='mha' or linear_bias=False")
 
 
 def test_missing_and_unexpected_tensors_are_listed(checkpoints, tmp_path):

@@ -52,9 +52,9 @@ COMPOSED = dict(ffn="moe", moe__every=2, moe__experts=4, execution__remat="full"
 
 @pytest.mark.parametrize("residual,options,tolerance", [
     ("hc", {}, 1e-5),
-    ("hc", dict(residual_dynamic=False), 1e-5),
+    ("hc", dict(residual__dynamic=False), 1e-5),
     ("mhc", {}, 3e-5),
-    ("mhc", dict(residual_dynamic=False), 3e-5),
+    ("mhc", dict(residual__dynamic=False), 3e-5),
     ("width", {}, 1e-5),
     ("hc", COMPOSED, 0.1),  # bfloat16: the streams' sum and the read round differently
 ], ids=["hc", "hc-static", "mhc", "mhc-static", "width", "hc-moe-remat-layernorm-bf16"])
@@ -63,7 +63,7 @@ def test_at_initialization_equals_the_prenorm_model(residual, options, tolerance
     every sublayer read the Pre-Norm stream and add its update to it; the streams' sum is n×
     (width: 1×) the Pre-Norm stream, which the final norm maps to the same logits (up to the
     norm's ε; in bfloat16, up to its rounding: logits of size ≈ 4 are resolved to ≈ 0.03)."""
-    shared = {k: v for k, v in options.items() if k != "residual_dynamic"}
+    shared = {k: v for k, v in options.items() if k != "residual__dynamic"}
     reference, expected = prenorm_logits(**shared)
     _, model = tiny_model(residual=residual, **options)
     copy_shared_params(reference, model)
@@ -83,10 +83,10 @@ def resolved_model_config(**model):
 def mechanism_and_state(cls, sublayer: int, **model):
     cfg = resolved_model_config(**model)
     mechanism = cls(cfg, rngs=nnx.Rngs(0))
-    perturb_mixing(mechanism, seed=3, fan_in=cfg.d_model * (cfg.residual_streams
+    perturb_mixing(mechanism, seed=3, fan_in=cfg.d_model * (cfg.residual.streams
                                                             if cls is ManifoldHyperConnection
                                                             else 1))
-    streams = jax.random.normal(jax.random.key(1), (cfg.residual_streams, 2, 3, cfg.d_model))
+    streams = jax.random.normal(jax.random.key(1), (cfg.residual.streams, 2, 3, cfg.d_model))
     update = jax.random.normal(jax.random.key(2), (2, 3, cfg.d_model))
     params = {".".join(map(str, k)): np.asarray(v[...], np.float64)
               for k, v in flat_params(mechanism).items()}
@@ -176,7 +176,7 @@ def test_width_reads_a_learned_mixture_and_writes_round_robin():
 
 def mixing_model(residual: str, **model):
     cfg, model = tiny_model(residual=residual, **model)
-    fan_in = cfg.d_model * (cfg.residual_streams if residual == "mhc" else 1)
+    fan_in = cfg.d_model * (cfg.residual.streams if residual == "mhc" else 1)
     for seed, name in enumerate(RESIDUAL_MODULES):
         perturb_mixing(getattr(model.blocks, name), seed, fan_in)
     return cfg, model
@@ -191,7 +191,7 @@ def test_mhc_mixing_matrices_are_doubly_stochastic():
         bias = getattr(model.blocks, name).mixing_bias
         bias[...] = jax.random.normal(jax.random.key(10 + seed), bias.shape)
     _, intermediates = nnx.capture(model, nnx.Intermediate)(random_tokens((2, 16)))
-    n, layers = cfg.residual_streams, cfg.num_layers
+    n, layers = cfg.residual.streams, cfg.num_layers
     for name in RESIDUAL_MODULES:
         recorded = intermediates["blocks"][name]
         (mixing,) = recorded["mixing_matrix"]
@@ -230,13 +230,13 @@ def test_a_batchnorm_for_the_dynamic_weights_updates_its_statistics_once_per_sub
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (dict(residual="width", residual_streams=0),
-     "model.residual_streams=0 is invalid: must be a positive integer (the number of residual "
+    (dict(residual="width", residual__streams=0),
+     "model.residual.streams=0 is invalid: must be a positive integer (the number of residual "
      "streams n)"),
     (dict(residual="hc", hyper__dynamic_scale=0.0),
      "model.hyper.dynamic_scale=0.0 is invalid: must be positive: with the zero-initialized "
      "projections a scale of 0 keeps the dynamic part at 0 forever; set "
-     "model.residual_dynamic=False for static weights"),
+     "model.residual.dynamic=False for static weights"),
     (dict(residual="mhc", hyper__sinkhorn_iters=0),
      "model.hyper.sinkhorn_iters=0 is invalid: must be a positive integer (Sinkhorn-Knopp "
      "iterations; the paper uses 20)"),

@@ -49,7 +49,8 @@ def test_zeros_and_group_overrides():
 
 
 def test_use_deepnorm_scales_value_output_and_ffn_but_not_query_key():
-    config = use_deepnorm(tiny_config(num_layers=6, d_model=64, num_heads=4, num_kv_heads=4))
+    config = use_deepnorm(tiny_config(num_layers=6, d_model=64, attention__num_heads=4,
+                                      attention__num_kv_heads=4))
     config.mesh.data = 1
     validate(config, 1)
     from arch.model import TransformerLM
@@ -57,14 +58,14 @@ def test_use_deepnorm_scales_value_output_and_ffn_but_not_query_key():
     model = TransformerLM(config.model, rngs=nnx.Rngs(0))
     beta = (8 * 6) ** -0.25
     attention, ffn = model.blocks.attention, model.blocks.ffn
-    d, hp, f = 64, 64, config.model.d_ff
+    d, hp, f = 64, 64, config.model.ffn.d_ff
     expected = {attention.value: beta * (2 / (d + hp)) ** 0.5,
                 attention.output: beta * (2 / (hp + d)) ** 0.5,
                 ffn.up: beta * (2 / (d + f)) ** 0.5, ffn.down: beta * (2 / (f + d)) ** 0.5,
                 attention.query: d**-0.5, attention.key: d**-0.5}
     for layer, std in expected.items():
         assert float(jnp.std(layer.kernel[...])) == pytest.approx(std, rel=0.1)
-    assert config.model.residual == "deepnorm" and not config.model.final_norm
+    assert config.model.residual.name == "deepnorm" and not config.model.norm.final
 
 
 def test_group_init_uses_the_default_for_unset_groups():

@@ -1,6 +1,6 @@
 """Configs in sections (`config.legacy`): every old flat name maps to an existing field, a
 config.json written before the sections restores through that one mapping, and an old name on
-the command line is refused in one line that names its new place. No JAX."""
+the command line is refused in one line that names its new place."""
 
 from __future__ import annotations
 
@@ -9,15 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from config.cli import UsageError, apply_override
+from config.cli import UsageError, apply_override, load_module
 from config.defaults import base_config
 from config.legacy import MOVED, upgrade
 from config.validate import check_fields
 from train import rundir
+from train.config import validate
 
 ROOT = Path(__file__).resolve().parents[1]
-# A run of the first AttnRes study, written with the flat names (docs/results/attnres_ablation).
-OLD_RUN = ROOT / "docs/results/attnres_ablation/block/seed0"
 
 
 def _get(tree: dict, path: str):
@@ -30,8 +29,9 @@ def test_every_old_name_moves_to_an_existing_field_and_none_is_still_in_use():
     current = json.loads(base_config().to_json_best_effort())
     for old, new in MOVED.items():
         _get(current, new)  # KeyError if the mapping points nowhere
-        with pytest.raises(KeyError):
-            _get(current, old)
+        if not new.startswith(old + "."):  # model.attention → model.attention.name: a section
+            with pytest.raises(KeyError):
+                _get(current, old)
 
 
 def test_upgrade_moves_flat_fields_and_merges_the_remat_switches():
@@ -51,14 +51,24 @@ def test_upgrade_moves_flat_fields_and_merges_the_remat_switches():
     assert upgrade(today) == today
 
 
-def test_a_run_written_with_flat_names_restores_its_config():
-    saved = json.loads((OLD_RUN / "config.json").read_text())
-    assert "attnres_block_size" in saved["model"]  # this file predates the sections
-    config = base_config()
-    config.update(rundir.saved_config(OLD_RUN, json.loads(base_config().to_json_best_effort())))
-    check_fields(config)
-    assert (config.model.residual, config.model.attnres.block_size) == ("block_attnres", 4)
-    assert config.execution.remat == "none" and config.model.num_layers == 8
+def test_a_run_written_with_flat_names_restores_as_the_study_file_builds_it_today():
+    """The committed runs of the AttnRes study predate the sections: each upgrades to exactly the
+    config its study file builds now (the check a resume makes), and validates."""
+    study = load_module(str(ROOT / "experiments/attnres_ablation.py"), "--study")
+    defaults = json.loads(base_config().to_json_best_effort())
+    for arm in ("baseline", "block", "full"):
+        run = ROOT / f"docs/results/attnres_ablation/{arm}/seed0"
+        saved = json.loads((run / "config.json").read_text())
+        assert "d_ff" in saved["model"] and "residual_streams" in saved["model"]  # flat names
+        restored = rundir.saved_config(run, defaults)
+        built = study.get_config(f"{arm},cpu")
+        built.update(seed=0, mesh=dict(data=1))
+        validate(built, 1)
+        assert rundir.identity_differences(restored, rundir._as_json(built), resolved=True) == []
+        config = base_config()
+        config.update(restored)
+        check_fields(config)
+    assert (config.model.residual.name, config.model.ffn.name) == ("attnres", "mlp")
 
 
 @pytest.mark.parametrize("field,message", [
@@ -70,6 +80,8 @@ def test_a_run_written_with_flat_names_restores_its_config():
      "--config.execution.pipeline.microbatches=VALUE"),
     ("model.remat", "--config.model.remat: model.remat moved to execution.remat, which names a "
      "policy (arch.remat): use --config.execution.remat=full for remat=True"),
+    ("model.residual", "--config.model.residual: model.residual is a section; set its fields, "
+     "e.g. --config.model.residual.name=VALUE"),
 ])
 def test_an_old_name_on_the_command_line_names_its_new_place(field, message):
     with pytest.raises(UsageError) as error:

@@ -20,7 +20,7 @@ from tests.helpers import random_tokens, tiny_config
 from train.config import validate
 from train.step import TrainProgram, next_token_loss
 
-# d = 32, H = 4, head_dim = 8: a latent of 16 + a rotary key of 8 per token and layer.
+# d = 32, H = 4, attention__head_dim = 8: a latent of 16 + a rotary key of 8 per token and layer.
 MLA = dict(attention="mla", mla__kv_rank=16, mla__rope_dim=8)
 
 
@@ -38,15 +38,16 @@ def _rope(x_BxTxHxR, positions_BxT, base):
 
 def reference_mla(cfg, p, x_BxTxD, positions_BxT):
     """DeepSeek-V2 eqs. 9–19 in plain jnp, from the module's parameter dict (float32)."""
-    rope = ((lambda x: _rope(x, positions_BxT, cfg.rope_base)) if cfg.position == "rope"
+    rope = ((lambda x: _rope(x, positions_BxT,
+                             cfg.position.rope_base)) if cfg.position.name == "rope"
             else (lambda x: x))
     if cfg.mla.q_rank:
-        c_q = _rms(x_BxTxD @ p["query_down"]["kernel"], p["query_norm"]["scale"], cfg.norm_eps)
+        c_q = _rms(x_BxTxD @ p["query_down"]["kernel"], p["query_norm"]["scale"], cfg.norm.eps)
     else:
         c_q = x_BxTxD
     q_nope = jnp.einsum("btc,chn->bthn", c_q, p["query_up"]["kernel"])                # eq. 13
     q_rope = rope(jnp.einsum("btc,chr->bthr", c_q, p["query_rope"]["kernel"]))        # eq. 14
-    c_kv = _rms(x_BxTxD @ p["kv_down"]["kernel"], p["kv_norm"]["scale"], cfg.norm_eps)  # eq. 9
+    c_kv = _rms(x_BxTxD @ p["kv_down"]["kernel"], p["kv_norm"]["scale"], cfg.norm.eps)  # eq. 9
     k_nope = jnp.einsum("bsc,chn->bshn", c_kv, p["key_up"]["kernel"])                 # eq. 10
     v = jnp.einsum("bsc,chv->bshv", c_kv, p["value_up"]["kernel"])                    # eq. 11
     k_rope = rope((x_BxTxD @ p["key_rope"]["kernel"])[:, :, None])[:, :, 0]           # eq. 15
@@ -70,7 +71,7 @@ def mla_module(seed=0, **overrides):
     """(resolved model config, one MLA layer, the position module)."""
     cfg = resolved(**overrides)
     return (cfg, MultiHeadLatentAttention(cfg, rngs=nnx.Rngs(seed)),
-            POSITIONS[cfg.position](cfg, rngs=nnx.Rngs(0)))
+            POSITIONS[cfg.position.name](cfg, rngs=nnx.Rngs(0)))
 
 
 @nnx.jit
@@ -123,7 +124,7 @@ def test_matches_the_equations(overrides):
 
 def test_geometry_defaults_and_logical_axes(model):
     cfg = model.cfg
-    assert cfg.mla.nope_dim == cfg.mla.v_dim == cfg.head_dim == 8  # defaults: head_dim
+    assert cfg.mla.nope_dim == cfg.mla.v_dim == cfg.attention.head_dim == 8  # defaults: head_dim
     a = model.blocks.attention  # stacked: leading layers axis
     d, h, c, c_q, r, p = 32, 4, 16, 12, 8, 8
     shapes = dict(query_down=(d, c_q), query_up=(c_q, h, p), query_rope=(c_q, h, r),
@@ -145,10 +146,11 @@ def test_cache_stores_the_latent_and_the_shared_rotary_key_only(model):
     per_token_per_layer = sum(np.prod(v.shape) for v in cache.values()) // (2 * 3 * 16)
     assert per_token_per_layer == cfg.mla.kv_rank + cfg.mla.rope_dim == 24
     mha = ml_collections.ConfigDict(cfg.to_dict())
-    mha.num_kv_heads = mha.num_heads
+    mha.attention.num_kv_heads = mha.attention.num_heads
     mha_per_token = sum(np.prod(s[2:]) for s in MultiHeadAttention.cache_shapes(mha, 1, 1)
                         .values())
-    assert mha_per_token == 2 * cfg.num_heads * cfg.head_dim == 64 > per_token_per_layer
+    mha_width = cfg.attention.num_heads * cfg.attention.head_dim
+    assert mha_per_token == 2 * mha_width == 64 > per_token_per_layer
 
 
 @pytest.mark.parametrize("absorb", [False, True], ids=["up-project", "absorbed"])

@@ -45,15 +45,15 @@ def test_causality_future_tokens_leave_the_past_exactly_unchanged(position):
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (4, 1)], ids=["MHA", "GQA", "MQA"])
 def test_attention_head_geometry(heads, kv_heads):
-    cfg, _ = tiny_model(num_heads=heads, num_kv_heads=kv_heads)
+    cfg, _ = tiny_model(attention__num_heads=heads, attention__num_kv_heads=kv_heads)
     attention = MultiHeadAttention(cfg, rngs=nnx.Rngs(0))
-    d, p = cfg.d_model, cfg.head_dim
+    d, p = cfg.d_model, cfg.attention.head_dim
     assert attention.query.kernel.shape == (d, heads, p)
     assert attention.key.kernel.shape == attention.value.kernel.shape == (d, kv_heads, p)
     assert attention.output.kernel.shape == (heads, p, d)
     # Grouping: K shared KV heads act like H heads whose K/V weights repeat each KV head G times.
     expanded = ml_collections.ConfigDict(cfg.to_dict())
-    expanded.num_kv_heads = heads
+    expanded.attention.num_kv_heads = heads
     mha = MultiHeadAttention(expanded, rngs=nnx.Rngs(1))
     for name in ("query", "output"):
         getattr(mha, name).kernel[...] = getattr(attention, name).kernel[...]
@@ -68,7 +68,7 @@ def test_attention_head_geometry(heads, kv_heads):
 
 
 def test_attention_width_different_from_d_model():
-    cfg, model = tiny_model(num_heads=2, head_dim=24, attention_width=48)
+    cfg, model = tiny_model(attention__num_heads=2, attention__head_dim=24, attention__width=48)
     assert model.blocks.attention.query.kernel.shape == (2, 32, 2, 24)  # layers, d, h, p
     tokens = random_tokens((2, 16))
     expected = reference.logits(cfg, nnx.to_pure_dict(nnx.state(model, nnx.Param)), tokens)
@@ -85,7 +85,7 @@ def test_causal_mask_is_additive_zero_or_minus_infinity():
 def test_rope_scores_depend_only_on_relative_position():
     cfg, _ = tiny_model()
     rope = RoPE(cfg, rngs=nnx.Rngs(0))
-    q, k = jax.random.normal(jax.random.key(0), (2, 1, 1, 1, cfg.head_dim))
+    q, k = jax.random.normal(jax.random.key(0), (2, 1, 1, 1, cfg.attention.head_dim))
 
     def score(t, s):
         rq = rope.rotate(q, jnp.array([[t]]))
@@ -109,7 +109,7 @@ def test_norms_shift_and_scale_properties():
 
 @pytest.mark.parametrize("position", ["rope", "learned"])
 def test_kv_cache_decoding_equals_the_full_forward_pass(position):
-    _, model = tiny_model(position=position, num_kv_heads=1)
+    _, model = tiny_model(position=position, attention__num_kv_heads=1)
     tokens = random_tokens((2, 12))
     np.testing.assert_allclose(prefill_then_decode(model, tokens, prefill=7, cache_length=16),
                                model(tokens), atol=2e-5, rtol=1e-5)
@@ -153,17 +153,18 @@ def test_every_parameter_has_logical_axis_names():
 
 def test_parameter_count_equals_closed_form():
     # SwiGLU, GQA, tied head, RMSNorm: per block d·h·p + 2·d·k·p + h·p·d + 3·d·f + 2d
-    cfg, _ = tiny_model(d_ff=48)
+    cfg, _ = tiny_model(ffn__d_ff=48)
     d, h, k, p, f, v, layers = 32, 4, 2, 8, 48, 256, 2
     block = d * h * p + 2 * d * k * p + h * p * d + 3 * d * f + 2 * d
     assert parameter_count(cfg) == v * d + layers * block + d
-    cfg, _ = tiny_model(d_ff=48, head="untied", norm="layernorm", ffn="mlp", position="learned")
+    cfg, _ = tiny_model(ffn__d_ff=48, head="untied", norm="layernorm", ffn="mlp",
+                        position="learned")
     block = d * h * p + 2 * d * k * p + h * p * d + 2 * d * f + 4 * d
     assert parameter_count(cfg) == v * d + 16 * d + layers * block + 2 * d + d * v
 
 
 def test_flops_per_token_closed_form():
-    cfg, _ = tiny_model(d_ff=48)
+    cfg, _ = tiny_model(ffn__d_ff=48)
     d, h, k, p, f, v, layers, t = 32, 4, 2, 8, 48, 256, 2, 16
     matmul = layers * (d * h * p + 2 * d * k * p + h * p * d + 3 * d * f) + v * d
     assert matmul_parameter_count(cfg) == matmul
@@ -171,8 +172,8 @@ def test_flops_per_token_closed_form():
 
 
 def test_flops_count_reused_head_weights_and_mla_widths():
-    cfg_mos, _ = tiny_model(head="mos", mos_components=3)
-    cfg_moc, _ = tiny_model(head="moc", mos_components=3)
+    cfg_mos, _ = tiny_model(head="mos", head__mos_components=3)
+    cfg_moc, _ = tiny_model(head="moc", head__mos_components=3)
     v, d = 256, 32
     assert matmul_parameter_count(cfg_mos) - matmul_parameter_count(cfg_moc) == 2 * v * d
     cfg, _ = tiny_model(attention="mla", mla__kv_rank=16, mla__rope_dim=8, mla__nope_dim=6,

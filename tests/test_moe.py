@@ -218,7 +218,7 @@ def test_accounting_counts_routed_experts_at_k_over_e():
     dense = tiny_config(ffn="swiglu")
     validate(dense, 1)
     layers, d, f, experts, k = 2, D, cfg.moe.d_ff, 4, 2
-    assert f == cfg.d_ff == 128
+    assert f == cfg.ffn.d_ff == 128
     dense_ffn = 3 * d * f
     router, routed, shared = d * experts, 3 * experts * d * f, 3 * d * f
     total = parameter_count(dense.model) + layers * (router + routed + shared - dense_ffn)

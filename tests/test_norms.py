@@ -106,7 +106,7 @@ def test_scalenorm_output_has_norm_g_and_is_scale_invariant():
 # DyT ----------------------------------------------------------------------------------------------
 
 def test_dyt_is_gamma_tanh_alpha_x_plus_beta_with_configured_alpha():
-    cfg = resolved(norm="dyt", dyt_alpha_init=0.8)
+    cfg = resolved(norm="dyt", norm__dyt_alpha_init=0.8)
     norm = make_norm(cfg, rngs=nnx.Rngs(0))
     assert isinstance(norm, DynamicTanh)
     assert isinstance(norm.alpha, nnx.Param) and norm.alpha[...].shape == (1,)  # one scalar α
@@ -132,20 +132,20 @@ def test_dyt_is_not_scale_invariant_unlike_the_statistical_norms():
 # GatedNorm ----------------------------------------------------------------------------------------
 
 def test_gatednorm_equals_rmsnorm_times_sigmoid_gate_by_hand():
-    cfg = resolved(norm="gatednorm", gated_norm_rank=4)
+    cfg = resolved(norm="gatednorm", norm__gated_rank=4)
     norm = make_norm(cfg, rngs=nnx.Rngs(0))
     assert isinstance(norm, GatedNorm)
     assert norm.scale[...].shape == (D,)
     assert norm.gate_down.kernel[...].shape == (D, 4) and norm.gate_up.kernel[...].shape == (4, D)
     x = inputs()
-    rms = RMSNorm(D, eps=cfg.norm_eps, rngs=nnx.Rngs(0))
+    rms = RMSNorm(D, eps=cfg.norm.eps, rngs=nnx.Rngs(0))
     # At initialization W_up = 0: the gate is exactly σ(0) = 1/2 for every feature and token.
     np.testing.assert_array_equal(norm.gate_up.kernel[...], 0.0)
     np.testing.assert_allclose(norm(x), 0.5 * rms(x), rtol=1e-6)
     randomize(norm)  # gain and W_down
     norm.gate_up.kernel[...] = 0.3 * jax.random.normal(jax.random.key(3), (4, D))
     p, x64 = params_of(norm), np.asarray(x, np.float64)
-    n = x64 / np.sqrt(np.mean(x64**2, -1, keepdims=True) + cfg.norm_eps) * p["scale"]
+    n = x64 / np.sqrt(np.mean(x64**2, -1, keepdims=True) + cfg.norm.eps) * p["scale"]
     gate = 1 / (1 + np.exp(-(n @ p["gate_down.kernel"] @ p["gate_up.kernel"])))
     assert gate.min() < 0.25 and gate.max() > 0.75  # a real, feature-wise gate of both signs
     np.testing.assert_allclose(norm(x), n * gate, rtol=1e-5, atol=1e-6)
@@ -153,10 +153,10 @@ def test_gatednorm_equals_rmsnorm_times_sigmoid_gate_by_hand():
 
 def test_gatednorm_rank_comes_from_config_and_must_be_positive():
     assert GatedNorm(D, rngs=nnx.Rngs(0)).gate_down.kernel[...].shape == (D, 16)  # default r
-    norm = make_norm(resolved(norm="gatednorm", gated_norm_rank=3), dim=8, rngs=nnx.Rngs(0))
+    norm = make_norm(resolved(norm="gatednorm", norm__gated_rank=3), dim=8, rngs=nnx.Rngs(0))
     assert norm.gate_up.kernel[...].shape == (3, 8)
-    with pytest.raises(ConfigError, match=r"^model.gated_norm_rank=0 is invalid: must be a "):
-        resolved(norm="gatednorm", gated_norm_rank=0)
+    with pytest.raises(ConfigError, match=r"^model.norm.gated_rank=0 is invalid: must be a "):
+        resolved(norm="gatednorm", norm__gated_rank=0)
 
 
 # none ---------------------------------------------------------------------------------------------
@@ -175,8 +175,8 @@ def test_make_norm_builds_the_configured_norm_with_its_options():
         assert type(norm) is NORMS[name]
         x = inputs(shape=(3, 8)).astype(jnp.bfloat16)
         assert norm(x).shape == x.shape and norm(x).dtype == jnp.bfloat16  # compute dtype kept
-    with pytest.raises(ConfigError, match=r"^model.dyt_alpha_init=0.0 is invalid"):
-        resolved(norm="dyt", dyt_alpha_init=0.0)
+    with pytest.raises(ConfigError, match=r"^model.norm.dyt_alpha_init=0.0 is invalid"):
+        resolved(norm="dyt", norm__dyt_alpha_init=0.0)
 
 
 # FixNorm ------------------------------------------------------------------------------------------
@@ -200,7 +200,8 @@ def test_fixnorm_rows_have_the_fixed_norm_in_lookup_and_tied_head(scale):
 
 
 def test_fixnorm_needs_a_tied_head():
-    with pytest.raises(ConfigError, match=r"^model.fixnorm=True is invalid: .*model.head='tied'"):
+    with pytest.raises(ConfigError,
+                       match=r"^model.fixnorm=True is invalid: .*model.head.name='tied'"):
         resolved(fixnorm=True, head="untied")
     with pytest.raises(ConfigError, match=r"^model.fixnorm_scale=-1.0 is invalid"):
         resolved(fixnorm=True, fixnorm_scale=-1.0)

@@ -123,7 +123,8 @@ def test_bubble_fraction():
     (dict(model=dict(num_layers=6), mesh=dict(data=2, stage=4)),
      "model.num_layers=6 is invalid: its 6 layers must split evenly into mesh.stage × "
      "execution.pipeline.virtual_stages = 4×1 = 4 pipeline chunks"),
-    (dict(model=dict(num_layers=4, ffn="moe", moe=dict(every=2)), mesh=dict(data=2, stage=4)),
+    (dict(model=dict(num_layers=4, ffn=dict(name="moe"), moe=dict(every=2)), mesh=dict(data=2,
+                                                                                       stage=4)),
      "model.num_layers=4 is invalid: its 2 layer groups (num_layers / moe.every) must split "
      "evenly into mesh.stage × execution.pipeline.virtual_stages = 4×1 = 4 pipeline chunks"),
     (dict(execution=dict(pipeline=dict(schedule="circular", virtual_stages=2)),
@@ -149,9 +150,9 @@ def test_bubble_fraction():
           mesh=dict(data=4, stage=2)),
      "model.reversible=True is invalid: reversible blocks are not pipelined; use mesh.stage=1 "
      "(got mesh.stage=2)"),
-    (dict(model=dict(norm="batchnorm"), execution=dict(pipeline=dict(microbatches=2)),
+    (dict(model=dict(norm=dict(name="batchnorm")), execution=dict(pipeline=dict(microbatches=2)),
           mesh=dict(data=4, stage=2)),
-     "model.norm='batchnorm' is invalid: batch statistics of a microbatch differ from the "
+     "model.norm.name='batchnorm' is invalid: batch statistics of a microbatch differ from the "
      "batch's under mesh.stage=2; use a per-token norm or mesh.stage=1"),
 ], ids=lambda x: str(x)[:48])
 def test_bad_pipeline_config_is_one_clear_line(overrides, message):

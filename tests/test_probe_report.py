@@ -48,7 +48,7 @@ def test_report_files_and_numbers(run, capsys):
     evaluation = report["evaluation"]  # a byte-level run: one byte per token
     assert evaluation["bytes_per_token"] == 1.0 and evaluation["tokenizer"] == "byte"
     assert evaluation["loss_per_byte"] == evaluation["loss_per_token"] == report["heads"]["loss"]
-    assert np.shape(report["heads"]["loss_change"]) == (3, config.model.num_heads)
+    assert np.shape(report["heads"]["loss_change"]) == (3, config.model.attention.num_heads)
     assert len(report["depth"]["hidden_rms"]) == 4 and report["pruning"]["num_layers"] == 2
     influence = report["depth"]["block_influence"]
     assert report["pruning"]["dropped"] == [int(np.argmin(influence))]

@@ -24,7 +24,7 @@ def edited():
     block 1 is the identity (attention and FFN output projections zero), head 1 of block 0 has a
     zero output slice, head 3 of block 0 attends exactly like head 2 (query and key copied), and
     block 0's attention norm has gain GAIN."""
-    _, model = tiny_model(ffn="mlp", activation="relu", num_kv_heads=4)
+    _, model = tiny_model(ffn="mlp", ffn__activation="relu", attention__num_kv_heads=4)
     blocks = model.blocks
     blocks.attention.output.kernel[...] = blocks.attention.output.kernel[...].at[1].set(0)
     blocks.ffn.down.kernel[...] = blocks.ffn.down.kernel[...].at[1].set(0)
@@ -153,12 +153,13 @@ def test_unsupported_models_give_one_clear_line():
         probes.depth_profile(abstract_model(config.model), random_tokens((2, 17)))
     config = tiny_config(residual="deepnorm")
     validate(config, 1)
-    with pytest.raises(ValueError, match="model.residual='deepnorm': pruning changes"):
+    with pytest.raises(ValueError, match="model.residual.name='deepnorm': pruning changes"):
         probes.prune_blocks(abstract_model(config.model), [0])
     # width, n = 4: without block 0 (2 sublayers) block 1 would write into other branches.
     config = tiny_config(residual="width")
     validate(config, 1)
-    with pytest.raises(ValueError, match=r"model.residual='width': dropping blocks \[0\] moves"):
+    with pytest.raises(ValueError,
+                       match=r"model.residual.name='width': dropping blocks \[0\] moves"):
         probes.prune_blocks(abstract_model(config.model), [0])
     # AttnRes blocks of S = 4 sublayers: {0..3}, {4, 5}; without block 0, 2..5 would be one.
     config = tiny_config(residual="block_attnres", num_layers=3)
@@ -224,15 +225,15 @@ def zero_outputs(model, block: int):
 
 
 def test_hc_at_its_pre_norm_initialization_has_the_pre_norm_profile(edited):
-    """Static HC (`residual_dynamic=False`; the dynamic part's zero-initialized projections
+    """Static HC (`residual__dynamic=False`; the dynamic part's zero-initialized projections
     would add 0) with n = 4 streams at its Pre-Norm initialization, holding the Pre-Norm model's
     parameters: every stream is the Pre-Norm stream x_i, the readout
     h_i = Σ_m h_m = 4·x_i, each read's mixture is x_i, and ∂loss/∂u_i = Σ_m ∂loss/∂h_m =
     ∂loss/∂x_i. So the profile is Pre-Norm's, with the hidden RMS and the final norm's input ×4
     (the final norm removes the scale, up to its ε)."""
     reference, tokens_BxT1, expected = edited
-    _, model = tiny_model(residual="hc", residual_dynamic=False, ffn="mlp", activation="relu",
-                          num_kv_heads=4)
+    _, model = tiny_model(residual="hc", residual__dynamic=False, ffn="mlp", ffn__activation="relu",
+                          attention__num_kv_heads=4)
     copy_params(reference, model)
     profile = probes.depth_profile(model, tokens_BxT1, sparsity_threshold=0.05)
     assert profile["loss"] == pytest.approx(expected["loss"], rel=1e-5)
@@ -303,7 +304,7 @@ def test_block_attnres_profile_and_pruning():
 
 def test_gated_residual_profile_is_the_model_and_finite():
     tokens_BxT1 = random_tokens((2, 17))
-    _, model = tiny_model(residual="gated_residual", residual_dynamic=False)
+    _, model = tiny_model(residual="gated_residual", residual__dynamic=False)
     profile = probes.depth_profile(model, tokens_BxT1, gradients=False)
     assert profile["loss"] == pytest.approx(probes.batch_loss(model, tokens_BxT1), rel=1e-6)
     assert all(np.isfinite(value).all() for value in jax.tree.leaves(profile))

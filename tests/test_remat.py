@@ -43,8 +43,8 @@ def test_every_policy_gives_the_loss_and_gradients_of_none(residual):
 
 
 def _temp_bytes(policy: str) -> int:
-    program = _program(execution__remat=policy, num_layers=8, d_model=64, num_heads=4,
-                       num_kv_heads=4)
+    program = _program(execution__remat=policy, num_layers=8, d_model=64, attention__num_heads=4,
+                       attention__num_kv_heads=4)
     return compile_train_step(program)[1].memory_analysis().temp_size_in_bytes
 
 

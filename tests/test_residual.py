@@ -23,7 +23,7 @@ def mechanism(name, **overrides):
 def test_read_and_write_follow_their_equations(name):
     cfg, residual = mechanism(name, num_layers=6)
     x, y = jax.random.normal(jax.random.key(0), (2, 2, 5, cfg.d_model))
-    norm = LayerNorm(cfg.d_model, eps=cfg.norm_eps, rngs=nnx.Rngs(0))
+    norm = LayerNorm(cfg.d_model, eps=cfg.norm.eps, rngs=nnx.Rngs(0))
     alpha = (2 * 6) ** 0.25
     expected_read = {"prenorm": norm(x), "noskip": norm(x)}.get(name, x)
     expected_write = {"prenorm": x + y, "postnorm": norm(x + y), "deepnorm": norm(alpha * x + y),
@@ -36,7 +36,7 @@ def test_read_and_write_follow_their_equations(name):
                                               ("noskip", True), ("noskip", False),
                                               ("prenorm", False)])
 def test_placements_compose_with_the_model_and_stay_causal(residual, use_ffn):
-    _, model = tiny_model(residual=residual, use_ffn=use_ffn, final_norm=residual == "prenorm")
+    _, model = tiny_model(residual=residual, use_ffn=use_ffn, norm__final=residual == "prenorm")
     tokens = random_tokens((2, 16))
     changed = tokens.at[:, 11:].set((tokens[:, 11:] + 3) % 256)
     before, after = model(tokens), model(changed)

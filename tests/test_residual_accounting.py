@@ -46,7 +46,7 @@ def model_cfg(residual: str, sublayers: int, **fields) -> ml_collections.ConfigD
 
 def io_of(residual: str, sublayers: int, block_size: int = 1, streams: int = 1, **fields):
     return residual_io(model_cfg(residual, sublayers, attnres__block_size=block_size,
-                                 residual_streams=streams, **fields))
+                                 residual__streams=streams, **fields))
 
 
 # The AttnRes report's residual I/O per token per sublayer at L = 128 sublayers, S = 16, n = 4.
@@ -81,7 +81,7 @@ def test_residual_history_per_token():
     assert residual_history(model_cfg("attnres", sublayers=128)) == 129
     assert residual_history(model_cfg("block_attnres", sublayers=128,
                                       attnres__block_size=16)) == 9
-    assert residual_history(model_cfg("mhc", sublayers=128, residual_streams=4)) == 4
+    assert residual_history(model_cfg("mhc", sublayers=128, residual__streams=4)) == 4
 
 
 @pytest.mark.parametrize("mechanism", list(RESIDUALS))
@@ -115,28 +115,29 @@ def expected_added_parameters(cfg) -> int:
     """What each mechanism's files create (arch/attnres.py, arch/hyper.py,
     arch/gated_residual.py), minus the plain sum's RMSNorm gain (d) per sublayer, where a
     mechanism has no Pre-Norm of its own."""
-    L, n, d, r = 2 * cfg.num_layers, cfg.residual_streams, cfg.d_model, cfg.gated_residual.rank
-    if cfg.residual in ("attnres", "block_attnres"):  # pseudo-queries w_0 … w_L, final read's too
+    L, n, d, r = 2 * cfg.num_layers, cfg.residual.streams, cfg.d_model, cfg.gated_residual.rank
+    if cfg.residual.name in ("attnres",
+                             "block_attnres"):  # pseudo-queries w_0 … w_L, final read's too
         return (L + 1) * d
-    if cfg.residual == "hc":  # static a, A_r, b; norm of H̄, W_m, W_r, W_β, s_α, s_β
-        return L * (n + n * n + n + (d + d + d * n + d + 2) * cfg.residual_dynamic)
-    if cfg.residual == "mhc":  # biases; norm over n·d, φ_pre, φ_post, φ_res, three α
+    if cfg.residual.name == "hc":  # static a, A_r, b; norm of H̄, W_m, W_r, W_β, s_α, s_β
+        return L * (n + n * n + n + (d + d + d * n + d + 2) * cfg.residual.dynamic)
+    if cfg.residual.name == "mhc":  # biases; norm over n·d, φ_pre, φ_post, φ_res, three α
         return L * (2 * n + n * n + (n * d + 2 * n * d * n + n * d * n * n + 3)
-                    * cfg.residual_dynamic)
-    if cfg.residual == "width":
+                    * cfg.residual.dynamic)
+    if cfg.residual.name == "width":
         return L * n
-    if cfg.residual == "gated_residual":  # gains, W_down, two gates (bias + W_up) − the norm
+    if cfg.residual.name == "gated_residual":  # gains, W_down, two gates (bias + W_up) − the norm
         def gate(which):
             switch = cfg.gated_residual[f"channelwise_{which}"]
             width = d if (cfg.gated_residual.channelwise if switch is None else switch) else 1
-            return n * width * cfg.gated_residual.static + r * n * width * cfg.residual_dynamic
-        return L * (n * d + n * d * r * cfg.residual_dynamic + gate("read") + gate("write")
+            return n * width * cfg.gated_residual.static + r * n * width * cfg.residual.dynamic
+        return L * (n * d + n * d * r * cfg.residual.dynamic + gate("read") + gate("write")
                     + n * n * cfg.gated_residual.mixing - d)
-    raise AssertionError(cfg.residual)
+    raise AssertionError(cfg.residual.name)
 
 
 MECHANISMS = [dict(residual="attnres"), dict(residual="block_attnres", attnres__block_size=2),
-              dict(residual="hc"), dict(residual="hc", residual_dynamic=False),
+              dict(residual="hc"), dict(residual="hc", residual__dynamic=False),
               dict(residual="mhc"), dict(residual="width"), dict(residual="gated_residual"),
               dict(residual="gated_residual", gated_residual__channelwise=False,
                    gated_residual__mixing=True,
@@ -155,14 +156,14 @@ def test_accounting_of_the_mechanisms(model):
         pytest.skip(f"{model['residual']} is not registered")
     cfg = resolved(num_layers=3, **model)
     books = residual_accounting(cfg)
-    d, n, L = cfg.d_model, cfg.residual_streams, 6
+    d, n, L = cfg.d_model, cfg.residual.streams, 6
     assert books["added_parameters"] == expected_added_parameters(cfg)
     io = residual_io(cfg)
     assert books["io_per_token_per_sublayer"] == io.total
-    history = {"attnres": L + 1, "block_attnres": 3 + 1}.get(cfg.residual, n) * d
+    history = {"attnres": L + 1, "block_attnres": 3 + 1}.get(cfg.residual.name, n) * d
     assert books["history_elements_per_token"] == history
     # what the scan carries: AttnRes adds a cached 1/rms per source and head, FP8 a scale per row
-    extra = {"attnres": L + 1, "block_attnres": 3 + 1}.get(cfg.residual, 0)
+    extra = {"attnres": L + 1, "block_attnres": 3 + 1}.get(cfg.residual.name, 0)
     extra += n if cfg.gated_residual.state_dtype == "float8_e4m3fn" else 0
     assert books["state_elements_per_token"] == history + extra
     # float8: branches at 1 byte (+ scale), the rest float32
@@ -226,7 +227,7 @@ def test_mixing_rows_follow_network_order_with_interleaved_moe():
     # ffn), so the rows must come out as 0, 0.5, 1, 1.5, 10, ... in network order.
     cfg, model = tiny_model(residual="width", ffn="moe", moe__every=2, num_layers=4,
                             moe__experts=4)
-    n = cfg.residual_streams
+    n = cfg.residual.streams
     for j in range(2):
         block = getattr(model.blocks, f"block_{j}")
         for offset, residual in ((0.0, block.attention_residual), (0.5, block.ffn_residual)):
@@ -302,8 +303,8 @@ def test_attnres_prefill_history_bytes_per_sequence_and_per_device():
     block summaries (N·T·d at d = 7168 in bfloat16) before sequence sharding; the books count
     the embedding source too, (N + 1)·T·d."""
     cfg = resolved(residual="block_attnres", num_layers=8, attnres__block_size=2,
-                   d_model=7168, num_heads=56, num_kv_heads=8, dtype="bfloat16",
-                   max_seq_len=131072)
+                   d_model=7168, attention__num_heads=56, attention__num_kv_heads=8,
+                   dtype="bfloat16", max_seq_len=131072)
     tokens, d, blocks = 131072, 7168, 8
     history = books(cfg, tokens, sequence_shards=8)["residual"]
     assert history["history_bytes_per_sequence"] == (blocks + 1) * tokens * d * 2

@@ -145,17 +145,17 @@ def test_train_step_on_2x2x2_mesh_matches_one_device():
 
 @pytest.mark.parametrize("overrides, message", [
     (dict(residual="postnorm"),
-     "model.reversible=True is invalid: reversible blocks need model.residual='prenorm' "
+     "model.reversible=True is invalid: reversible blocks need model.residual.name='prenorm' "
      "(got 'postnorm')"),
     (dict(use_ffn=False),
      "model.reversible=True is invalid: reversible blocks couple attention with an FFN; "
      "set model.use_ffn=True"),
     (dict(norm="batchnorm"),
      "model.reversible=True is invalid: reversible blocks cannot replay running statistics of "
-     "model.norm='batchnorm'; use a stateless norm"),
+     "model.norm.name='batchnorm'; use a stateless norm"),
     (dict(ffn="moe"),
      "model.reversible=True is invalid: reversible blocks do not carry the MoE auxiliary "
-     "losses; use a dense model.ffn"),
+     "losses; use a dense model.ffn.name"),
 ])
 def test_invalid_configs(overrides, message):
     config = tiny_config(reversible=True, **overrides)

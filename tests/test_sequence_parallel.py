@@ -176,11 +176,12 @@ def test_sequence_parallel_config_errors():
         "gives each sequence shard two chunks)")
     assert error(execution__sequence_attention="ring", attention="mla").startswith(
         "execution.sequence_attention='ring' is invalid: ring attention supports "
-        "model.attention='mha' (got 'mla')")
+        "model.attention.name='mha' (got 'mla')")
     assert error(mesh=dict(stage=2), execution__sequence_attention="ring") == (
         "execution.sequence_attention='ring' is invalid: ring attention does not run inside the "
         "pipeline (mesh.stage=2); use execution.sequence_attention='all_gather'")
     assert error(execution__sequence_attention="ulysses").startswith(
         "execution.sequence_attention='ulysses' is invalid: valid: all_gather, ring")
-    assert error(norm="causal_batchnorm").startswith("model.norm='causal_batchnorm' is invalid")
+    assert error(norm="causal_batchnorm").startswith(
+        "model.norm.name='causal_batchnorm' is invalid")
     assert error(ffn="moe").startswith("model.moe.dropless=False is invalid: MoE capacity")

@@ -279,7 +279,7 @@ def test_training_from_shards_resumes_after_sigkill_and_reshards_identically(
                    steps=6, checkpoint_every=2, batch_size=8, seq_len=16, log_every=1,
                    eval_every=1000, eval_batches=1, sample_tokens=0, mesh__data=1,
                    model__vocab_size=0, model__d_model=32, model__num_layers=2,
-                   model__num_heads=4, model__num_kv_heads=2,
+                   model__attention__num_heads=4, model__attention__num_kv_heads=2,
                    optimizer__warmup_steps=2).items()]]
     command = [arg.replace("__", ".") for arg in command]
     killed = subprocess.Popen(command, cwd=REPO, env=one_device_env(), stdout=subprocess.PIPE,

@@ -154,10 +154,10 @@ def test_every_arm_of_a_study_file_is_a_valid_config_at_every_scale(path):
 def test_the_gated_residual_table_arms_change_what_they_name():
     module = load_module(str(ROOT / "experiments/gated_residual_table.py"), "--study")
     models = {arm: module.get_config(f"{arm},cpu").model for arm in module.ARMS}
-    assert models["prenorm"].residual == "prenorm"
-    assert models["mhc_static"].residual_dynamic is False and models["mhc"].residual_dynamic
+    assert models["prenorm"].residual.name == "prenorm"
+    assert models["mhc_static"].residual.dynamic is False and models["mhc"].residual.dynamic
     gr = models["gr"]
-    assert (gr.residual, gr.residual_streams) == ("gated_residual", 4)
+    assert (gr.residual.name, gr.residual.streams) == ("gated_residual", 4)
     assert gr.gated_residual.to_dict() == base_config().model.gated_residual.to_dict()
     changed = {"gr_no_channel_read": ("channelwise_read", False),
                "gr_no_channel_write": ("channelwise_write", False),

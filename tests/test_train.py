@@ -114,14 +114,18 @@ def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_pa
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (dict(model=dict(num_kv_heads=3)), "model.num_kv_heads=3 is invalid: must divide"),
-    (dict(model=dict(head_dim=16)), "set model.attention_width=64"),
-    (dict(model=dict(norm="groupnorm")), "valid norms: batchnorm, causal_batchnorm, dyt,"),
-    (dict(model=dict(ffn="conv")), "valid ffns: geglu, glu, mlp, moe, reglu, swiglu"),
+    (dict(model=dict(attention=dict(num_kv_heads=3))),
+     "model.attention.num_kv_heads=3 is invalid: must divide"),
+    (dict(model=dict(attention=dict(head_dim=16))), "set model.attention.width=64"),
+    (dict(model=dict(norm=dict(name="groupnorm"))),
+     "valid norms: batchnorm, causal_batchnorm, dyt,"),
+    (dict(model=dict(ffn=dict(name="conv"))), "valid ffns: geglu, glu, mlp, moe, reglu, swiglu"),
     (dict(mesh=dict(data=3)), "product 3 ≠ the 8 devices"),
     (dict(batch_size=6, mesh=dict(data=4, fsdp=2)), "batch_size=6 is invalid"),
-    (dict(mesh=dict(data=1, tensor=8)), "model.num_heads=4 is invalid: must be divisible by mesh"),
-    (dict(model=dict(d_ff=50), mesh=dict(data=2, tensor=4)), "model.d_ff=50 is invalid"),
+    (dict(mesh=dict(data=1, tensor=8)),
+     "model.attention.num_heads=4 is invalid: must be divisible by mesh"),
+    (dict(model=dict(ffn=dict(d_ff=50)), mesh=dict(data=2, tensor=4)),
+     "model.ffn.d_ff=50 is invalid"),
     (dict(mesh=dict(data=-1, fsdp=-1)), "only one mesh axis may be -1"),
 ], ids=lambda x: str(x)[:40])
 def test_bad_config_is_one_clear_line(overrides, message):
@@ -138,8 +142,8 @@ def cli(*args):
                           text=True, timeout=300)
 
 
-TINY_CLI = ["--config.steps=4", "--config.model.d_model=32", "--config.model.num_heads=4",
-            "--config.model.num_kv_heads=2", "--config.model.num_layers=1",
+TINY_CLI = ["--config.steps=4", "--config.model.d_model=32", "--config.model.attention.num_heads=4",
+            "--config.model.attention.num_kv_heads=2", "--config.model.num_layers=1",
             "--config.seq_len=16", "--config.batch_size=4", "--config.eval_every=2",
             "--config.eval_batches=1", "--config.log_every=1", "--config.sample_tokens=24",
             "--config.optimizer.warmup_steps=1"]
@@ -160,7 +164,7 @@ def test_cli_trains_evaluates_and_samples(tmp_path):
         assert math.isfinite(record["train_loss"]) and record["tokens_per_sec"] > 0
     assert [r["step"] for r in records if "eval_loss" in r] == [2, 4]
     saved = json.loads((tmp_path / "config.json").read_text())
-    assert saved["model"]["head_dim"] == 8 and saved["steps"] == 4
+    assert saved["model"]["attention"]["head_dim"] == 8 and saved["steps"] == 4
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
 
     generated = cli("-m", "train.generate", "--workdir", str(tmp_path), "--prompt", "In the",
@@ -171,9 +175,9 @@ def test_cli_trains_evaluates_and_samples(tmp_path):
 
 @pytest.mark.parametrize("args,message", [
     (["--config", "experiments/nope.py"], "error: --config=experiments/nope.py does not exist"),
-    (["--config", "experiments/quickstart.py", "--config.model.num_kv_heads=5"],
-     "error: model.num_kv_heads=5 is invalid"),
-    (["--config", "experiments/quickstart.py", "--config.model.position=alibi"],
+    (["--config", "experiments/quickstart.py", "--config.model.attention.num_kv_heads=5"],
+     "error: model.attention.num_kv_heads=5 is invalid"),
+    (["--config", "experiments/quickstart.py", "--config.model.position.name=alibi"],
      "valid positions: learned, none, rope"),
 ], ids=["missing-file", "kv-heads", "unknown-position"])
 def test_cli_bad_input_exits_2_with_one_line(tmp_path, args, message):

@@ -24,9 +24,9 @@ from train.step import TrainProgram
 
 VARIANTS = {
     "postnorm-scalenorm-geglu-untied": dict(residual="postnorm", norm="scalenorm", ffn="geglu",
-                                            head="untied", head_bias=True, final_norm=False),
+                                            head="untied", head__bias=True, norm__final=False),
     "deepnorm-layernorm-reglu-mos": dict(residual="deepnorm", norm="layernorm", ffn="reglu",
-                                         head="mos", final_norm=False,
+                                         head="mos", norm__final=False,
                                          init=dict(value="deepnorm", attention_output="deepnorm",
                                                    ffn_input="deepnorm", ffn_output="deepnorm")),
     "mhc-dyt-glu-moc-learned-bert": dict(residual="mhc", norm="dyt", ffn="glu", head="moc",
@@ -34,21 +34,22 @@ VARIANTS = {
     "gated-residual-gatednorm-leaky-fixnorm-depth-scaled": dict(
         residual="gated_residual", gated_residual__mixing=True, gated_residual__channelwise=False,
         norm="gatednorm",
-        ffn="mlp", activation="leaky_relu", fixnorm=True,
+        ffn="mlp", ffn__activation="leaky_relu", fixnorm=True,
         init=dict(attention_output="depth_scaled", ffn_output="depth_scaled")),
     "block-attnres-causal-batchnorm-mla-tanh": dict(
         residual="block_attnres", attnres__block_size=3, norm="causal_batchnorm",
-        attention="mla", ffn="mlp", activation="tanh", mla__kv_rank=16, mla__rope_dim=8),
+        attention="mla", ffn="mlp", ffn__activation="tanh", mla__kv_rank=16, mla__rope_dim=8),
     "attnres-heads-batchnorm-hardtanh-xavier": dict(residual="attnres", attnres__heads=2,
                                                     norm="batchnorm", ffn="mlp",
-                                                    activation="hardtanh",
+                                                    ffn__activation="hardtanh",
                                                     init=dict(default="xavier")),
-    "noskip-none-sigmoid": dict(residual="noskip", norm="none", ffn="mlp", activation="sigmoid"),
-    "hc-relu-zero-outputs": dict(residual="hc", ffn="mlp", activation="relu",
+    "noskip-none-sigmoid": dict(residual="noskip", norm="none", ffn="mlp",
+                                ffn__activation="sigmoid"),
+    "hc-relu-zero-outputs": dict(residual="hc", ffn="mlp", ffn__activation="relu",
                                  init=dict(attention_output="zeros", ffn_output="zeros")),
     "width-moe-every-2nd-shared-mlp-silu": dict(residual="width", ffn="moe", moe__every=2,
                                                 moe__experts=4, moe__shared_experts=1,
-                                                moe__expert_ffn="mlp", activation="silu"),
+                                                moe__expert_ffn="mlp", ffn__activation="silu"),
 }
 
 # A residual mechanism no combination above rides with trains alone, with the defaults: every
@@ -59,7 +60,8 @@ VARIANTS.update({f"{name}-alone": dict(residual=name) for name in RESIDUALS
 
 def test_variants_cover_every_registered_choice():
     used = {field: {v.get(field) for v in VARIANTS.values()} for field in
-            ("attention", "norm", "residual", "ffn", "activation", "head")}
+            ("attention", "norm", "residual", "ffn", "head")}
+    used["activation"] = {v.get("ffn__activation") for v in VARIANTS.values()}
     used["init"] = {s for v in VARIANTS.values() for s in v.get("init", {}).values()}
     defaults = {"attention": "mha", "norm": "rmsnorm", "residual": "prenorm", "ffn": "swiglu",
                 "head": "tied", "activation": "gelu", "init": "fan_in"}

@@ -32,11 +32,12 @@ def validate(config, device_count: int, slice_count: int = 1) -> dict[str, int]:
           f"must be divisible by mesh.data×mesh.fsdp×mesh.expert = {batch_shards}")
     _check_accumulation(config, batch_shards, mesh["stage"])
     tensor = mesh["tensor"]
-    check(model.num_heads % tensor == 0, "model.num_heads", model.num_heads,
+    heads = model.attention.num_heads
+    check(heads % tensor == 0, "model.attention.num_heads", heads,
           f"must be divisible by mesh.tensor={tensor}")
-    check(model.d_ff % tensor == 0, "model.d_ff", model.d_ff,
+    check(model.ffn.d_ff % tensor == 0, "model.ffn.d_ff", model.ffn.d_ff,
           f"must be divisible by mesh.tensor={tensor}")
-    if model.ffn == "moe":
+    if model.ffn.name == "moe":
         check(model.moe.experts % mesh["expert"] == 0, "model.moe.experts", model.moe.experts,
               f"must be divisible by mesh.expert={mesh['expert']}")
         check(model.moe.d_ff % tensor == 0, "model.moe.d_ff", model.moe.d_ff,
@@ -71,16 +72,16 @@ def _check_sequence_parallel(config, shards: int, stages: int) -> None:
           f"must be divisible by 2×mesh.sequence = {2 * shards} (causal load balancing gives "
           "each sequence shard two chunks)")
     if execution.sequence_attention == "ring":
-        check(model.attention == "mha", "execution.sequence_attention", "ring",
-              f"ring attention supports model.attention='mha' (got {model.attention!r}); use "
-              "execution.sequence_attention='all_gather'")
+        check(model.attention.name == "mha", "execution.sequence_attention", "ring",
+              "ring attention supports model.attention.name='mha' (got "
+              f"{model.attention.name!r}); use execution.sequence_attention='all_gather'")
         check(stages == 1, "execution.sequence_attention", "ring",
               f"ring attention does not run inside the pipeline (mesh.stage={stages}); use "
               "execution.sequence_attention='all_gather'")
-    check(model.norm != "causal_batchnorm", "model.norm", model.norm,
+    check(model.norm.name != "causal_batchnorm", "model.norm.name", model.norm.name,
           f"its statistics accumulate in token order, which mesh.sequence={shards} permutes "
           "(striping); use another norm or mesh.sequence=1")
-    if model.use_ffn and model.ffn == "moe":
+    if model.use_ffn and model.ffn.name == "moe":
         check(model.moe.dropless, "model.moe.dropless", model.moe.dropless,
               f"MoE capacity goes first-come-first-served in token order, which "
               f"mesh.sequence={shards} permutes (striping); set model.moe.dropless=True or "

@@ -14,9 +14,7 @@ is sampled and decoded against the cache, all inside one jitted `lax.scan`.
 from __future__ import annotations
 
 import functools
-import json
 import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -26,9 +24,9 @@ from flax import nnx
 from config import ConfigError
 from config.cli import ArgumentParser
 from config.defaults import base_config
-from config.legacy import upgrade
 from config.validate import check_generation
 from train.restore import restore_run
+from train.rundir import saved_config
 from train.tokenizer import load_tokenizer, tokenizer_of
 
 
@@ -75,7 +73,8 @@ def generate_text(program, state, prompt: str, num_tokens: int, *, temperature: 
     prompt_tokens = (tokenizer.encode(prompt) if prompt
                      else np.array([tokenizer.separator], np.int32))
     model_cfg = program.model_cfg
-    if model_cfg.position == "learned" and len(prompt_tokens) + num_tokens > model_cfg.max_seq_len:
+    length = len(prompt_tokens) + num_tokens
+    if model_cfg.position.name == "learned" and length > model_cfg.max_seq_len:
         raise ValueError(f"prompt ({len(prompt_tokens)} tokens) + num_tokens={num_tokens} exceeds "
                          f"model.max_seq_len={model_cfg.max_seq_len} of learned positions")
     with jax.set_mesh(program.mesh):
@@ -90,17 +89,16 @@ def check_arguments(workdir: str, prompt: str, num_tokens, temperature, top_k,
                     allow_extrapolation: bool) -> None:
     """Check the generation arguments against the run's config.json before anything loads:
     one-line ConfigError (or FileNotFoundError when `workdir` holds no run)."""
-    config_path = Path(workdir) / "config.json"
-    if not config_path.exists():
+    saved = saved_config(workdir, base_config().to_dict())  # over the defaults, upgraded
+    if saved is None:
         raise FileNotFoundError(f"--workdir={workdir} holds no config.json; train a model there "
                                 "first with python -m train")
-    saved = upgrade(json.loads(config_path.read_text()))
-    model = {**base_config().model.to_dict(), **saved.get("model", {})}
-    context = model["max_seq_len"] or saved.get("seq_len") or base_config().seq_len
-    tokenizer = load_tokenizer(saved.get("data", {}).get("tokenizer") or "byte")
+    model = saved["model"]
+    context = model["max_seq_len"] or saved["seq_len"]
+    tokenizer = load_tokenizer(saved["data"]["tokenizer"] or "byte")
     prompt_tokens = len(tokenizer.encode(prompt)) if prompt else 1  # "": the separator alone
-    check_generation(model["vocab_size"], model["position"], context, prompt_tokens, num_tokens,
-                     temperature, top_k, allow_extrapolation=allow_extrapolation)
+    check_generation(model["vocab_size"], model["position"]["name"], context, prompt_tokens,
+                     num_tokens, temperature, top_k, allow_extrapolation=allow_extrapolation)
 
 
 def main(argv=None) -> int:

@@ -220,7 +220,7 @@ def _may_change(field: str) -> bool:
 def identity_differences(saved: dict, new: dict, *, resolved: bool) -> list[tuple]:
     """The fields, (field, saved value, new value), in which `new` (a config as JSON data) would
     not resume the run `saved` describes (its config.json over the current defaults). With
-    `resolved` False, a None in `new` is a field not yet derived (e.g. model.head_dim) and
+    `resolved` False, a None in `new` is a field not yet derived (e.g. model.attention.head_dim) and
     matches."""
     saved_flat, new_flat = _flatten(saved), _flatten(new)
     differences = []

@@ -240,9 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     config, seq_len = program.config, tokens_BxT1.shape[1] - 1
     with jax.set_mesh(program.mesh):
         quantities = capture_mixing(model, tokens_BxT1[:, :-1])
-    mechanism = config.model.residual
+    mechanism = config.model.residual.name
     if not quantities:
-        print(f"model.residual={mechanism!r} records no mixing weights (a plain sum has "
+        print(f"model.residual.name={mechanism!r} records no mixing weights (a plain sum has "
               "none); nothing to plot", file=sys.stderr)
         return 1
     png_path = args.out

@@ -185,12 +185,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     config, seq_len = program.config, tokens_BxT1.shape[1] - 1
-    mechanism = config.model.residual
+    mechanism = config.model.residual.name
     try:
         with jax.set_mesh(program.mesh):
             result = capture_paths(model, tokens_BxT1[:, :-1])
     except MissingTerms as error:
-        print(f"error: model.residual={mechanism!r} {error}: no path decomposition",
+        print(f"error: model.residual.name={mechanism!r} {error}: no path decomposition",
               file=sys.stderr)
         return 2
     per_block = sublayers_per_block(config.model)

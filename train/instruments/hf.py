@@ -71,18 +71,20 @@ from safetensors import safe_open
 from arch.accounting import abstract_model
 from arch.hf_config import LLAMA_GATED_FFN, model_config_from_hf
 from arch.model import TransformerLM
+from config import lookup
 
 BASE_PREFIX = {"llama": "model.", "gpt2": "transformer."}
 IGNORED_SUFFIXES = {"llama": (".rotary_emb.inv_freq",), "gpt2": (".attn.bias", ".attn.masked_bias")}
 # Components each weight layout fills; `params_from_hf` refuses a config outside them.
 LAYOUTS = {
-    "llama": dict(attention="mha", norm="rmsnorm", position="rope", residual="prenorm",
-                  ffn=tuple(sorted(set(LLAMA_GATED_FFN.values()))), linear_bias=False),
-    "gpt2": dict(attention="mha", norm="layernorm", position="learned", residual="prenorm",
-                 ffn=("mlp",), linear_bias=True),
+    "llama": {"attention.name": "mha", "norm.name": "rmsnorm", "position.name": "rope",
+              "residual.name": "prenorm",
+              "ffn.name": tuple(sorted(set(LLAMA_GATED_FFN.values()))), "linear_bias": False},
+    "gpt2": {"attention.name": "mha", "norm.name": "layernorm", "position.name": "learned",
+             "residual.name": "prenorm", "ffn.name": ("mlp",), "linear_bias": True},
 }
-COMMON_LAYOUT = dict(head=("tied", "untied"), head_bias=False, final_norm=True, use_ffn=True,
-                     fixnorm=False, reversible=False)
+COMMON_LAYOUT = {"head.name": ("tied", "untied"), "head.bias": False, "norm.final": True,
+                 "use_ffn": True, "fixnorm": False, "reversible": False}
 
 
 # Weights ------------------------------------------------------------------------------------------
@@ -95,22 +97,24 @@ Rule = tuple[str, tuple[int, ...], list[tuple[tuple[str, ...], Transform]]]
 
 def _layout(cfg) -> str:
     """Which weight layout fills `cfg`'s parameters; ValueError if the config is in neither."""
-    layout = "llama" if cfg.position == "rope" else "gpt2"
+    layout = "llama" if cfg.position.name == "rope" else "gpt2"
     for field, valid in {**LAYOUTS[layout], **COMMON_LAYOUT}.items():
         allowed = valid if isinstance(valid, tuple) else (valid,)
-        if cfg[field] not in allowed:
-            raise ValueError(f"model.{field}={cfg[field]!r} is not in the {layout} weight layout "
+        if lookup(cfg, field) not in allowed:
+            raise ValueError(f"model.{field}={lookup(cfg, field)!r} is not in the {layout} weight "
+                             "layout "
                              f"(needs {' or '.join(map(repr, allowed))})")
     return layout
 
 
 def _llama_rules(cfg) -> tuple[list[Rule], list[Rule]]:
-    d, h, k, p, f, v = (cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.d_ff,
-                        cfg.vocab_size)
+    attention = cfg.attention
+    d, h, k, p, f, v = (cfg.d_model, attention.num_heads, attention.num_kv_heads,
+                        attention.head_dim, cfg.ffn.d_ff, cfg.vocab_size)
     transpose = lambda w: w.T
     top = [("model.embed_tokens.weight", (v, d), [(("embed", "embedding"), np.asarray)]),
            ("model.norm.weight", (d,), [(("final_norm", "scale"), np.asarray)])]
-    if cfg.head == "untied":
+    if cfg.head.name == "untied":
         top.append(("lm_head.weight", (v, d), [(("head", "output", "kernel"), transpose)]))
     layer = [
         ("input_layernorm.weight", (d,), [(("attention_residual", "norm", "scale"), np.asarray)]),
@@ -132,7 +136,8 @@ def _llama_rules(cfg) -> tuple[list[Rule], list[Rule]]:
 
 
 def _gpt2_rules(cfg) -> tuple[list[Rule], list[Rule]]:
-    d, h, p, f, v = cfg.d_model, cfg.num_heads, cfg.head_dim, cfg.d_ff, cfg.vocab_size
+    d, h, p = cfg.d_model, cfg.attention.num_heads, cfg.attention.head_dim
+    f, v = cfg.ffn.d_ff, cfg.vocab_size
     same = np.asarray
 
     def third(j: int, shape: tuple[int, ...]) -> Transform:  # c_attn's columns: [q | k | v]
@@ -146,7 +151,7 @@ def _gpt2_rules(cfg) -> tuple[list[Rule], list[Rule]]:
            ("transformer.wpe.weight", (cfg.max_seq_len, d), [(("position", "table"), same)]),
            ("transformer.ln_f.weight", (d,), [(("final_norm", "scale"), same)]),
            ("transformer.ln_f.bias", (d,), [(("final_norm", "bias"), same)])]
-    if cfg.head == "untied":
+    if cfg.head.name == "untied":
         top.append(("lm_head.weight", (v, d), [(("head", "output", "kernel"), lambda w: w.T)]))
     layer = [
         *norm("ln_1", "attention_residual"),
@@ -228,7 +233,7 @@ def params_from_hf(model_cfg, tensors: Mapping[str, np.ndarray]) -> nnx.State:
             continue
         for path, transform in targets:
             values[("blocks", *path)] = np.stack([transform(weight) for weight in per_layer])
-    if model_cfg.head == "tied" and HEAD_NAME in named:
+    if model_cfg.head.name == "tied" and HEAD_NAME in named:
         consumed.add(HEAD_NAME)
         embedding = named.get(EMBEDDING_NAME[layout])
         if embedding is not None and not np.array_equal(named[HEAD_NAME], embedding):

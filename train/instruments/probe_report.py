@@ -68,7 +68,7 @@ def measure(workdir: str, batch: int, seq_len: int | None, prune: int,
         raise ConfigError(f"--bottleneck_tokens={bottleneck_tokens} is invalid: must be in "
                           f"[1, {cfg.vocab_size - 1}] (vocab_size − 1)")
     length = tokens_BxT1.shape[1] - 1
-    report = {"workdir": str(workdir), "step": step, "residual": cfg.residual,
+    report = {"workdir": str(workdir), "step": step, "residual": cfg.residual.name,
               "batch": tokens_BxT1.shape[0], "seq_len": length}
     log("accounting")
     report["accounting"] = accounting.books(cfg, length)
@@ -90,7 +90,7 @@ def measure(workdir: str, batch: int, seq_len: int | None, prune: int,
                         block_influence=report["depth"]["block_influence"])
                 except ValueError as error:  # a mechanism or a choice of blocks it cannot prune
                     report["pruning_skipped"] = str(error)
-        log(f"head ablation ({layers} × {cfg.num_heads} heads)")
+        log(f"head ablation ({layers} × {cfg.attention.num_heads} heads)")
         report["heads"] = probes.head_ablation(model, tokens_BxT1)
         loss, per_token = float(report["heads"]["loss"]), bytes_per_token(tokens_BxT1,
                                                                           program.config)
@@ -237,7 +237,7 @@ def _table(header: list[str], rows: list[list]) -> str:
 def markdown(report: dict) -> str:
     books, memory = report["accounting"], report["memory"]
     parts = [f"# Probe report: {report['workdir']}", "",
-             f"Step {report['step']}, `model.residual={report['residual']}`; measured on the "
+             f"Step {report['step']}, `model.residual.name={report['residual']}`; measured on the "
              f"first validation batch: {report['batch']} sequences × {report['seq_len']} "
              "tokens. Definitions: `arch/accounting.py`, `train/instruments/probes.py`, "
              "`arch/bottleneck.py`.", ""]

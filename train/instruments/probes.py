@@ -237,7 +237,7 @@ def _walk(model: TransformerLM, tokens_BxT1, perturbations, threshold):
     to each block's input and to the last block's output (∂loss/∂x_i); otherwise added to the
     update of each block's last sublayer and to the embedding (∂loss/∂u_i)."""
     cfg = model.cfg
-    single = RESIDUALS[cfg.residual].single_stream
+    single = RESIDUALS[cfg.residual.name].single_stream
     inputs_BxT, targets_BxT = _split_tokens(tokens_BxT1)
     positions_BxT = jnp.broadcast_to(jnp.arange(inputs_BxT.shape[1]), inputs_BxT.shape)
     block_perturbations, other_perturbation = perturbations
@@ -264,7 +264,7 @@ def _walk(model: TransformerLM, tokens_BxT1, perturbations, threshold):
                 h_in = readout(state)
             boundary = _boundary_statistics(h_in)
             state, stats = _probe_block(block, state, positions_BxT, model.position.rotate,
-                                        threshold, cfg.num_heads, readout,
+                                        threshold, cfg.attention.num_heads, readout,
                                         None if single else perturbation)
             h_out = state if single else readout(state)
             h_in32, h_out32 = h_in.astype(jnp.float32), h_out.astype(jnp.float32)
@@ -305,7 +305,7 @@ def _profile(graphdef, state, tokens_BxT1, threshold, gradients: bool):
     (loss, (per_block, final)), (block_grads, other_grad) = jax.value_and_grad(
         loss_fn, argnums=1, has_aux=True)(state, zeros)
     block_grads = block_grads.reshape(cfg.num_layers, b, t, cfg.d_model)
-    ordered = ([block_grads, other_grad[None]] if RESIDUALS[cfg.residual].single_stream
+    ordered = ([block_grads, other_grad[None]] if RESIDUALS[cfg.residual.name].single_stream
                else [other_grad[None], block_grads])  # boundaries 0..L
     grads = jnp.concatenate(ordered).astype(jnp.float32)
     gradient_rms = jnp.sqrt(jnp.mean(grads**2, axis=(1, 2, 3)))
@@ -402,7 +402,8 @@ def _loss_with_heads(graphdef, state, tokens_BxT1, keep_LxH):
     model = nnx.merge(graphdef, state)
     cfg = model.cfg
     members = _stacked_blocks(model)
-    keep_GxKxH = keep_LxH.reshape(cfg.num_layers // len(members), len(members), cfg.num_heads)
+    keep_GxKxH = keep_LxH.reshape(cfg.num_layers // len(members), len(members),
+                                  cfg.attention.num_heads)
     for j, block in enumerate(members):  # kernel: stacked × H × P × D (P = V for mla)
         kernel = block.attention.output.kernel
         kernel[...] = kernel[...] * keep_GxKxH[:, j, :, None, None]
@@ -422,9 +423,9 @@ def head_ablation(model: TransformerLM, tokens_BxT1: jax.Array) -> dict:
     cfg = model.cfg
     graphdef, state = nnx.split(model)
     tokens_BxT1 = jnp.asarray(tokens_BxT1)
-    keep_LxH = np.ones((cfg.num_layers, cfg.num_heads), np.float32)
+    keep_LxH = np.ones((cfg.num_layers, cfg.attention.num_heads), np.float32)
     loss = float(_loss_with_heads(graphdef, state, tokens_BxT1, keep_LxH))
-    change_LxH = np.zeros((cfg.num_layers, cfg.num_heads))
+    change_LxH = np.zeros((cfg.num_layers, cfg.attention.num_heads))
     for layer, head in np.ndindex(*change_LxH.shape):
         keep_LxH[layer, head] = 0.0
         change_LxH[layer, head] = float(
@@ -457,7 +458,7 @@ def prune_blocks(model: TransformerLM, drop: Sequence[int]
         raise ValueError(f"drop={drop}: expected distinct block indices in 0..{cfg.num_layers - 1}"
                          f" leaving at least one of the {cfg.num_layers} blocks")
     kept = [i for i in range(cfg.num_layers) if i not in drop]
-    mechanism = RESIDUALS[cfg.residual]
+    mechanism = RESIDUALS[cfg.residual.name]
     mechanism.check_prunable(cfg, kept, drop)
     pruned_cfg = ml_collections.ConfigDict(cfg.to_dict())
     pruned_cfg.num_layers = cfg.num_layers - len(drop)

@@ -1,8 +1,8 @@
 """An eager PyTorch twin of the framework's plain decoder: the baseline of `scripts/bench.py
 --vs_torch`.
 
-It models one family of configs (`MODELS`): Pre-LN blocks (`residual="prenorm"`), LayerNorm with
-`model.norm_eps`, learned absolute positions, multi-head attention through
+It models one family of configs (`MODELS`): Pre-LN blocks (`residual.name="prenorm"`), LayerNorm
+with `model.norm.eps`, learned absolute positions, multi-head attention through
 `torch.nn.functional.scaled_dot_product_attention(is_causal=True)`, the two-projection FFN with
 the tanh-approximated GELU (the framework's "gelu" is `jax.nn.gelu`, approximate=True), biases on
 the projections only with `model.linear_bias`, a tied or untied head, float32; trained with
@@ -24,11 +24,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from config import lookup
 from train.optim import schedule
 
-MODELS = dict(residual=("prenorm",), norm=("layernorm",), position=("learned",),
-              attention=("mha",), ffn=("mlp",), activation=("gelu",), head=("untied", "tied"),
-              dtype=("float32",))
+MODELS = {"residual.name": ("prenorm",), "norm.name": ("layernorm",),
+          "position.name": ("learned",), "attention.name": ("mha",), "ffn.name": ("mlp",),
+          "ffn.activation": ("gelu",), "head.name": ("untied", "tied"), "dtype": ("float32",)}
 DESCRIPTION = ("Pre-LN (residual=prenorm), LayerNorm, learned positions, MHA (num_kv_heads = "
                "num_heads), ffn=mlp with tanh GELU, tied or untied head, optional linear_bias, "
                "float32, AdamW, no gradient accumulation")
@@ -38,14 +39,15 @@ def unsupported(config) -> str | None:
     """Why the PyTorch model cannot train `config` (a resolved config), or None if it can."""
     cfg, what = config.model, None
     for field, choices in MODELS.items():
-        if cfg[field] not in choices:
-            what = f"model.{field}={cfg[field]!r}"
+        if lookup(cfg, field) not in choices:
+            what = f"model.{field}={lookup(cfg, field)!r}"
             break
     else:
-        if cfg.num_kv_heads != cfg.num_heads:
-            what = f"model.num_kv_heads={cfg.num_kv_heads} < num_heads={cfg.num_heads}"
-        elif cfg.fixnorm or cfg.head_bias or not cfg.use_ffn or cfg.reversible:
-            what = "fixnorm, head_bias, use_ffn=False or reversible blocks"
+        if cfg.attention.num_kv_heads != cfg.attention.num_heads:
+            what = (f"model.attention.num_kv_heads={cfg.attention.num_kv_heads} < "
+                    f"num_heads={cfg.attention.num_heads}")
+        elif cfg.fixnorm or cfg.head.bias or not cfg.use_ffn or cfg.reversible:
+            what = "fixnorm, head.bias, use_ffn=False or reversible blocks"
         elif config.optimizer.get("name", "adamw") != "adamw":
             what = f"optimizer.name={config.optimizer.name!r}"
         elif config.accumulation_steps != 1:
@@ -58,13 +60,15 @@ class Block(nn.Module):
 
     def __init__(self, cfg):
         super().__init__()
-        d, width, bias = cfg.d_model, cfg.num_heads * cfg.head_dim, cfg.linear_bias
-        self.heads = cfg.num_heads
-        self.attention_norm = nn.LayerNorm(d, eps=cfg.norm_eps)
+        d, bias = cfg.d_model, cfg.linear_bias
+        width = cfg.attention.num_heads * cfg.attention.head_dim
+        self.heads = cfg.attention.num_heads
+        self.attention_norm = nn.LayerNorm(d, eps=cfg.norm.eps)
         self.query, self.key, self.value = (nn.Linear(d, width, bias=bias) for _ in range(3))
         self.output = nn.Linear(width, d, bias=bias)
-        self.ffn_norm = nn.LayerNorm(d, eps=cfg.norm_eps)
-        self.up, self.down = nn.Linear(d, cfg.d_ff, bias=bias), nn.Linear(cfg.d_ff, d, bias=bias)
+        self.ffn_norm = nn.LayerNorm(d, eps=cfg.norm.eps)
+        f = cfg.ffn.d_ff
+        self.up, self.down = nn.Linear(d, f, bias=bias), nn.Linear(f, d, bias=bias)
 
     def forward(self, x_BxTxD):
         b, t, _ = x_BxTxD.shape
@@ -83,10 +87,10 @@ class TorchLM(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.position = nn.Parameter(torch.zeros(cfg.max_seq_len, cfg.d_model))
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
-        self.final_norm = (nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps) if cfg.final_norm
+        self.final_norm = (nn.LayerNorm(cfg.d_model, eps=cfg.norm.eps) if cfg.norm.final
                            else nn.Identity())
         self.head = (nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-                     if cfg.head == "untied" else None)
+                     if cfg.head.name == "untied" else None)
 
     def forward(self, tokens_BxT):
         x = self.embed(tokens_BxT) + self.position[:tokens_BxT.shape[1]]
