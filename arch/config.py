@@ -12,7 +12,7 @@ from arch.positions import POSITIONS
 from arch.registry import Registry
 from arch.remat import REMAT_POLICIES, host_offload_supported
 from arch.residual import RESIDUALS
-from config import ConfigError, check, lookup
+from config import ConfigError, check, lookup, registered
 from config.defaults import INIT_GROUPS
 from sharding.sequence import SEQUENCE_ATTENTIONS
 
@@ -22,8 +22,7 @@ def _divisors(n: int) -> list[int]:
 
 
 def check_choice(field: str, value, registry: Registry) -> None:
-    valid = ", ".join(sorted(registry))
-    check(value in registry, field, value, f"valid {registry.family}s: {valid}")
+    registered.check_choice(field, value, registry.family, registry)
 
 
 def resolve_model(cfg) -> None:

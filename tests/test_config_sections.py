@@ -1,14 +1,18 @@
-"""Configs in sections (`config.legacy`): every old flat name maps to an existing field, a
-config.json written before the sections restores through that one mapping, and an old name on
-the command line is refused in one line that names its new place."""
+"""Configs in sections: every old flat name maps to an existing field (`config.legacy`), a
+config.json written before the sections restores through that one mapping, an old name on the
+command line is refused in one line that names its new place, and a misspelled component name is
+refused before JAX loads (`config.registered`)."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from config import registered
 from config.cli import UsageError, apply_override, load_module
 from config.defaults import base_config
 from config.legacy import MOVED, upgrade
@@ -87,3 +91,36 @@ def test_an_old_name_on_the_command_line_names_its_new_place(field, message):
     with pytest.raises(UsageError) as error:
         apply_override(base_config(), field, "2")
     assert str(error.value) == message
+
+
+def test_scanned_registrations_are_the_registries():
+    from arch.attention import ATTENTION
+    from arch.ffn import ACTIVATIONS, FFNS
+    from arch.heads import HEADS
+    from arch.init import INITS
+    from arch.norms import NORMS
+    from arch.positions import POSITIONS
+    from arch.residual import RESIDUALS
+
+    live = dict(ATTENTION=ATTENTION, ACTIVATIONS=ACTIVATIONS, FFNS=FFNS, HEADS=HEADS, INITS=INITS,
+                NORMS=NORMS, POSITIONS=POSITIONS, RESIDUALS=RESIDUALS)
+    assert registered.registries() == {name: (registry.family, frozenset(registry))
+                                       for name, registry in live.items()}
+
+
+def test_a_misspelled_component_is_refused_before_jax_loads():
+    script = ("import sys\n"
+              "from config import ConfigError\n"
+              "from config.defaults import base_config\n"
+              "from config.validate import check_fields\n"
+              "config = base_config()\n"
+              "config.model.norm.name = 'rmsnrom'\n"
+              "try:\n"
+              "    check_fields(config)\n"
+              "except ConfigError as error:\n"
+              "    print(error, 'jax' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert done.stdout.strip() == ("model.norm.name='rmsnrom' is invalid: valid norms: batchnorm, "
+                                   "causal_batchnorm, dyt, gatednorm, layernorm, none, rmsnorm, "
+                                   "scalenorm False")
