@@ -2,8 +2,9 @@
 
 Every component registers with a literal name, `@NORMS.register("rmsnorm")`, so scanning the
 sources finds the same names the registries hold once JAX is loaded (tests/test_legacy.py checks
-that they agree). The command line checks the config's component names against them before it
-imports JAX, so a misspelled component is reported in a fraction of a second. No JAX.
+that they agree). `python -m train` checks the config's component names against them before it
+imports JAX, so a misspelled component is reported in a fraction of a second; a component
+registered at run time (as tests do) is known to the registries' own check only. No JAX.
 """
 
 from __future__ import annotations

@@ -15,7 +15,6 @@ import math
 import os
 
 from config import ConfigError, check
-from config.registered import check_names
 
 SCHEDULES = ("cosine", "wsd")
 OPTIMIZERS = ("adamw", "muon")
@@ -48,7 +47,6 @@ def check_fields(config) -> None:
           "microbatch has batch_size / accumulation_steps sequences")
     check(_is_int(config.seed), "seed", config.seed, "must be an integer")
     model = config.model
-    check_names(model)  # the component names, against arch/'s registrations
     if model.max_seq_len is not None:
         check(model.max_seq_len >= config.seq_len, "model.max_seq_len", model.max_seq_len,
               f"must be at least seq_len={config.seq_len}")

@@ -112,11 +112,11 @@ def test_a_misspelled_component_is_refused_before_jax_loads():
     script = ("import sys\n"
               "from config import ConfigError\n"
               "from config.defaults import base_config\n"
-              "from config.validate import check_fields\n"
+              "from config.registered import check_names\n"
               "config = base_config()\n"
               "config.model.norm.name = 'rmsnrom'\n"
               "try:\n"
-              "    check_fields(config)\n"
+              "    check_names(config.model)\n"
               "except ConfigError as error:\n"
               "    print(error, 'jax' in sys.modules)\n")
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,

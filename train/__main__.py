@@ -6,8 +6,9 @@ non-finite loss or state, 2 bad config, arguments or run directory (one line on 
 preempted (SIGTERM; a checkpoint was saved). The run directory is described in docs/runs.md.
 
 Everything that can be checked without JAX is checked before JAX is imported: the config file,
-the override names and types, every field (`config.validate`), the workdir, its lock and, when
-resuming, the config's identity with the run's (`train.rundir`).
+the override names and types, every field (`config.validate`), the component names
+(`config.registered`), the workdir, its lock and, when resuming, the config's identity with the
+run's (`train.rundir`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from absl import logging as absl_logging
 
 from config import ConfigError
 from config.cli import ArgumentParser, parse_with_config
+from config.registered import check_names
 from config.validate import check_fields, check_training
 from sharding.launch import multiprocess_launch
 from train import rundir
@@ -36,6 +38,7 @@ def parse(argv: list[str]) -> tuple[ml_collections.ConfigDict, str]:
     if not args.workdir:
         parser.error("--workdir is required, e.g. --workdir runs/quickstart")
     check_fields(config)
+    check_names(config.model)  # against arch/'s registrations, read without importing it
     check_vocab(config.model, tokenizer_of(config.data))  # vocab_size=0: the tokenizer's
     check_training(config)
     rundir.check_workdir(args.workdir)
