@@ -1,6 +1,8 @@
 """The config schema: every field with its default (`base_config()`, with its `model` section
-from `model_config()`). This module is the leaf of the import graph: it imports no JAX, so a
-config can be built and checked before anything heavy loads.
+from `model_config()`, one subsection per component, and its `execution` section from
+`execution_config()`). This module is the leaf of the import graph: it imports no JAX, so a
+config can be built and checked before anything heavy loads. Names of earlier versions:
+`config/legacy.py`.
 """
 
 from __future__ import annotations
