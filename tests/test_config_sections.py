@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from config import registered
+from config import lookup, registered
 from config.cli import UsageError, apply_override, load_module
 from config.defaults import base_config
 from config.legacy import MOVED, upgrade
@@ -23,19 +23,13 @@ from train.config import validate
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _get(tree: dict, path: str):
-    for part in path.split("."):
-        tree = tree[part]
-    return tree
-
-
 def test_every_old_name_moves_to_an_existing_field_and_none_is_still_in_use():
     current = json.loads(base_config().to_json_best_effort())
     for old, new in MOVED.items():
-        _get(current, new)  # KeyError if the mapping points nowhere
+        lookup(current, new)  # KeyError if the mapping points nowhere
         if not new.startswith(old + "."):  # model.attention → model.attention.name: a section
             with pytest.raises(KeyError):
-                _get(current, old)
+                lookup(current, old)
 
 
 def test_upgrade_moves_flat_fields_and_merges_the_remat_switches():
