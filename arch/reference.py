@@ -131,8 +131,8 @@ SUPPORTED = {"attention.name": ("mha",), "norm.name": ("rmsnorm", "layernorm"),
 def unsupported(cfg) -> str | None:
     """Why the reference cannot compute `cfg`'s model, or None if it can."""
     for field, choices in SUPPORTED.items():
-        if lookup(cfg, field) not in choices:
-            return (f"the reference model has no model.{field}={lookup(cfg, field)!r}; it covers "
+        if (value := lookup(cfg, field)) not in choices:
+            return (f"the reference model has no model.{field}={value!r}; it covers "
                     f"{', '.join(choices)}")
     if cfg.fixnorm or cfg.head.bias or cfg.linear_bias or not cfg.use_ffn or cfg.reversible:
         return ("the reference model covers neither fixnorm, head.bias, linear_bias, "

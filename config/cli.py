@@ -147,8 +147,8 @@ def _holder(config: ml_collections.ConfigDict, field: str,
     node, parts = config, field.split(".")
     for depth, part in enumerate(parts):
         if not isinstance(node, ml_collections.ConfigDict) or part not in node:
-            if moved_hint(field):
-                raise UsageError(f"{flag}: {moved_hint(field)}")
+            if hint := moved_hint(field):
+                raise UsageError(f"{flag}: {hint}")
             parent = ".".join(parts[:depth]) or "the config"
             known = list(node.keys()) if isinstance(node, ml_collections.ConfigDict) else []
             close = difflib.get_close_matches(part, known, n=1)

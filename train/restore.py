@@ -19,10 +19,10 @@ from flax import nnx
 
 from config import ConfigError
 from config.defaults import base_config
-from config.legacy import upgrade
 from train import data, shards
 from train.checkpoint import Checkpointer
 from train.data import VALIDATION_SEED
+from train.rundir import saved_config
 from train.step import build_program
 from train.tokenizer import tokenizer_of
 
@@ -32,12 +32,12 @@ def restore_run(workdir: str | Path):
     `workdir`, rebuilt from its config.json (over `base_config()`'s defaults) onto all local
     devices along the data axis (for generation and analysis). Raises FileNotFoundError with a
     one-line message when there is no config or checkpoint."""
-    config_path = Path(workdir) / "config.json"
-    if not config_path.exists():
+    config = base_config()  # fields added since the run was saved keep their defaults
+    saved = saved_config(workdir, json.loads(config.to_json_best_effort()))
+    if saved is None:
         raise FileNotFoundError(f"--workdir={workdir} holds no config.json; train a model there "
                                 "first with python -m train")
-    config = base_config()  # fields added since the run was saved keep their defaults
-    config.update(upgrade(json.loads(config_path.read_text())))
+    config.update(saved)
     config.mesh = dict(data=-1, fsdp=1, tensor=1, sequence=1, stage=1, expert=1)
     program = build_program(config)
     with Checkpointer(workdir) as checkpointer:

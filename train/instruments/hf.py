@@ -100,8 +100,8 @@ def _layout(cfg) -> str:
     layout = "llama" if cfg.position.name == "rope" else "gpt2"
     for field, valid in {**LAYOUTS[layout], **COMMON_LAYOUT}.items():
         allowed = valid if isinstance(valid, tuple) else (valid,)
-        if lookup(cfg, field) not in allowed:
-            raise ValueError(f"model.{field}={lookup(cfg, field)!r} is not in the {layout} weight "
+        if (value := lookup(cfg, field)) not in allowed:
+            raise ValueError(f"model.{field}={value!r} is not in the {layout} weight "
                              "layout "
                              f"(needs {' or '.join(map(repr, allowed))})")
     return layout

@@ -39,8 +39,8 @@ def unsupported(config) -> str | None:
     """Why the PyTorch model cannot train `config` (a resolved config), or None if it can."""
     cfg, what = config.model, None
     for field, choices in MODELS.items():
-        if lookup(cfg, field) not in choices:
-            what = f"model.{field}={lookup(cfg, field)!r}"
+        if (value := lookup(cfg, field)) not in choices:
+            what = f"model.{field}={value!r}"
             break
     else:
         if cfg.attention.num_kv_heads != cfg.attention.num_heads:
