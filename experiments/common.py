@@ -11,7 +11,8 @@ import ml_collections
 
 from config.defaults import base_config, model_config
 
-__all__ = ["arm_and_scale", "base_config", "model_config", "use_deepnorm"]
+__all__ = ["arm_and_scale", "base_config", "model_config", "small_cpu", "subword",
+           "use_deepnorm"]
 
 
 def use_deepnorm(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
@@ -36,3 +37,34 @@ def arm_and_scale(arg: str | None, arms, scales, default: str) -> tuple[str, str
     if scale not in scales:
         raise ValueError(f"unknown scale {scale!r}; scales: {', '.join(scales)}")
     return arm, scale
+
+
+def small_cpu(config: ml_collections.ConfigDict, steps: int = 300) -> ml_collections.ConfigDict:
+    """The CPU scale of the block-anatomy studies: d = 64, 4 layers of 4-head MHA, batch 32 × 64
+    bytes of the embedded corpus, AdamW 3e-3 with 30 warmup steps and cosine decay to `steps`
+    (300: about 1.5 minutes a run on one core), evaluated every 100 steps on 16 batches."""
+    config.update(steps=steps, batch_size=32, seq_len=64, eval_every=100, eval_batches=16,
+                  checkpoint_every=100, sample_tokens=0)
+    config.model.update(d_model=64, num_layers=4)
+    config.model.attention.update(num_heads=4, num_kv_heads=4)
+    config.optimizer.update(learning_rate=3e-3, warmup_steps=30, schedule="cosine")
+    return config
+
+
+def subword(config: ml_collections.ConfigDict, *, d_model: int, num_layers: int, num_heads: int,
+            steps: int, batch_size: int, seq_len: int, learning_rate: float, warmup_steps: int,
+            accumulation_steps: int = 1) -> ml_collections.ConfigDict:
+    """A paper scale: subword shards of `scripts/prepare_data.py` (`data/prepared`, the
+    tokenizer's vocabulary), bfloat16 compute, the blocked attention kernel, whole-block
+    rematerialization, AdamW with warmup and cosine decay."""
+    config.update(steps=steps, batch_size=batch_size, seq_len=seq_len,
+                  eval_every=max(steps // 20, 1), eval_batches=16,
+                  checkpoint_every=max(steps // 20, 1), sample_tokens=0,
+                  accumulation_steps=accumulation_steps)
+    config.data.update(name="prepared", path="data/prepared")
+    config.model.update(d_model=d_model, num_layers=num_layers, vocab_size=0, dtype="bfloat16")
+    config.model.attention.update(num_heads=num_heads, num_kv_heads=num_heads)
+    config.execution.update(attention_implementation="blocked", remat="full")
+    config.optimizer.update(learning_rate=learning_rate, warmup_steps=warmup_steps,
+                            schedule="cosine")
+    return config
