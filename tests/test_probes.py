@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from arch import reference
 from arch.accounting import abstract_model
 from tests.helpers import random_tokens, tiny_config, tiny_model
 from tests.test_hyper import perturb_mixing
@@ -310,3 +311,53 @@ def test_gated_residual_profile_is_the_model_and_finite():
     assert all(np.isfinite(value).all() for value in jax.tree.leaves(profile))
     # The branch normalization's gains are the n × D `scale`, 1 at initialization.
     assert profile["norms"]["attention"]["gain_mean"].tolist() == [1, 1]
+
+
+def test_layer_gradient_norms_equal_the_hand_written_reference_and_vanish_behind_a_zero_output():
+    """‖∂loss/∂W‖_F per layer against autodiff of `arch.reference` (a separate implementation of
+    the same decoder); with block 1's attention output projection zeroed, its attention output
+    no longer depends on its query, key and value, so their gradients are exactly zero there."""
+    cfg, model = tiny_model(num_layers=3)
+    tokens_BxT1 = random_tokens((2, 17))
+    norms = probes.layer_gradient_norms(model, tokens_BxT1)
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    grads = jax.grad(lambda p: reference.loss(cfg, p, tokens_BxT1))(params)["blocks"]
+    expected = {".".join(str(k.key) for k in path): np.sqrt(np.sum(
+                    np.asarray(g, np.float64).reshape(3, -1) ** 2, axis=1))
+                for path, g in jax.tree_util.tree_leaves_with_path(grads)}
+    assert set(norms) == set(expected) >= {
+        "attention.query.kernel", "attention.key.kernel", "attention.value.kernel",
+        "attention.output.kernel", "ffn.gate.kernel", "ffn.up.kernel", "ffn.down.kernel"}
+    for key, value in expected.items():
+        np.testing.assert_allclose(norms[key], value, rtol=2e-4, err_msg=key)
+
+    output = model.blocks.attention.output.kernel
+    output[...] = output[...].at[1].set(0)
+    norms = probes.layer_gradient_norms(model, tokens_BxT1)
+    for name in ("query", "key", "value"):
+        assert norms[f"attention.{name}.kernel"][1] == 0
+        assert np.all(norms[f"attention.{name}.kernel"][[0, 2]] > 0)
+    assert norms["attention.output.kernel"][1] > 0
+
+
+def test_dead_units_are_the_hidden_units_never_active_by_hand():
+    """ReLU MLP with block 0's attention output zeroed, so the FFN of block 0 reads the embedding:
+    a = relu(RMSNorm(E[tokens]) ⊙ g · W_up) by hand, with 8 columns of W_up zeroed (dead)."""
+    cfg, model = tiny_model(ffn="mlp", ffn__activation="relu", position="learned")
+    blocks = model.blocks
+    blocks.attention.output.kernel[...] = blocks.attention.output.kernel[...].at[0].set(0)
+    blocks.ffn.up.kernel[...] = blocks.ffn.up.kernel[...].at[0, :, :8].set(0)
+    tokens_BxT1 = random_tokens((2, 17))
+    threshold = 0.05
+    profile = probes.depth_profile(model, tokens_BxT1, sparsity_threshold=threshold,
+                                   gradients=False)
+    x = (np.asarray(model.embed.embedding[...], np.float64)[np.asarray(tokens_BxT1[:, :-1])]
+         + np.asarray(model.position.table[...], np.float64)[:16])
+    x = x / np.sqrt(np.mean(x**2, axis=-1, keepdims=True) + cfg.norm.eps)
+    x = x * np.asarray(blocks.ffn_residual.norm.scale[0], np.float64)
+    hidden = np.maximum(x @ np.asarray(blocks.ffn.up.kernel[0], np.float64), 0)
+    dead = np.all(np.abs(hidden) < threshold, axis=(0, 1))
+    assert dead[:8].all() and dead.mean() > 8 / hidden.shape[-1] - 1e-9
+    assert profile["ffn_dead_units"][0] == pytest.approx(dead.mean())
+    assert profile["ffn_sparsity"][0] == pytest.approx(np.mean(np.abs(hidden) < threshold),
+                                                       abs=1e-6)

@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 import jax
+import ml_collections
 import numpy as np
 from flax import nnx
 
@@ -85,6 +86,20 @@ def restore_for_analysis(workdir: str | Path, batch: int, seq_len: int | None = 
     run of a config. Raises FileNotFoundError (no run) or ConfigError (a bad batch, length or
     text) in one line."""
     program, step, state = restore_run(workdir)
+    return _for_analysis(program, step, state, batch, seq_len, text)
+
+
+def initialization_for_analysis(config, batch: int, seq_len: int | None = None):
+    """`restore_for_analysis` of the model a run of `config` starts from: its step-0 state
+    (`TrainProgram.init(config.seed)`, what `python -m train` initializes), on all local devices
+    along the data axis; nothing is read from disk but the validation text."""
+    config = ml_collections.ConfigDict(config.to_dict())
+    config.mesh = dict(data=-1, fsdp=1, tensor=1, sequence=1, stage=1, expert=1)
+    program = build_program(config)
+    return _for_analysis(program, 0, program.init(config.seed), batch, seq_len, None)
+
+
+def _for_analysis(program, step, state, batch, seq_len, text):
     config = program.config
     seq_len = seq_len or config.seq_len
     data_shards = program.mesh.shape["data"]

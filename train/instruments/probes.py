@@ -139,7 +139,7 @@ def _nan_sublayer(heads: int) -> dict:
     return {"branch_rms": nan, "update_ratio": nan,
             "norm": dict.fromkeys(NORM_STATISTICS, nan),
             "head_similarity": jnp.full((heads, heads), jnp.nan, jnp.float32),
-            "ffn_sparsity": nan, "ffn_mean_abs": nan, "ffn_rms": nan}
+            "ffn_sparsity": nan, "ffn_dead_units": nan, "ffn_mean_abs": nan, "ffn_rms": nan}
 
 
 def _readout(model: TransformerLM, state) -> jax.Array:
@@ -205,7 +205,9 @@ def _probe_block(block, state, positions_BxT, rotate, threshold, heads: int, rea
         elif isinstance(getattr(module, "down", None), _InputTap):
             (hidden,), module.down = module.down.inputs, module.down.module
             hidden = hidden.astype(jnp.float32)
-            stats.update(ffn_sparsity=jnp.mean(jnp.abs(hidden) < threshold),
+            quiet = jnp.abs(hidden) < threshold
+            stats.update(ffn_sparsity=jnp.mean(quiet),
+                         ffn_dead_units=jnp.mean(jnp.all(quiet, axis=(0, 1))),
                          ffn_mean_abs=jnp.mean(jnp.abs(hidden)),
                          ffn_rms=jnp.sqrt(jnp.mean(hidden**2)))
         if norm is not None:
@@ -354,6 +356,9 @@ def depth_profile(model: TransformerLM, tokens_BxT1: jax.Array, *,
       ffn_sparsity      (L,) fraction of the FFN hidden activations a (what feeds the down
                         projection: φ(xW₁), or φ(xW) ⊙ xV for gated FFNs; B·T·d_ff values) with
                         |a| < `sparsity_threshold` (absolute, default 1e-2).
+      ffn_dead_units    (L,) fraction of the d_ff hidden units j with |a_j| < `sparsity_threshold`
+                        at every one of the B·T tokens: units never active on the batch (a
+                        ReLU unit whose pre-activation is negative everywhere is one).
       ffn_mean_abs      (L,) mean |a|;  ffn_rms (L,) √(mean a²). NaN for MoE FFNs.
       head_similarity   (L, H, H) mean over the batch and over queries t ≥ 1 of the cosine
                         between two heads' attention-probability rows (over keys s ≤ t); the
@@ -378,11 +383,48 @@ def depth_profile(model: TransformerLM, tokens_BxT1: jax.Array, *,
                   "final": {k: float(v) for k, v in final["norm"].items()}},
         "head_similarity": per_block["head_similarity"][:, 0],
     }
-    for name in ("ffn_sparsity", "ffn_mean_abs", "ffn_rms"):
+    for name in ("ffn_sparsity", "ffn_dead_units", "ffn_mean_abs", "ffn_rms"):
         profile[name] = per_block[name][:, 1]
     if gradients:
         profile["gradient_rms"] = as_array(gradient_rms)
     return profile
+
+
+# Parameter gradients by layer ---------------------------------------------------------------------
+
+@functools.partial(jax.jit, static_argnums=0)
+def _parameter_gradients(graphdef, params, rest, tokens_BxT1):
+    inputs_BxT, targets_BxT = _split_tokens(tokens_BxT1)
+
+    def loss_fn(params):
+        # New Variables at this trace level: BatchNorm in training mode writes its statistics.
+        model = nnx.merge(graphdef, params, jax.tree.map(lambda x: x, rest))
+        return next_token_loss(model(inputs_BxT), targets_BxT)
+
+    return jax.grad(loss_fn)(params)
+
+
+def layer_gradient_norms(model: TransformerLM, tokens_BxT1: jax.Array) -> dict[str, np.ndarray]:
+    """Per block, the Frobenius norm ‖∂loss/∂W‖_F of every parameter W of the stacked blocks, on
+    one batch (loss as in `depth_profile`; the model's own forward in the mode it is in): a dict
+    from the parameter's dotted path inside a block to an (L,) float64 array in network order.
+    The projections of an MHA block with a dense FFN are "attention.query.kernel",
+    "attention.key.kernel", "attention.value.kernel", "attention.output.kernel",
+    "ffn.up.kernel", ("ffn.gate.kernel" for gated FFNs) and "ffn.down.kernel"; the residual
+    mechanism's own parameters follow its attribute names (e.g. "attention_residual.norm.scale").
+    Any residual mechanism, also the reversible stack; ValueError for MoE interleaving, whose
+    stacked groups hold k blocks each."""
+    if interleaves_moe(model.cfg):
+        raise ValueError(f"model.moe.every={model.cfg.moe.every}: gradients by layer read the "
+                         "stack of single blocks; use model.moe.every=1")
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    grads = _parameter_gradients(graphdef, params, rest, jnp.asarray(tokens_BxT1))
+    norms = {}
+    for path, grad in jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(grads["blocks"])):
+        grad32 = np.asarray(jax.device_get(grad), np.float64)
+        key = ".".join(str(getattr(part, "key", part)) for part in path)
+        norms[key] = np.sqrt(np.sum(grad32.reshape(grad32.shape[0], -1) ** 2, axis=1))
+    return norms
 
 
 # Losses of edited models --------------------------------------------------------------------------
