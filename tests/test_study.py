@@ -16,14 +16,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from config.cli import UsageError, load_module
+from config.cli import UsageError, load_experiment, load_module
 from config.defaults import base_config
 from config.validate import check_fields
 from tests.helpers import one_device_env, tiny_config
 from tests.test_launch import calls, fake_command
+from train import restore, study_stats
 from train import study as studies
-from train import study_stats
 from train.config import validate
+from train.instruments import study_probes
+from train.step import build_program
 from train.study_report import Result, describe, loss_table, training_flops, write_report
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -446,3 +448,45 @@ def test_the_report_refuses_a_root_without_a_record_in_one_line(tmp_path):
     assert done.returncode == 2 and not done.stdout
     assert done.stderr == f"error: --root={tmp_path} has no study.json (scripts/sweep.py " \
                           "writes it); pass --study experiments/STUDY.py\n"
+
+
+def test_the_collapse_curvature_is_the_quadratic_term_of_log_res():
+    depth = np.arange(8)
+    assert study_probes.collapse_curvature(np.exp(1 - 0.3 * depth - 0.5 * depth**2)) \
+        == pytest.approx(-0.5)
+    assert study_probes.collapse_curvature(np.exp(-0.7 * depth)) == pytest.approx(0, abs=1e-9)
+    # Below the float32 floor the points are left out; fewer than 4 left: NaN.
+    assert np.isnan(study_probes.collapse_curvature([1, 0.1, 1e-3, 1e-9, 1e-12]))
+
+
+@pytest.mark.slow
+def test_probes_across_a_sweep_and_at_initialization(swept):
+    """Trained: every finished run measured, the broken arm listed as missing. At
+    initialization: the step-0 model of each (cell, seed) is the trainer's, `program.init(seed)`
+    on the study's config (its loss on the probe batch is the trainer's evaluation loss), and a
+    config the trainer refuses is listed, not fatal."""
+    root, _ = swept
+    assert study_probes.main(["--root", str(root), "--batch", "8"]) == 0
+    trained = json.loads((root / "probes.json").read_text())["runs"]
+    assert {cell: sorted(runs) for cell, runs in trained.items()} == {
+        "low": ["0", "1"], "broken": [], "high": ["0", "1"]}
+    report = (root / "probes.md").read_text()
+    assert "at the last checkpoint (step 3)" in report and "| low | 2 | " in report
+    assert "| broken | 0 | — |" in report and "| broken | 1 | not started" in report
+    assert (root / "probes_key.png").stat().st_size > 0
+    profile = trained["low"]["0"]
+    assert len(profile["rank_collapse"]) == 3 and len(profile["grad:attention.key.kernel"]) == 2
+
+    assert study_probes.main(["--root", str(root), "--batch", "8", "--initialization"]) == 0
+    initial = json.loads((root / "probes_init.json").read_text())["runs"]
+    config = load_experiment(f"{json.loads((root / 'study.json').read_text())['study']}:low")
+    config.mesh.data = -1
+    program = build_program(config)
+    tokens_BxT1 = restore.evaluation_split(config).batch(0, 8, config.seq_len,
+                                                         restore.VALIDATION_SEED)
+    for seed in (0, 1):
+        expected = program.eval_loss(program.init(seed), program.put_batch(tokens_BxT1))
+        assert initial["low"][str(seed)]["loss"] == pytest.approx(float(expected), rel=1e-5)
+    assert initial["low"]["0"]["loss"] != trained["low"]["0"]["loss"]
+    assert "| broken | 1 | invalid config: optimizer.learning_rate=-1.0 is invalid" in (
+        root / "probes_init.md").read_text()

@@ -97,7 +97,10 @@ def _models(root: Path, description: dict, initialization: bool, batch: int):
                     f"{description['study']}:{cell},{description['scale']}")
                 cli.apply_overrides(config, cli.split_overrides(description["overrides"])[1])
                 config.seed = seed
-                yield cell, seed, initialization_for_analysis(config, batch)
+                try:
+                    yield cell, seed, initialization_for_analysis(config, batch)
+                except ConfigError as error:
+                    yield cell, seed, f"invalid config: {error}"
                 continue
             workdir = studies.run_dir(root, cell, seed)
             state, _ = studies.run_state(workdir)

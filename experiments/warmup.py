@@ -1,0 +1,64 @@
+"""Learning-rate warmup and norm placement: Post-LN needs a warmup, Pre-LN does not.
+
+Paper: Xiong et al. 2020, "On Layer Normalization in the Transformer Architecture" (ICML; arXiv
+2002.04745), §3.2 and Fig. 2: a Post-LN Transformer trained without the learning-rate warmup
+stage (Adam at 5e-4 or 1e-3) ends far worse than with it, and the warmup's length matters; §4:
+Pre-LN trained without any warmup reaches comparable results faster. ScaleNorm + FixNorm on
+Pre-Norm (Nguyen & Salazar 2019, "Transformers without Tears") is the third placement.
+Gradients at initialization by layer, the paper's explanation (Theorem 1, Fig. 3):
+experiments/depth.py.
+
+Arms `PLACEMENT_WARMUP_LR`: placement pre (Pre-LN, the baseline with warmup at 3e-3), post
+(Post-LN, no final norm) or scalefix (Pre-Norm ScaleNorm with FixNorm); `warm` (60 steps of
+linear warmup, 20% of training) or `cold` (none: the peak rate from the first step); peak
+learning rate 3e-3 or 1e-2; cosine decay to 10% either way. No gradient clipping
+(`optimizer.grad_clip=0`): clipping bounds the large early updates that the warmup exists to
+avoid, and would hide the effect.
+
+Scales:
+- `cpu` (default): `experiments.common.small_cpu` at 6 layers (the paper's Transformer-base
+  depth; d = 64, batch 32 × 64 bytes, 300 steps), LayerNorm, ReLU MLP, learned positions; about
+  2 minutes a run on one core. A run whose loss turns non-finite stops and is listed as missing.
+- `paper`: Transformer-base widths (d = 512, 6 layers, 8 heads, ReLU MLP 2048) on subword shards,
+  100,000 steps of 64 × 512 tokens with the same warmup fraction; one accelerator host (the paper
+  trains translation on IWSLT14 De-En and WMT14 En-De, and BERT).
+
+Commands (results: docs/results/warmup/):
+    python scripts/sweep.py --study experiments/warmup.py --root runs/warmup --seeds 0,1,2
+    python scripts/study_report.py --root runs/warmup
+"""
+
+import itertools
+
+from experiments.common import arm_and_scale, base_config, small_cpu, subword
+
+PLACEMENTS, WARMUPS, RATES = ("pre", "post", "scalefix"), ("warm", "cold"), ("3e-3", "1e-2")
+ARMS = tuple("_".join(parts) for parts in itertools.product(PLACEMENTS, WARMUPS, RATES))
+BASELINE = "pre_warm_3e-3"
+SEEDS = (0, 1, 2)
+SCALES = ("cpu", "paper")
+
+
+def get_config(arg: str | None = None):
+    arm, scale = arm_and_scale(arg, ARMS, SCALES, BASELINE)
+    placement, warmup, rate = arm.split("_")
+    config = base_config()
+    model = config.model
+    if scale == "cpu":
+        small_cpu(config)
+        model.num_layers = 6
+    else:
+        subword(config, d_model=512, num_layers=6, num_heads=8, steps=100_000, batch_size=64,
+                seq_len=512, learning_rate=1e-3, warmup_steps=0)
+        model.ffn.d_ff = 2048
+    config.optimizer.update(learning_rate=float(rate), grad_clip=0.0,
+                            warmup_steps=config.steps // 5 if warmup == "warm" else 0)
+    model.position.name = "learned"
+    model.ffn.update(name="mlp", activation="relu")
+    model.norm.name = "layernorm"
+    if placement == "post":
+        model.residual.name = "postnorm"
+        model.norm.final = False
+    elif placement == "scalefix":
+        model.norm.name, model.fixnorm = "scalenorm", True
+    return config
