@@ -281,6 +281,20 @@ def test_slurm_writes_an_array_of_runs_that_the_sbatch_script_indexes(tmp_path):
                             "--config.seed=1", "--config.steps=2"]
 
 
+def test_sizes_pick_cells_of_a_scaling_study(tmp_path):
+    text = TINY_STUDY.replace('PAPER = {"high": 2.5}', 'SCALING = ("s", "m", "l")')
+    path = write_study(tmp_path, text.replace("[arm]", '[arm.partition("@")[0]]'))
+    done = sweep("--study", str(path), "--root", str(tmp_path / "r"), "--launch", "print",
+                 "--arms", "low", "--sizes", "l,s", "--seeds", "0")
+    assert done.returncode == 0, done.stderr
+    assert [shlex.split(line)[4] for line in done.stdout.splitlines()] == [
+        f"{path}:low@s,cpu", f"{path}:low@l,cpu"]  # in the study's order
+    done = sweep("--study", str(path), "--root", str(tmp_path / "q"), "--launch", "print",
+                 "--sizes", "xl")
+    assert done.returncode == 2 and done.stderr == (
+        "error: --sizes=xl: the study's SCALING sizes are ('s', 'm', 'l')\n")
+
+
 def test_tpu_prints_one_pod_launch_per_run(tmp_path):
     path = write_study(tmp_path)
     done = sweep("--study", str(path), "--root", str(tmp_path / "r"), "--launch", "tpu",
@@ -297,7 +311,8 @@ def test_tpu_prints_one_pod_launch_per_run(tmp_path):
     (["--seeds", "0,x"], "--seeds=0,x is invalid"),
     (["--", "--config.seed=3"], "--config.seed after -- is not allowed"),
     (["--", "--config.model.no_such=1"], "has no field 'no_such'"),
-], ids=["arm", "scale", "seeds", "seed-override", "unknown-field"])
+    (["--sizes", "s"], "--sizes=s: the study's SCALING sizes are none (it is not a scaling"),
+], ids=["arm", "scale", "seeds", "seed-override", "unknown-field", "sizes"])
 def test_bad_sweep_arguments_are_one_line(tmp_path, args, message):
     path = write_study(tmp_path)
     done = sweep("--study", str(path), "--root", str(tmp_path / "r"), "--launch", "print", *args)

@@ -46,13 +46,15 @@ class Study:
     paper_metric: str
     scaling: tuple[str, ...]
 
-    def cells(self, arms: tuple[str, ...] | None = None) -> list[str]:
-        """The run cells of `arms` (default all): the arm names, or `ARM@SIZE` for each size of
-        a scaling study, in declaration order."""
+    def cells(self, arms: tuple[str, ...] | None = None,
+              sizes: tuple[str, ...] | None = None) -> list[str]:
+        """The run cells of `arms` (default all): the arm names, or `ARM@SIZE` for each of
+        `sizes` (default all) of a scaling study, in declaration order."""
         arms = self.arms if arms is None else arms
         if not self.scaling:
             return list(arms)
-        return [f"{arm}@{size}" for arm in arms for size in self.scaling]
+        return [f"{arm}@{size}" for arm in arms for size in self.scaling
+                if sizes is None or size in sizes]
 
     def config_arg(self, cell: str, scale: str) -> str:
         """The `--config` value of a cell at a scale: `PATH:CELL,SCALE`."""

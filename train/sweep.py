@@ -1,7 +1,7 @@
 """Run every arm of a study over its seeds (docs/studies.md).
 
     python scripts/sweep.py --study experiments/STUDY.py --root runs/STUDY [--scale SCALE]
-        [--seeds 0,1,2] [--arms A,B] [--launch local|print|slurm|tpu]
+        [--seeds 0,1,2] [--arms A,B] [--sizes S,M] [--launch local|print|slurm|tpu]
         [-- --config.FIELD=VALUE ...]
 
 Each (cell, seed) trains into its own run directory, ROOT/<cell>/seed<k>, with
@@ -20,7 +20,8 @@ so `python scripts/study_report.py --root ROOT` needs nothing else.
           submits them as one array job of scripts/slurm_train.sbatch.
   tpu     print one scripts/launch_tpu_pod.sh command per run; set TPU and ZONE in the shell
           that runs them (ROOT must be a directory every worker sees).
-Defaults: the study's first scale and its SEEDS, every arm. Exit status: 0 every run finished
+Defaults: the study's first scale and its SEEDS, every arm (and every size of a scaling
+study; --sizes picks some). Exit status: 0 every run finished
 (local) or the commands were written, 1 a run failed, 2 bad arguments or study (one line),
 130 interrupted.
 """
@@ -108,6 +109,7 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[Run]]:
     parser.add_argument("--scale", help="one of the study's SCALES (default: its first)")
     parser.add_argument("--seeds", help="comma-separated seeds (default: the study's SEEDS)")
     parser.add_argument("--arms", help="comma-separated arms (default: all)")
+    parser.add_argument("--sizes", help="comma-separated sizes of a scaling study (default: all)")
     parser.add_argument("--launch", choices=LAUNCHES, default="local")
     overrides = []
     if "--" in argv:
@@ -125,8 +127,12 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[Run]]:
         if unknown:
             raise UsageError(f"--arms={args.arms}: {unknown[0]!r} is not one of the study's "
                              f"ARMS {study.arms}")
+        sizes = tuple(dict.fromkeys(args.sizes.split(","))) if args.sizes else None
+        if sizes and not set(sizes) <= set(study.scaling):
+            raise UsageError(f"--sizes={args.sizes}: the study's SCALING sizes are "
+                             f"{study.scaling or 'none (it is not a scaling study)'}")
         _check_overrides(study, scale, overrides)
-        cells = study.cells(arms)
+        cells = study.cells(arms, sizes)
         studies.record(args.root, study, scale, cells, seeds, overrides)
     except UsageError as error:
         parser.error(str(error))
