@@ -491,6 +491,7 @@ def test_probes_across_a_sweep_and_at_initialization(swept):
     assert (root / "probes_key.png").stat().st_size > 0
     profile = trained["low"]["0"]
     assert len(profile["rank_collapse"]) == 3 and len(profile["grad:attention.key.kernel"]) == 2
+    assert 0 < profile["log_odds_rank"] <= profile["log_odds_bound"] == 32  # tied, d = 32
 
     assert study_probes.main(["--root", str(root), "--batch", "8", "--initialization"]) == 0
     initial = json.loads((root / "probes_init.json").read_text())["runs"]

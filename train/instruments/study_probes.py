@@ -18,7 +18,10 @@ parameter). Writes, with PREFIX = "probes" (or "probes_init"):
 
   ROOT/PREFIX.json   every run's profile: {cell: {seed: {metric: list}}}, NaN as null
   ROOT/PREFIX.md     per cell, mean ± sample std over seeds (n): the probe batch's loss; the
-                     distance from rank 1 of the last hidden state, res(h_L); the curvature c of
+                     numerical rank of the log-odds matrix of the batch's B·T contexts over
+                     2(d + 1) tokens (`arch.bottleneck.model_bottleneck`: at most d for a single
+                     softmax without bias, d + 1 with one; no bound for MoS); the distance
+                     from rank 1 of the last hidden state, res(h_L); the curvature c of
                      log res(h_i) against depth i (least-squares fit log res = a + b·i + c·i²
                      over the boundaries with res > 1e-6: c < 0 means faster than exponential
                      decay); the fraction of FFN units never active (all layers); and the mean
@@ -41,6 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
+from arch import bottleneck
 from config import ConfigError, cli
 from config.cli import ArgumentParser, UsageError
 from train import study as studies
@@ -75,6 +79,8 @@ def measure(model, tokens_BxT1, sparsity_threshold: float) -> dict[str, list]:
         result[key] = np.asarray(profile[key]).tolist()
     for path, norms in probes.layer_gradient_norms(model, tokens_BxT1).items():
         result[f"grad:{path}"] = norms.tolist()
+    rank = bottleneck.model_bottleneck(model, tokens_BxT1[:, :-1])
+    result["log_odds_rank"], result["log_odds_bound"] = rank["numerical_rank"], rank["bound"]
     return result
 
 
@@ -110,11 +116,13 @@ def _models(root: Path, description: dict, initialization: bool, batch: int):
 
 def _summary(runs: dict[int, dict]) -> dict[str, list[float]]:
     """Per-seed values of the table's columns."""
-    columns = {"loss": [], "res(h_L)": [], "curvature": [], "dead units": []}
+    columns = {"loss": [], "log-odds rank": [], "res(h_L)": [], "curvature": [],
+               "dead units": []}
     for name in ("query", "key", "value", "output", "ffn_down"):
         columns[f"‖∇{name}‖"] = []
     for profile in runs.values():
         columns["loss"].append(profile["loss"])
+        columns["log-odds rank"].append(profile["log_odds_rank"])
         columns["res(h_L)"].append(profile["rank_collapse"][-1])
         columns["curvature"].append(collapse_curvature(profile["rank_collapse"]))
         dead = [v for v in profile["ffn_dead_units"] if v is not None and math.isfinite(v)]

@@ -1,0 +1,64 @@
+"""The softmax bottleneck: a single softmax of a d-dimensional context cannot express log-odds
+of rank above d + 1; a Mixture of Softmaxes can.
+
+Paper: Yang, Dai, Salakhutdinov & Cohen 2018, "Breaking the Softmax Bottleneck: A High-Rank RNN
+Language Model" (ICLR; arXiv 1711.03953). Claims: the log-odds matrix A_ij = log p(v_j | c_i) −
+log p(v_0 | c_i) of a softmax head has rank ≤ d + 1 (§2); MoS (K softmaxes mixed in probability
+space) is not bounded and improves language modelling (Penn Treebank test perplexity 54.44 for
+AWD-LSTM-MoS against 57.3 for AWD-LSTM, Table 1), while MoC (the contexts mixed before one
+softmax: same parameters, still bounded) does not (§3.3); MoS with up to 15 components trains
+2–3× slower.
+
+Arms: softmax (the tied single softmax, the baseline), moc and mos (K = 4 components, output
+projection tied to the input embedding). Sizes: d = 16, 32, 64 (cells `ARM@D`), where the byte
+vocabulary (256) is far above d + 1.
+
+Measures: final validation loss (`scripts/study_report.py`); the numerical rank of the log-odds
+matrix of 1,024 validation contexts over 2(d + 1) tokens (`scripts/study_probes.py`, column
+"log-odds rank"); step time of mos and moc against softmax in one run (`scripts/bench.py
+--compare`).
+
+Scales:
+- `cpu` (default): `experiments.common.small_cpu` (4 layers, batch 32 × 64 bytes, 300 steps) at
+  d = 16, 32, 64 with d/16 heads; about a minute a run on one core.
+- `paper`: d = 128, 256, 512 with a 6-layer decoder on subword shards (vocabulary ≫ d), 20,000
+  steps of 64 × 512 tokens; one accelerator host. (The paper's model is a 3-layer AWD-LSTM.)
+
+Commands (results: docs/results/bottleneck/):
+    python scripts/sweep.py --study experiments/bottleneck.py --root runs/bottleneck \\
+        --seeds 0,1,2
+    python scripts/study_report.py --root runs/bottleneck
+    python scripts/study_probes.py --root runs/bottleneck
+    python scripts/bench.py --config experiments/bottleneck.py:softmax@64 --steps 40 \\
+        --compare "model.head.name=mos;model.head.name=moc"
+"""
+
+from experiments.common import base_config, small_cpu, subword
+
+ARMS = ("softmax", "moc", "mos")
+BASELINE = "softmax"
+SEEDS = (0, 1, 2)
+SCALES = ("cpu", "paper")
+SCALING = ("16", "32", "64")
+_PAPER_WIDTH = {"16": 128, "32": 256, "64": 512}
+
+
+def get_config(arg: str | None = None):
+    cell, _, scale = (arg or f"{BASELINE}@{SCALING[0]}").partition(",")
+    arm, _, width = cell.partition("@")
+    scale = scale or SCALES[0]
+    if arm not in ARMS or width not in SCALING or scale not in SCALES:
+        raise ValueError(f"unknown {arg!r}: ARM@D[,SCALE] with ARM in {', '.join(ARMS)}, "
+                         f"D in {', '.join(SCALING)}, SCALE in {', '.join(SCALES)}")
+    config = base_config()
+    if scale == "cpu":
+        small_cpu(config)
+        d_model = int(width)
+        config.model.d_model = d_model
+        config.model.attention.update(num_heads=d_model // 16, num_kv_heads=d_model // 16)
+    else:
+        d_model = _PAPER_WIDTH[width]
+        subword(config, d_model=d_model, num_layers=6, num_heads=d_model // 64, steps=20_000,
+                batch_size=64, seq_len=512, learning_rate=1e-3, warmup_steps=1000)
+    config.model.head.name = "tied" if arm == "softmax" else arm
+    return config
