@@ -26,7 +26,9 @@ parameter). Writes, with PREFIX = "probes" (or "probes_init"):
                      over the boundaries with res > 1e-6: c < 0 means faster than exponential
                      decay); the fraction of FFN units never active (all layers); and the mean
                      over layers of ‖∂loss/∂W‖_F for the query, key, value and attention-output
-                     projections and the FFN's down projection
+                     projections and the FFN's down projection; and the last block's
+                     ‖∂loss/∂W‖_F of the FFN's up projection over the first block's (Xiong et
+                     al. 2020, Fig. 3: near 1 for Pre-LN, growing toward the output for Post-LN)
   ROOT/PREFIX_<metric>.png
                      by depth, mean over seeds with a ± std band, one line per cell, for
                      rank_collapse, gradient_rms, ffn_dead_units and the gradient norms of
@@ -120,9 +122,10 @@ def _summary(runs: dict[int, dict]) -> dict[str, list[float]]:
                "dead units": []}
     for name in ("query", "key", "value", "output", "ffn_down"):
         columns[f"‖∇{name}‖"] = []
+    columns["‖∇ffn_up‖ last/first"] = []
     for profile in runs.values():
         columns["loss"].append(profile["loss"])
-        columns["log-odds rank"].append(profile["log_odds_rank"])
+        columns["log-odds rank"].append(profile.get("log_odds_rank", math.nan))
         columns["res(h_L)"].append(profile["rank_collapse"][-1])
         columns["curvature"].append(collapse_curvature(profile["rank_collapse"]))
         dead = [v for v in profile["ffn_dead_units"] if v is not None and math.isfinite(v)]
@@ -130,6 +133,8 @@ def _summary(runs: dict[int, dict]) -> dict[str, list[float]]:
         for name in ("query", "key", "value", "output", "ffn_down"):
             norms = profile.get(DEPTH_PLOTS[name])
             columns[f"‖∇{name}‖"].append(float(np.mean(norms)) if norms else math.nan)
+        up = profile.get(DEPTH_PLOTS["ffn_up"])
+        columns["‖∇ffn_up‖ last/first"].append(up[-1] / up[0] if up else math.nan)
     return columns
 
 
