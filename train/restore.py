@@ -27,6 +27,9 @@ from train.rundir import saved_config
 from train.step import build_program
 from train.tokenizer import tokenizer_of
 
+# Analysis runs on all local devices along the data axis, whatever mesh the run trained on.
+ANALYSIS_MESH = dict(data=-1, fsdp=1, tensor=1, sequence=1, stage=1, expert=1)
+
 
 def restore_run(workdir: str | Path):
     """(program, step, train state) of the newest restorable checkpoint of the training run in
@@ -39,7 +42,7 @@ def restore_run(workdir: str | Path):
         raise FileNotFoundError(f"--workdir={workdir} holds no config.json; train a model there "
                                 "first with python -m train")
     config.update(saved)
-    config.mesh = dict(data=-1, fsdp=1, tensor=1, sequence=1, stage=1, expert=1)
+    config.mesh = ANALYSIS_MESH
     program = build_program(config)
     with Checkpointer(workdir) as checkpointer:
         restored = checkpointer.restore_latest(program.abstract_state())
@@ -94,7 +97,7 @@ def initialization_for_analysis(config, batch: int, seq_len: int | None = None):
     (`TrainProgram.init(config.seed)`, what `python -m train` initializes), on all local devices
     along the data axis; nothing is read from disk but the validation text."""
     config = ml_collections.ConfigDict(config.to_dict())
-    config.mesh = dict(data=-1, fsdp=1, tensor=1, sequence=1, stage=1, expert=1)
+    config.mesh = ANALYSIS_MESH
     program = build_program(config)
     return _for_analysis(program, 0, program.init(config.seed), batch, seq_len, None)
 
