@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from arch.accounting import parameter_count
 from config.cli import UsageError, load_experiment, load_module
 from config.defaults import base_config
 from config.validate import check_fields
@@ -506,3 +507,19 @@ def test_probes_across_a_sweep_and_at_initialization(swept):
     assert initial["low"]["0"]["loss"] != trained["low"]["0"]["loss"]
     assert "| broken | 1 | invalid config: optimizer.learning_rate=-1.0 is invalid" in (
         root / "probes_init.md").read_text()
+
+
+@pytest.mark.parametrize("scale", ["cpu", "paper"])
+def test_the_tying_arms_spend_the_same_budget(scale):
+    """untied = tied + V·d; tied_wide spends the V·d on the FFN, to within one FFN column (3·d
+    parameters) per layer."""
+    module = load_module(str(ROOT / "experiments/tying.py"), "--study")
+    counts = {}
+    for arm in module.ARMS:
+        config = module.get_config(f"{arm},{scale}")
+        config.model.vocab_size = config.model.vocab_size or module.PAPER_VOCABULARY
+        validate(config, 1)
+        counts[arm] = parameter_count(config.model)
+        model = config.model
+    assert counts["untied"] - counts["tied"] == model.vocab_size * model.d_model
+    assert abs(counts["tied_wide"] - counts["untied"]) <= 3 * model.d_model * model.num_layers
