@@ -98,6 +98,8 @@ def test_depth_profile_matches_the_model_captured_by_another_route(edited):
     np.testing.assert_allclose(profile["ffn_mean_abs"], np.mean(per_layer, axis=1), rtol=1e-5)
     np.testing.assert_allclose(profile["ffn_rms"], np.sqrt(np.mean(per_layer**2, 1)), rtol=1e-5)
     assert 0.3 < profile["ffn_sparsity"][0] < 0.7  # ReLU zeros about half
+    units = hidden.reshape(hidden.shape[0], -1, hidden.shape[-1])  # L × B·T × d_ff
+    np.testing.assert_allclose(profile["ffn_dead_units"], np.mean(np.all(units < 0.05, 1), 1))
 
     # ∂loss/∂x_L directly, through the model's own output path.
     gradient = jax.jit(jax.grad(lambda x: next_token_loss(model._output(x), targets_BxT)))(
