@@ -125,7 +125,7 @@ def _summary(runs: dict[int, dict]) -> dict[str, list[float]]:
     columns["‖∇ffn_up‖ last/first"] = []
     for profile in runs.values():
         columns["loss"].append(profile["loss"])
-        columns["log-odds rank"].append(profile.get("log_odds_rank", math.nan))
+        columns["log-odds rank"].append(profile["log_odds_rank"])
         columns["res(h_L)"].append(profile["rank_collapse"][-1])
         columns["curvature"].append(collapse_curvature(profile["rank_collapse"]))
         dead = [v for v in profile["ffn_dead_units"] if v is not None and math.isfinite(v)]
