@@ -27,8 +27,8 @@ Scales:
   AdamW 3e-3 with 30 warmup steps) at each depth, ReLU MLP and learned positions; about 1.5
   (6 layers) to 12 (48 layers) minutes a run on one core.
 - `paper`: d = 512, 8 heads, the same depths, on subword shards, 50,000 steps of 64 × 512 tokens,
-  AdamW 5e-4 with 4,000 warmup steps (DeepNet's Table 9 machine-translation recipe; their task is
-  translation, ours language modelling); one accelerator host.
+  AdamW 5e-4 with 4,000 warmup steps (the Transformer translation recipe DeepNet starts from;
+  their task is translation, ours language modelling); one accelerator host.
 
 Commands (results: docs/results/depth/):
     python scripts/study_probes.py --study experiments/depth.py --root runs/depth \\
