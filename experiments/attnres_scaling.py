@@ -33,7 +33,7 @@ Commands (results: docs/results/attnres_scaling/):
     python scripts/study_report.py --root runs/attnres_scaling
 """
 
-from experiments.common import base_config
+from experiments.common import arm_size_and_scale, base_config
 
 ARMS = ("baseline", "block", "full")
 BASELINE = "baseline"
@@ -51,12 +51,7 @@ _RESIDUAL = {"baseline": "prenorm", "full": "attnres", "block": "block_attnres"}
 
 
 def get_config(arg: str | None = None):
-    cell, _, scale = (arg or "baseline@xs").partition(",")
-    arm, _, size = cell.partition("@")
-    scale = scale or SCALES[0]
-    if arm not in _RESIDUAL or size not in SCALING or scale not in SCALES:
-        raise ValueError(f"unknown {arg!r}: ARM@SIZE[,SCALE] with ARM in {', '.join(ARMS)}, "
-                         f"SIZE in {', '.join(SCALING)}, SCALE in {', '.join(SCALES)}")
+    arm, size, scale = arm_size_and_scale(arg, ARMS, SCALING, SCALES)
     d_model, layers = SIZES[scale][size]
     config = base_config()
     model = config.model

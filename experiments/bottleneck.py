@@ -33,7 +33,7 @@ Commands (results: docs/results/bottleneck/):
         --compare "model.head.name=mos;model.head.name=moc"
 """
 
-from experiments.common import base_config, small_cpu, subword
+from experiments.common import arm_size_and_scale, base_config, small_cpu, subword
 
 ARMS = ("softmax", "moc", "mos")
 BASELINE = "softmax"
@@ -44,12 +44,7 @@ _PAPER_WIDTH = {"16": 128, "32": 256, "64": 512}
 
 
 def get_config(arg: str | None = None):
-    cell, _, scale = (arg or f"{BASELINE}@{SCALING[0]}").partition(",")
-    arm, _, width = cell.partition("@")
-    scale = scale or SCALES[0]
-    if arm not in ARMS or width not in SCALING or scale not in SCALES:
-        raise ValueError(f"unknown {arg!r}: ARM@D[,SCALE] with ARM in {', '.join(ARMS)}, "
-                         f"D in {', '.join(SCALING)}, SCALE in {', '.join(SCALES)}")
+    arm, width, scale = arm_size_and_scale(arg, ARMS, SCALING, SCALES)
     config = base_config()
     if scale == "cpu":
         small_cpu(config)

@@ -11,8 +11,8 @@ import ml_collections
 
 from config.defaults import base_config, model_config
 
-__all__ = ["arm_and_scale", "base_config", "model_config", "small_cpu", "subword",
-           "use_deepnorm"]
+__all__ = ["arm_and_scale", "arm_size_and_scale", "base_config", "model_config", "small_cpu",
+           "subword", "use_deepnorm"]
 
 
 def use_deepnorm(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
@@ -37,6 +37,19 @@ def arm_and_scale(arg: str | None, arms, scales, default: str) -> tuple[str, str
     if scale not in scales:
         raise ValueError(f"unknown scale {scale!r}; scales: {', '.join(scales)}")
     return arm, scale
+
+
+def arm_size_and_scale(arg: str | None, arms, sizes, scales) -> tuple[str, str, str]:
+    """A scaling study's config argument "ARM@SIZE" or "ARM@SIZE,SCALE" as (arm, size, scale):
+    the default is the first arm at the first size and scale; ValueError naming the valid choices
+    otherwise."""
+    cell, _, scale = (arg or f"{arms[0]}@{sizes[0]}").partition(",")
+    arm, _, size = cell.partition("@")
+    scale = scale or scales[0]
+    if arm not in arms or size not in sizes or scale not in scales:
+        raise ValueError(f"unknown {arg!r}: ARM@SIZE[,SCALE] with ARM in {', '.join(arms)}, "
+                         f"SIZE in {', '.join(sizes)}, SCALE in {', '.join(scales)}")
+    return arm, size, scale
 
 
 def small_cpu(config: ml_collections.ConfigDict, steps: int = 300) -> ml_collections.ConfigDict:

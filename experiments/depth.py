@@ -37,7 +37,7 @@ Commands (results: docs/results/depth/):
     python scripts/study_report.py --root runs/depth
 """
 
-from experiments.common import base_config, small_cpu, subword, use_deepnorm
+from experiments.common import arm_size_and_scale, base_config, small_cpu, subword, use_deepnorm
 
 ARMS = ("pre", "post", "scalefix", "deepnorm")
 BASELINE = "pre"
@@ -47,12 +47,7 @@ SCALING = ("6", "12", "24", "48")
 
 
 def get_config(arg: str | None = None):
-    cell, _, scale = (arg or f"{BASELINE}@{SCALING[0]}").partition(",")
-    arm, _, depth = cell.partition("@")
-    scale = scale or SCALES[0]
-    if arm not in ARMS or depth not in SCALING or scale not in SCALES:
-        raise ValueError(f"unknown {arg!r}: ARM@DEPTH[,SCALE] with ARM in {', '.join(ARMS)}, "
-                         f"DEPTH in {', '.join(SCALING)}, SCALE in {', '.join(SCALES)}")
+    arm, depth, scale = arm_size_and_scale(arg, ARMS, SCALING, SCALES)
     config = base_config()
     model = config.model
     if scale == "cpu":
