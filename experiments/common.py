@@ -12,7 +12,7 @@ import ml_collections
 from config.defaults import base_config, model_config
 
 __all__ = ["arm_and_scale", "arm_size_and_scale", "base_config", "model_config", "small_cpu",
-           "subword", "use_deepnorm"]
+           "subword", "use_deepnorm", "use_placement"]
 
 
 def use_deepnorm(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
@@ -23,6 +23,22 @@ def use_deepnorm(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict
     model.norm.update(name="layernorm", final=False)
     for group in ("value", "attention_output", "ffn_input", "ffn_output"):
         model.init[group] = "deepnorm"
+    return config
+
+
+def use_placement(config: ml_collections.ConfigDict, placement: str) -> ml_collections.ConfigDict:
+    """LayerNorm placed as `placement`: "pre" (Pre-LN with a final norm), "post" (Post-LN, no final
+    norm), "scalefix" (Pre-Norm ScaleNorm with FixNorm embeddings, Nguyen & Salazar 2019) or
+    "deepnorm" (`use_deepnorm`)."""
+    model = config.model
+    model.norm.name = "layernorm"
+    if placement == "post":
+        model.residual.name = "postnorm"
+        model.norm.final = False
+    elif placement == "scalefix":
+        model.norm.name, model.fixnorm = "scalenorm", True
+    elif placement == "deepnorm":
+        use_deepnorm(config)
     return config
 
 

@@ -37,7 +37,7 @@ Commands (results: docs/results/depth/):
     python scripts/study_report.py --root runs/depth
 """
 
-from experiments.common import arm_size_and_scale, base_config, small_cpu, subword, use_deepnorm
+from experiments.common import arm_size_and_scale, base_config, small_cpu, subword, use_placement
 
 ARMS = ("pre", "post", "scalefix", "deepnorm")
 BASELINE = "pre"
@@ -58,12 +58,5 @@ def get_config(arg: str | None = None):
     model.num_layers = int(depth)
     model.position.name = "learned"
     model.ffn.update(name="mlp", activation="relu")
-    model.norm.name = "layernorm"
-    if arm == "post":
-        model.residual.name = "postnorm"
-        model.norm.final = False
-    elif arm == "scalefix":
-        model.norm.name, model.fixnorm = "scalenorm", True
-    elif arm == "deepnorm":
-        use_deepnorm(config)
+    use_placement(config, arm)
     return config

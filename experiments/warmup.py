@@ -31,7 +31,7 @@ Commands (results: docs/results/warmup/):
 
 import itertools
 
-from experiments.common import arm_and_scale, base_config, small_cpu, subword
+from experiments.common import arm_and_scale, base_config, small_cpu, subword, use_placement
 
 PLACEMENTS, WARMUPS, RATES = ("pre", "post", "scalefix"), ("warm", "cold"), ("3e-3", "1e-2")
 ARMS = tuple("_".join(parts) for parts in itertools.product(PLACEMENTS, WARMUPS, RATES))
@@ -55,10 +55,4 @@ def get_config(arg: str | None = None):
     config.optimizer.update(learning_rate=float(rate), grad_clip=0.0,
                             warmup_steps=config.steps // 5 if warmup == "warm" else 0)
     model.ffn.update(name="mlp", activation="relu")
-    model.norm.name = "layernorm"
-    if placement == "post":
-        model.residual.name = "postnorm"
-        model.norm.final = False
-    elif placement == "scalefix":
-        model.norm.name, model.fixnorm = "scalenorm", True
-    return config
+    return use_placement(config, placement)
