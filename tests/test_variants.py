@@ -24,7 +24,8 @@ from train.step import TrainProgram
 
 VARIANTS = {
     "postnorm-scalenorm-geglu-untied": dict(residual="postnorm", norm="scalenorm", ffn="geglu",
-                                            head="untied", head__bias=True, norm__final=False),
+                                            head="untied", head__bias=True, norm__final=False,
+                                            attention__window=8),  # sliding window, seq 16
     "deepnorm-layernorm-reglu-mos": dict(residual="deepnorm", norm="layernorm", ffn="reglu",
                                          head="mos", norm__final=False,
                                          init=dict(value="deepnorm", attention_output="deepnorm",
