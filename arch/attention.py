@@ -60,7 +60,8 @@ def mean_visible_keys(seq_len: int, window: int = 0) -> float:
     return (window * (window + 1) / 2 + (seq_len - window) * window) / seq_len
 
 
-def write_cache(cache: dict, new: dict, positions_BxT: jax.Array, window: int = 0):
+def write_cache(cache: dict, new: dict, positions_BxT: jax.Array,
+                window: int = 0) -> tuple[dict, jax.Array, dict]:
     """Write a block's cached arrays into `cache` and return what the block attends to:
     (arrays B×S×… by name, their key positions B×S, the updated cache).
 
