@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from arch.attention import ATTENTION
+from arch.attention import ATTENTION, cache_slots
 from arch.heads import HEADS
 from arch.model import TransformerLM
 from arch.norms import make_norm
@@ -135,11 +135,19 @@ def kv_cache_bytes_per_token(model_cfg, dtype: str | None = None) -> int:
     """Bytes the KV cache holds per token, over all layers: each attention class's
     `cache_shapes` per position (MHA/GQA/MQA: keys and values, 2·h_kv·p; MLA: the latent and
     the decoupled rotary key, d_c + d_r), × num_layers × the itemsize of `dtype` (default the
-    compute dtype `model.dtype`). Per sequence: × its length."""
+    compute dtype `model.dtype`). Per sequence: × the positions it holds, its length, or with
+    a sliding window W at most W (`cache_positions`)."""
     shapes = ATTENTION[model_cfg.attention.name].cache_shapes(model_cfg, 1, 1)
     per_layer = sum(math.prod(shape) for shape in shapes.values())
     itemsize = jnp.dtype(dtype or model_cfg.dtype).itemsize
     return model_cfg.num_layers * per_layer * itemsize
+
+
+def cache_positions(model_cfg, seq_len: int) -> int:
+    """Positions a KV cache holds for a sequence of `seq_len`: seq_len, or min(seq_len, W) with
+    `attention.window` W > 0 (a ring buffer, `arch.attention.write_cache`; its W int32 slot
+    positions per layer are not counted)."""
+    return cache_slots(model_cfg, seq_len)
 
 
 def flops_per_token(model_cfg, seq_len: int, training: bool = True) -> float:
@@ -265,7 +273,8 @@ def books(model_cfg, seq_len: int, sequence_shards: int = 1) -> dict:
                   "training_per_token": flops_per_token(model_cfg, seq_len, True),
                   "inference_per_token": flops_per_token(model_cfg, seq_len, False)},
         "kv_cache": {"dtype": model_cfg.dtype, "bytes_per_token": kv_per_token,
-                     "bytes_per_sequence": kv_per_token * seq_len},
+                     "positions_held": cache_positions(model_cfg, seq_len),
+                     "bytes_per_sequence": kv_per_token * cache_positions(model_cfg, seq_len)},
         "residual": {"mechanism": model_cfg.residual.name,
                      "io_per_token_per_sublayer_d": residual["io_per_token_per_sublayer"],
                      "history_elements_per_token": residual["history_elements_per_token"],

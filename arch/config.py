@@ -72,6 +72,8 @@ def resolve_model(cfg) -> None:
             f"≠ {'model.attention.width' if width else 'model.d_model'}={width or d}; set "
             f"model.attention.width={h * p} to use an attention width different from d")
     attention.width = h * p
+    check(isinstance(attention.window, int) and attention.window >= 0, "model.attention.window",
+          attention.window, "must be a non-negative integer (0: full causal attention)")
     if cfg.position.name == "rope":
         check(cfg.attention.head_dim % 2 == 0, "model.attention.head_dim", cfg.attention.head_dim,
               "RoPE needs an even head width")

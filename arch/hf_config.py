@@ -18,6 +18,8 @@ Architecture (`model_config_from_hf`: config.json → `config.defaults.model_con
     norm.eps                rms_norm_eps                             layer_norm_epsilon
     position.rope_base      rope_theta or rope_parameters.rope_theta —
     max_seq_len             max_position_embeddings                  n_positions
+    attention.window        mistral sliding_window (null, or ≥       —
+                            max_position_embeddings: 0, full causal)
     head.name               tie_word_embeddings (default false)      tie_word_embeddings (default
                             → "tied" / "untied"                      true)
     ffn.name                hidden_act silu, swish / relu / sigmoid  "mlp"
@@ -36,10 +38,9 @@ head.bias=False, dtype float32).
 Our "gelu" is the tanh approximation, which is HF's gelu_new / gelu_pytorch_tanh (HF's "gelu" is
 the erf form and raises). What the framework cannot represent raises ValueError naming the field
 and value, never a silently different model: any `rope_scaling` (or `rope_parameters` other than
-plain {rope_type: default, rope_theta}); llama `attention_bias` / `mlp_bias` true; mistral
-`sliding_window` shorter than max_position_embeddings; gpt2 `scale_attn_weights` false,
-`scale_attn_by_inverse_layer_idx` true, `add_cross_attention` true; an activation without an
-exact counterpart; any other model_type.
+plain {rope_type: default, rope_theta}); llama `attention_bias` / `mlp_bias` true; gpt2
+`scale_attn_weights` false, `scale_attn_by_inverse_layer_idx` true, `add_cross_attention` true;
+an activation without an exact counterpart; any other model_type.
 """
 
 from __future__ import annotations
@@ -97,11 +98,10 @@ def _llama_fields(hf: Mapping) -> dict:
                 raise _unsupported(field, hf[field], "blockbench's Llama layout has no biases "
                                    "(model.linear_bias puts them on attention and FFN together)")
     max_positions = int(_required(hf, "max_position_embeddings"))
-    window = hf.get("sliding_window")
-    if model_type == "mistral" and window is not None and window < max_positions:
-        raise _unsupported("sliding_window", window, "blockbench attention is fully causal; "
-                           "only sliding_window=null (or ≥ max_position_embeddings="
-                           f"{max_positions}) imports exactly")
+    # Mistral's band: key s visible to query t iff t − W < s ≤ t (transformers'
+    # `sliding_window_overlay`), which is attention.window=W (`attention_kernels.allowed_mask`).
+    window = hf.get("sliding_window") if model_type == "mistral" else None
+    window = int(window) if window is not None and window < max_positions else 0
     hidden_act = hf.get("hidden_act", "silu")
     if hidden_act not in LLAMA_GATED_FFN:
         raise _unsupported("hidden_act", hidden_act, "supported: "
@@ -112,7 +112,7 @@ def _llama_fields(hf: Mapping) -> dict:
         vocab_size=int(_required(hf, "vocab_size")), d_model=d,
         num_layers=int(_required(hf, "num_hidden_layers")), max_seq_len=max_positions,
         attention=dict(num_heads=heads, num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-                       head_dim=head_dim,
+                       head_dim=head_dim, window=window,
                        width=None if heads * head_dim == d else heads * head_dim),
         ffn=dict(name=LLAMA_GATED_FFN[hidden_act], d_ff=int(_required(hf, "intermediate_size"))),
         norm=dict(name="rmsnorm", eps=float(_required(hf, "rms_norm_eps"))),
@@ -222,7 +222,7 @@ def hf_config_from_model(cfg) -> dict:
 
 def model_config_from_hf(hf_config: Mapping) -> ml_collections.ConfigDict:
     """Our (resolved) model config for a Hugging Face config.json dict: model_type "llama",
-    "mistral" (Llama with a sliding window, accepted when the window never binds) or "gpt2".
+    "mistral" (Llama with a sliding window: `attention.window`) or "gpt2".
     Raises ValueError naming the field and value for anything not represented exactly."""
     model_type = hf_config.get("model_type")
     if model_type in LLAMA_FAMILY:

@@ -25,7 +25,7 @@ import ml_collections
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from arch.attention import ATTENTION
+from arch.attention import ATTENTION, EMPTY_SLOT, cache_slots
 from arch.branch_scale import BranchScale
 from arch.ffn import FFNS
 from arch.heads import HEADS
@@ -157,10 +157,15 @@ class TransformerLM(nnx.Module):
 
     def init_cache(self, batch: int, length: int, dtype=jnp.float32) -> dict:
         """Zeroed KV cache for `length` positions, stacked over layers (groups × k when MoE is
-        interleaved)."""
+        interleaved). With `attention.window` W > 0 it holds min(length, W) slots, a ring buffer,
+        and "position" (the position in each slot, `EMPTY_SLOT` until written)."""
         shapes = ATTENTION[self.cfg.attention.name].cache_shapes(self.cfg, batch, length)
-        return {name: jnp.zeros((*self.stack_shape, *shape), dtype)
-                for name, shape in shapes.items()}
+        cache = {name: jnp.zeros((*self.stack_shape, *shape), dtype)
+                 for name, shape in shapes.items()}
+        if self.cfg.attention.window:  # a ring buffer: each slot's position (write_cache)
+            cache["position"] = jnp.full(
+                (*self.stack_shape, batch, cache_slots(self.cfg, length)), EMPTY_SLOT, jnp.int32)
+        return cache
 
     def _forward(self, tokens_BxT, positions_BxT, cache):
         x_BxTxD = self.position.embed(self.embed(tokens_BxT), positions_BxT)

@@ -29,6 +29,8 @@ def model_config() -> ml_collections.ConfigDict:
             num_kv_heads=4,       # = num_heads: MHA; 1: MQA; in between: GQA
             head_dim=ml_collections.FieldReference(None, field_type=int),  # default d / h
             width=ml_collections.FieldReference(None, field_type=int),     # h·p if ≠ d
+            window=0,             # sliding window W: attend to the W most recent positions,
+                                  # KV cache a ring of W slots (0: full causal attention)
         ),
         mla=dict(                 # attention.name="mla" (arch.attention.MultiHeadLatentAttention)
             kv_rank=64,           # key/value latent width d_c (cached per token)
