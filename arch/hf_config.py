@@ -177,8 +177,9 @@ def _inverse(names: Mapping[str, str]) -> dict[str, str]:
 
 def hf_config_from_model(cfg) -> dict:
     """The Hugging Face config.json dict of a resolved model config: the inverse of
-    `model_config_from_hf`. RoPE models export as "llama", learned positions as "gpt2" (float32
-    weights, `architectures` set for `AutoModelForCausalLM`). Raises ValueError in one line,
+    `model_config_from_hf`. RoPE models export as "llama" ("mistral" with a sliding window),
+    learned positions as "gpt2" (float32 weights, `architectures` set for
+    `AutoModelForCausalLM`). Raises ValueError in one line,
     naming the first field whose value the exported config.json would not reproduce (an AttnRes
     stream, a LayerScale, a MoE FFN, ...)."""
     if cfg.position.name == "rope":
@@ -186,7 +187,10 @@ def hf_config_from_model(cfg) -> dict:
         if cfg.ffn.name not in gated:
             raise ValueError(f"model.ffn.name={cfg.ffn.name!r} cannot be exported as llama: its "
                              f"FFN is gated ({', '.join(sorted(gated))})")
-        hf = dict(model_type="llama", architectures=["LlamaForCausalLM"],
+        window = cfg.attention.window
+        hf = dict(model_type="mistral" if window else "llama",
+                  architectures=["MistralForCausalLM" if window else "LlamaForCausalLM"],
+                  **(dict(sliding_window=window) if window else {}),
                   vocab_size=cfg.vocab_size, hidden_size=cfg.d_model,
                   intermediate_size=cfg.ffn.d_ff, num_hidden_layers=cfg.num_layers,
                   num_attention_heads=cfg.attention.num_heads,

@@ -27,6 +27,7 @@ from train.tokenizer import ByteTokenizer
 TOKENS_BxT = np.random.default_rng(1).integers(0, 256, (2, 16))
 RUNS = {  # name → model overrides of tests.helpers.tiny_config
     "llama": dict(attention__num_kv_heads=2, head="untied", position__rope_base=500.0),
+    "mistral": dict(attention__num_kv_heads=1, attention__window=6),  # binds: 16 tokens
     "gpt2": dict(position="learned", norm="layernorm", ffn="mlp", linear_bias=True,
                  attention__num_kv_heads=4),
 }
