@@ -193,8 +193,13 @@ def test_a_sharded_step_with_ema_and_distillation_equals_one_device():
     losses, ema = run(1, dict(data=1))
     sharded_losses, sharded_ema = run(8, dict(data=2, fsdp=2, tensor=2))
     np.testing.assert_allclose(sharded_losses, losses, rtol=2e-5, atol=1e-7)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-6),
-                 sharded_ema, ema)
+    # Per leaf, relative to its norm: Adam turns the rounding of a near-zero gradient (which
+    # the reduction order changes) into a full-size update of that one element.
+    for path, sharded, single in zip(jax.tree_util.tree_leaves_with_path(sharded_ema),
+                                     jax.tree.leaves(sharded_ema), jax.tree.leaves(ema),
+                                     strict=True):
+        error = np.linalg.norm(sharded - single) / np.linalg.norm(single)
+        assert error < 1e-4, (jax.tree_util.keystr(path[0]), error)
 
 
 # Config ----------------------------------------------------------------------------------
