@@ -28,7 +28,7 @@ from train.config import validate
 from train.generate import check_arguments, generate_text
 from train.generate import main as generate_main
 from train.loop import _start_state, evaluate, load_splits, train
-from train.restore import restore_run, with_ema_params
+from train.restore import restore_for_analysis, restore_run, with_ema_params
 from train.step import TrainProgram, build_program, distillation_kl, next_token_loss
 
 STATE_KEYS = {"step", "params", "model_state", "opt_state"}
@@ -285,6 +285,8 @@ def test_the_ema_is_evaluated_and_logged(ema_run):
     np.testing.assert_allclose(result["eval_loss_ema"],
                                evaluate(program, state, validation, ema=True), rtol=1e-6)
     assert result["eval_loss_ema"] == evaluated[-1]["eval_loss_ema"] != result["eval_loss"]
+    _, _, model, _ = restore_for_analysis(workdir, batch=8, ema=True)
+    assert_trees_equal(nnx.state(model, nnx.Param), state["ema"])
 
 
 def test_generate_samples_from_the_ema(ema_run, capsys):
