@@ -199,6 +199,16 @@ def base_config() -> ml_collections.ConfigDict:
             grad_clip=1.0,        # global-norm clip; 0 disables
             muon_momentum=0.95,   # muon: Nesterov momentum β of the orthogonalized matrices
             muon_rms=0.2,         # muon: update RMS per matrix, so AdamW's lr and decay carry over
+            ema_decay=0.0,        # > 0: an EMA of the parameters in the train state, after each
+                                  # update ema ← d·ema + (1 − d)·params (from the initial params;
+                                  # no bias correction); eval_loss_ema, generate --ema. 0: none
+        ),
+        # What the step minimizes beyond next-token cross-entropy (and MoE auxiliary losses).
+        objective=dict(
+            ema_distill_weight=0.0,  # w > 0: + w·KL(softmax(z_ema/τ) ‖ softmax(z/τ)), teacher
+                                  # logits z_ema of the EMA parameters, stop-gradient (needs
+                                  # optimizer.ema_decay > 0)
+            ema_distill_temperature=1.0,  # τ > 0 of both softmaxes in that KL
         ),
         data=dict(
             name="kjv",           # "kjv" (embedded), "text" (local files), "prepared" (shards

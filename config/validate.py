@@ -58,6 +58,7 @@ def check_fields(config) -> None:
               "resume_mode='finetune' needs the run directory whose weights to start from")
     check(config.nonfinite_policy in NONFINITE_POLICIES, "nonfinite_policy",
           config.nonfinite_policy, f"valid policies: {', '.join(NONFINITE_POLICIES)}")
+    _check_objective(config.objective, config.optimizer.ema_decay)
 
 
 def check_training(config) -> None:
@@ -104,6 +105,19 @@ def _check_optimizer(opt, steps: int) -> None:
           "optimizer.final_lr_fraction", opt.final_lr_fraction, "must be in [0, 1]")
     check(_is_number(opt.grad_clip) and opt.grad_clip >= 0, "optimizer.grad_clip", opt.grad_clip,
           "must be ≥ 0 (0 disables clipping)")
+    check(_is_number(opt.ema_decay) and 0 <= opt.ema_decay < 1, "optimizer.ema_decay",
+          opt.ema_decay, "must be in [0, 1) (0: no EMA of the parameters; e.g. 0.999)")
+
+
+def _check_objective(objective, ema_decay) -> None:
+    weight, temperature = objective.ema_distill_weight, objective.ema_distill_temperature
+    check(_is_number(weight) and math.isfinite(weight) and weight >= 0,
+          "objective.ema_distill_weight", weight, "must be a finite number ≥ 0 (0: off)")
+    check(_is_number(temperature) and math.isfinite(temperature) and temperature > 0,
+          "objective.ema_distill_temperature", temperature, "must be a finite number > 0")
+    check(weight == 0 or ema_decay > 0, "objective.ema_distill_weight", weight,
+          f"distillation needs an EMA teacher, but optimizer.ema_decay={ema_decay!r}; set "
+          "optimizer.ema_decay in (0, 1), e.g. 0.999")
 
 
 def text_files(path: str) -> list[str]:

@@ -68,10 +68,12 @@ def load_splits(data_config) -> tuple[data.Dataset, data.Dataset]:
     return splits if splits is not None else load()
 
 
-def evaluate(program: TrainProgram, state, dataset: data.Dataset) -> float:
+def evaluate(program: TrainProgram, state, dataset: data.Dataset, *, ema: bool = False) -> float:
+    """Mean evaluation loss over `eval_batches` validation batches; with `ema`, of the state's
+    EMA parameters."""
     config, rows = program.config, program.process_rows()
     losses = [program.eval_loss(state, program.put_batch(
-        dataset.batch(i, config.batch_size, config.seq_len, VALIDATION_SEED, rows)))
+        dataset.batch(i, config.batch_size, config.seq_len, VALIDATION_SEED, rows)), ema=ema)
         for i in range(config.eval_batches)]
     return float(np.mean(jax.device_get(losses)))
 
@@ -121,8 +123,11 @@ def _start_state(program: TrainProgram, config, checkpointer: Checkpointer, work
             "--workdir, or move its checkpoints directory aside to start again")
     state = program.init(config.seed)
     if config.resume_mode == "finetune":
+        source_config = rundir.saved_config(config.finetune_from, {})
+        source_ema = (None if source_config is None else
+                      source_config.get("optimizer", {}).get("ema_decay", 0) > 0)
         with Checkpointer(config.finetune_from, read_only=True) as source:
-            from_source = source.restore_latest(program.abstract_state())
+            from_source = source.restore_latest(program.abstract_state(ema=source_ema))
             errors = source.restore_errors
         if from_source is None:
             reason = (f"step {max(errors)}: {errors[max(errors)]}" if errors
@@ -134,6 +139,8 @@ def _start_state(program: TrainProgram, config, checkpointer: Checkpointer, work
         source_step, source_state, _ = from_source
         state["params"], state["model_state"] = (source_state["params"],
                                                  source_state["model_state"])
+        if program.uses_ema:  # a new run: its EMA starts at its initial parameters
+            state["ema"] = jax.tree.map(jnp.copy, state["params"])
         log.warning("fine-tuning from the weights of %s at step %d (fresh optimizer state, "
                     "step 0)", config.finetune_from, source_step)
     return 0, state, {"next_step": 0, "seed": config.seed, "skipped_steps": 0}
@@ -160,7 +167,8 @@ def train(config, workdir: str | Path) -> dict:
     """Train `config` in `workdir` (resuming if it holds checkpoints of the same run).
 
     Holds the workdir lock for the whole run; refuses (one-line `ConfigError`) a workdir whose
-    run has a different config. Returns {"step", "eval_loss", "sample", "preempted"}. Raises
+    run has a different config. Returns {"step", "eval_loss", "sample", "preempted"}, and
+    "eval_loss_ema" with optimizer.ema_decay > 0. Raises
     `NonFiniteLoss` (with nonfinite_policy="stop") when a step makes the loss or state
     non-finite; that state is never saved.
     """
@@ -211,7 +219,7 @@ def _train_locked(program: TrainProgram, config, workdir: Path) -> dict:
         previous = None  # (step, metrics) of the last step, checked a step late: no sync per step
         first_step = timer_step = step
         timer = time.perf_counter()
-        eval_loss = float("nan")
+        eval_loss = eval_loss_ema = float("nan")
         batches = train_data.batches(step, config.batch_size, config.seq_len, config.seed, rows,
                                      prefetch=config.data.get("prefetch", 4),
                                      read_threads=config.data.get("read_threads", 2))
@@ -241,13 +249,17 @@ def _train_locked(program: TrainProgram, config, workdir: Path) -> dict:
                           "mfu": throughput / tokens_per_step * model_flops / peak_flops,
                           **static,
                           **({"skipped_steps": int(skipped)} if skip_nonfinite else {}),
-                          **{k: float(metrics[k]) for k in ("aux_loss", "moe_dropped_fraction")
-                             if k in metrics}}
+                          **{k: float(metrics[k]) for k in ("aux_loss", "moe_dropped_fraction",
+                                                            "distill_kl") if k in metrics}}
                 progress.set_postfix(loss=f"{record['train_loss']:.3f}",
                                      tok_s=f"{throughput:,.0f}", mfu=f"{record['mfu']:.1%}")
             if step % config.eval_every == 0 or step == config.steps:
                 eval_loss = record["eval_loss"] = evaluate(program, state, validation_data)
                 progress.write(f"step {step}: eval_loss {eval_loss:.4f}")
+                if program.uses_ema:
+                    eval_loss_ema = record["eval_loss_ema"] = evaluate(
+                        program, state, validation_data, ema=True)
+                    progress.write(f"step {step}: eval_loss_ema {eval_loss_ema:.4f}")
             if record:
                 writer.write(step, record)
             progress.update(1)
@@ -262,9 +274,14 @@ def _train_locked(program: TrainProgram, config, workdir: Path) -> dict:
             progress.write(f"SIGTERM: saved the checkpoint at step {step}; exiting")
     if math.isnan(eval_loss) and not preempted:
         eval_loss = evaluate(program, state, validation_data)
+        if program.uses_ema:
+            eval_loss_ema = evaluate(program, state, validation_data, ema=True)
     sample = ""
     if config.sample_tokens and not preempted:
         sample = generate_text(program, state, config.sample_prompt,
                                config.sample_tokens, temperature=config.temperature,
                                top_k=config.top_k, seed=config.seed)
-    return {"step": step, "eval_loss": eval_loss, "sample": sample, "preempted": preempted}
+    result = {"step": step, "eval_loss": eval_loss, "sample": sample, "preempted": preempted}
+    if program.uses_ema:
+        result["eval_loss_ema"] = eval_loss_ema
+    return result

@@ -60,6 +60,18 @@ def restore_run(workdir: str | Path):
     return program, step, state
 
 
+def with_ema_params(state, workdir: str | Path = "") -> dict:
+    """The train state with its EMA parameters (optimizer.ema_decay > 0) in place of its
+    parameters: the EMA model, for generation and analysis. Raises ConfigError in one line when
+    the run keeps no EMA."""
+    if "ema" not in state:
+        where = f" in --workdir={workdir}" if workdir else ""
+        raise ConfigError(f"--ema is invalid: the run{where} keeps no EMA of its parameters "
+                          "(optimizer.ema_decay=0); train one with "
+                          "--config.optimizer.ema_decay=0.999, say")
+    return {**state, "params": state["ema"]}
+
+
 def evaluation_split(config, text: str | Path | None = None):
     """The held-out text a run is measured on, tokenized with the run's tokenizer
     (``data.tokenizer``; an imported checkpoint's own): ``text``, a local text file (one
@@ -90,13 +102,16 @@ def bytes_per_token(tokens_BxT1, config) -> float:
 
 
 def restore_for_analysis(workdir: str | Path, batch: int, seq_len: int | None = None,
-                         text: str | Path | None = None):
+                         text: str | Path | None = None, *, ema: bool = False):
     """(program, step, model in evaluation mode, validation tokens B×(T+1)) for the scripts that
     analyse a run: `restore_run`, then the first batch of `batch` rows of `seq_len` + 1 tokens
     (default the run's seq_len) of `evaluation_split(config, text)`, the same batch for every
-    run of a config. Raises FileNotFoundError (no run) or ConfigError (a bad batch, length or
-    text) in one line."""
+    run of a config. With `ema`, the model has the run's EMA parameters. Raises
+    FileNotFoundError (no run) or ConfigError (a bad batch, length or text; no EMA) in one
+    line."""
     program, step, state = restore_run(workdir)
+    if ema:
+        state = with_ema_params(state, workdir)
     return _for_analysis(program, step, state, batch, seq_len, text)
 
 

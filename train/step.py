@@ -4,7 +4,17 @@ The model is split into a static graph, its parameters and its other state (e.g.
 statistics); what gets jitted is a pure function of (state pytree, batch), with the model merged
 back inside. The train state is a plain dict {"step": int32, "params": nnx.State, "model_state":
 nnx.State, "opt_state": optax state}, every leaf placed by a NamedSharding derived from its
-variable's logical axis names.
+variable's logical axis names; with optimizer.ema_decay > 0 it also holds "ema", an exponential
+moving average of the parameters (same tree and shardings as "params").
+
+EMA and self-distillation (optimizer.ema_decay = d, objective.ema_distill_weight = w): after each
+optimizer update, ema ← d·ema + (1 − d)·params (`ema_update`; plain, no bias correction, started
+at the initial parameters). With w > 0 the loss adds w·KL(softmax(z_ema/τ) ‖ softmax(z/τ))
+(`distillation_kl`), z_ema the logits of the same model with the EMA parameters (the teacher, in
+training mode like the student, its model-state writes discarded) under `jax.lax.stop_gradient`.
+Two separate rules: the stop-gradient is a gradient boundary (the teacher's logits are a constant
+of the backward pass), and the EMA is the only way the teacher changes (it never takes a gradient
+step). Cost: one parameter-sized buffer; with distillation one more forward pass per step.
 
 Sequence parallelism (mesh.sequence = S > 1): the steps permute each batch's inputs, targets and
 positions into the striped order of `sharding.sequence.stripe_batch` (here and only here), so
@@ -55,6 +65,24 @@ def next_token_loss(logits_BxTxV: jax.Array, targets_BxT: jax.Array) -> jax.Arra
     return optax.softmax_cross_entropy_with_integer_labels(logits_BxTxV, targets_BxT).mean()
 
 
+def distillation_kl(student_logits_BxTxV: jax.Array, teacher_logits_BxTxV: jax.Array,
+                    temperature: float = 1.0) -> jax.Array:
+    """Mean over positions of KL(p_t ‖ p_s) = Σ_v p_t,v (log p_t,v − log p_s,v), with
+    p_t = softmax(teacher/τ) and p_s = softmax(student/τ), in float32 (Hinton et al. 2015,
+    without their τ² factor: the weight absorbs it). Zero when the logits agree; its gradient
+    with respect to the student logits is (p_s − p_t)/τ per position. The caller detaches the
+    teacher. Cost: O(B·T·V)."""
+    log_p_student = jax.nn.log_softmax(student_logits_BxTxV.astype(jnp.float32) / temperature)
+    log_p_teacher = jax.nn.log_softmax(teacher_logits_BxTxV.astype(jnp.float32) / temperature)
+    return jnp.mean(jnp.sum(jnp.exp(log_p_teacher) * (log_p_teacher - log_p_student), axis=-1))
+
+
+def ema_update(ema, params, decay: float):
+    """ema ← decay·ema + (1 − decay)·params, leaf by leaf (the EMA rule: the only update an EMA
+    teacher ever gets). Cost: O(parameters)."""
+    return jax.tree.map(lambda average, param: decay * average + (1 - decay) * param, ema, params)
+
+
 def _masked(leaf) -> bool:
     return isinstance(leaf, optax.MaskedNode)
 
@@ -62,8 +90,9 @@ def _masked(leaf) -> bool:
 class TrainProgram:
     """The compiled pieces of one (config, mesh): model graph, optimizer, shardings and steps.
 
-    `init(seed)`, `train_step(state, batch)`, `eval_loss(state, batch)`; batches are int32
-    token arrays of shape [batch_size, seq_len + 1] placed with `put_batch`.
+    `init(seed)`, `train_step(state, batch)`, `eval_loss(state, batch, ema=False)`; batches are
+    int32 token arrays of shape [batch_size, seq_len + 1] placed with `put_batch`. `uses_ema`:
+    whether the state holds "ema" (optimizer.ema_decay > 0).
     """
 
     def __init__(self, config, mesh: jax.sharding.Mesh):
@@ -75,6 +104,11 @@ class TrainProgram:
                                                         rngs=nnx.Rngs(0)))
         self.graphdef, abstract_params, abstract_model_state = nnx.split(abstract, nnx.Param, ...)
         self.optimizer = make_optimizer(config.optimizer, config.steps)
+        self.ema_decay = float(config.optimizer.get("ema_decay", 0.0))
+        self.uses_ema = self.ema_decay > 0
+        objective = config.get("objective", {})
+        self.distill_weight = float(objective.get("ema_distill_weight", 0.0))
+        self.distill_temperature = float(objective.get("ema_distill_temperature", 1.0))
         self.learning_rate = schedule(config.optimizer, config.steps)
         replicated = NamedSharding(mesh, PartitionSpec())
         param_shardings, model_state_shardings = (
@@ -88,6 +122,8 @@ class TrainProgram:
             transform_non_params=lambda _: replicated, is_leaf=_masked)
         self.state_shardings = {"step": replicated, "params": param_shardings,
                                 "model_state": model_state_shardings, "opt_state": opt_shardings}
+        if self.uses_ema:
+            self.state_shardings["ema"] = param_shardings
         self.batch_sharding = named_sharding(mesh, ("act_batch", None))
         self._init = jax.jit(self._init_state, out_shardings=self.state_shardings)
         self._train_step = jax.jit(
@@ -109,22 +145,38 @@ class TrainProgram:
         model = TransformerLM(self.model_cfg, execution=self.execution,
                               rngs=nnx.Rngs(jax.random.key(seed)))
         _, params, model_state = nnx.split(model, nnx.Param, ...)
-        return {"step": jnp.zeros((), jnp.int32), "params": params, "model_state": model_state,
-                "opt_state": self.optimizer.init(params)}
+        state = {"step": jnp.zeros((), jnp.int32), "params": params, "model_state": model_state,
+                 "opt_state": self.optimizer.init(params)}
+        if self.uses_ema:
+            state["ema"] = jax.tree.map(jnp.copy, params)
+        return state
 
-    def _loss_and_grads(self, params, model_state, tokens_BxT1):
+    def _loss_and_grads(self, params, model_state, tokens_BxT1, teacher_params=None):
         """Training-mode loss, its gradients with respect to the parameters, the model state after
         the forward pass (nnx.value_and_grad carries that state's updates), and extra metrics.
 
         The loss is next-token cross-entropy plus the sum of every `arch.moe.AuxLoss` the forward
-        pass wrote (MoE balancing and z-losses). The metrics are {"aux_loss",
-        "moe_dropped_fraction" (mean over layers)} for a model with such variables, else {}."""
-        model = nnx.merge(self.graphdef, params, model_state)
+        pass wrote (MoE balancing and z-losses), plus, given `teacher_params` (the EMA), w·KL
+        of the teacher's stop-gradient logits to the student's (`distillation_kl`). The metrics
+        are {"aux_loss", "moe_dropped_fraction" (mean over layers)} for a model with such
+        variables, and "distill_kl" (the KL, unweighted) with a teacher."""
         inputs_BxT, targets_BxT, positions_BxT = self.model_inputs(tokens_BxT1)
+        teacher_logits_BxTxV = None
+        if teacher_params is not None:
+            # Its own merged copy: what its forward pass writes (BatchNorm statistics, MoE aux
+            # losses) is dropped; stop_gradient makes its logits a constant of the backward pass.
+            teacher = nnx.merge(self.graphdef, teacher_params, model_state)
+            teacher_logits_BxTxV = jax.lax.stop_gradient(teacher(inputs_BxT, positions_BxT))
+        model = nnx.merge(self.graphdef, params, model_state)
 
         def loss(model):
-            value = next_token_loss(model(inputs_BxT, positions_BxT), targets_BxT)
+            logits_BxTxV = model(inputs_BxT, positions_BxT)
+            value = next_token_loss(logits_BxTxV, targets_BxT)
             metrics = {}
+            if teacher_logits_BxTxV is not None:
+                metrics["distill_kl"] = distillation_kl(logits_BxTxV, teacher_logits_BxTxV,
+                                                        self.distill_temperature)
+                value = value + self.distill_weight * metrics["distill_kl"]
             aux_losses = jax.tree.leaves(nnx.state(model, AuxLoss))
             if aux_losses:
                 metrics["aux_loss"] = sum(jnp.sum(leaf) for leaf in aux_losses)
@@ -148,33 +200,36 @@ class TrainProgram:
         split = tokens_BxT1.reshape(batch // steps, steps, length)
         return constrain(split, ("act_batch", None, None))
 
-    def _accumulated_loss_and_grads(self, params, model_state, tokens_BxT1: jax.Array):
+    def _accumulated_loss_and_grads(self, params, model_state, tokens_BxT1: jax.Array,
+                                    teacher_params=None):
         """`_loss_and_grads` of the whole batch as the mean over `accumulation_steps`
         microbatches, scanned: the carry holds the sums of gradients, loss and metrics, and
         the model state, updated by each microbatch in turn. With one step, no scan."""
         steps = self.config.accumulation_steps
         if steps == 1:
-            return self._loss_and_grads(params, model_state, tokens_BxT1)
+            return self._loss_and_grads(params, model_state, tokens_BxT1, teacher_params)
         micro = self.microbatches(tokens_BxT1)
         # Abstract first pass: the metrics' structure and dtypes, to start the sums at zero.
         _, _, _, abstract_metrics = jax.eval_shape(self._loss_and_grads, params, model_state,
-                                                   micro[:, 0])
+                                                   micro[:, 0], teacher_params)
 
-        # The parameters ride in the carry, unchanged: nnx cannot merge a closed-over tracer.
+        # The parameters (and the teacher's) ride in the carry, unchanged: nnx cannot merge a
+        # closed-over tracer.
         def accumulate(carry, index):
-            params, loss_sum, grad_sum, model_state, metric_sum = carry
+            params, teacher_params, loss_sum, grad_sum, model_state, metric_sum = carry
             tokens = constrain(jax.lax.dynamic_index_in_dim(micro, index, 1, keepdims=False),
                                ("act_batch", None))
             loss, grads, model_state, metrics = self._loss_and_grads(params, model_state,
-                                                                     tokens)
-            return (params, loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads),
-                    model_state, jax.tree.map(jnp.add, metric_sum, metrics)), None
+                                                                     tokens, teacher_params)
+            return (params, teacher_params, loss_sum + loss,
+                    jax.tree.map(jnp.add, grad_sum, grads), model_state,
+                    jax.tree.map(jnp.add, metric_sum, metrics)), None
 
-        zeros = (params, jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params),
-                 model_state, jax.tree.map(lambda m: jnp.zeros(m.shape, m.dtype),
-                                           abstract_metrics))
-        (_, loss, grads, model_state, metrics), _ = jax.lax.scan(accumulate, zeros,
-                                                                 jnp.arange(steps))
+        zeros = (params, teacher_params, jnp.zeros((), jnp.float32),
+                 jax.tree.map(jnp.zeros_like, params), model_state,
+                 jax.tree.map(lambda m: jnp.zeros(m.shape, m.dtype), abstract_metrics))
+        (_, _, loss, grads, model_state, metrics), _ = jax.lax.scan(accumulate, zeros,
+                                                                    jnp.arange(steps))
         loss, grads, metrics = jax.tree.map(lambda total: total / steps, (loss, grads, metrics))
         return loss, grads, model_state, metrics
 
@@ -190,13 +245,18 @@ class TrainProgram:
         floating leaf of the new parameters, model state and optimizer state are finite (one
         fused reduction). With config.nonfinite_policy="skip" a non-finite step keeps the
         previous parameters, model state and optimizer state (the step counter still advances:
-        the batch is consumed) and metrics["skipped"] is 1."""
+        the batch is consumed) and metrics["skipped"] is 1. With an EMA, it is updated from the
+        new parameters after the optimizer update (and kept, too, on a skipped step); with
+        distillation the EMA is also the teacher, which takes no gradient step."""
+        teacher_params = state["ema"] if self.distill_weight > 0 else None
         loss, grads, model_state, aux_metrics = self._accumulated_loss_and_grads(
-            state["params"], state["model_state"], tokens_BxT1)
+            state["params"], state["model_state"], tokens_BxT1, teacher_params)
         updates, opt_state = self.optimizer.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         grad_norm = optax.tree.norm(grads)
         updated = {"params": params, "model_state": model_state, "opt_state": opt_state}
+        if self.uses_ema:
+            updated["ema"] = ema_update(state["ema"], params, self.ema_decay)
         finite = all_finite((loss, grad_norm, updated))
         metrics = {"loss": loss, "grad_norm": grad_norm,
                    "update_norm": optax.tree.norm(updates),
@@ -218,16 +278,26 @@ class TrainProgram:
         with jax.set_mesh(self.mesh):
             return self._train_step(state, tokens_BxT1)
 
-    def eval_loss(self, state, tokens_BxT1):
-        """Evaluation-mode loss of a train state on one batch."""
+    def eval_loss(self, state, tokens_BxT1, *, ema: bool = False):
+        """Evaluation-mode loss of a train state on one batch; with `ema`, of its EMA parameters
+        (with the state's model state, e.g. BatchNorm's running statistics)."""
         with jax.set_mesh(self.mesh):
-            return self._eval_loss(state["params"], state["model_state"], tokens_BxT1)
+            return self._eval_loss(state["ema" if ema else "params"], state["model_state"],
+                                   tokens_BxT1)
 
-    def abstract_state(self):
-        """ShapeDtypeStructs with this mesh's shardings: restore targets for checkpoints."""
+    def abstract_state(self, *, ema: bool | None = None):
+        """ShapeDtypeStructs with this mesh's shardings: restore targets for checkpoints. `ema`:
+        with or without the "ema" entry (default: as this program's state), to read a checkpoint
+        of a run that differs only in that (a fine-tune's source)."""
         shapes = jax.eval_shape(self._init_state, jnp.int32(0))
+        shardings = dict(self.state_shardings)
+        if ema is not None and ema != self.uses_ema:
+            if ema:
+                shapes["ema"], shardings["ema"] = shapes["params"], shardings["params"]
+            else:
+                del shapes["ema"], shardings["ema"]
         return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                            shapes, self.state_shardings)
+                            shapes, shardings)
 
     def put_batch(self, local_tokens):
         """Place this process's rows of the global batch (all rows in a single process)."""
