@@ -31,16 +31,16 @@ from train.tokenizer import tokenizer_of
 ANALYSIS_MESH = dict(data=-1, fsdp=1, tensor=1, sequence=1, stage=1, expert=1)
 
 
-# What generation, analysis and export read of a checkpoint: never the optimizer state, so
-# restoring a run holds one copy of the parameters, not three (AdamW's two moments).
-RESTORED_ENTRIES = ("step", "params", "model_state")
+# What generation, analysis and export leave unread in a checkpoint: the optimizer state, so
+# restoring a run holds one copy of the parameters (two with an EMA), not AdamW's moments too.
+UNREAD_ENTRIES = ("opt_state",)
 
 
 def restore_run(workdir: str | Path):
     """(program, step, state) of the newest restorable checkpoint of the training run in
     `workdir`, rebuilt from its config.json (over `base_config()`'s defaults) onto all local
-    devices along the data axis (for generation and analysis). The state holds the
-    `RESTORED_ENTRIES` of the train state only: the optimizer state is not read. Raises
+    devices along the data axis (for generation and analysis). The state holds every entry of
+    the train state but the `UNREAD_ENTRIES`: the optimizer state is not read. Raises
     FileNotFoundError with a one-line message when there is no config or checkpoint."""
     config = base_config()  # fields added since the run was saved keep their defaults
     saved = saved_config(workdir, json.loads(config.to_json_best_effort()))
@@ -53,7 +53,8 @@ def restore_run(workdir: str | Path):
     with Checkpointer(workdir) as checkpointer:
         abstract_state = program.abstract_state()
         restored = checkpointer.restore_latest(
-            {entry: abstract_state[entry] for entry in RESTORED_ENTRIES}, partial=True)
+            {entry: value for entry, value in abstract_state.items()
+             if entry not in UNREAD_ENTRIES}, partial=True)
     if restored is None:
         raise FileNotFoundError(f"--workdir={workdir} holds no restorable checkpoint")
     step, state, _ = restored
