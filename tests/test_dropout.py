@@ -164,6 +164,27 @@ def test_reversible_gradients_with_dropout_equal_autodiff():
         assert not np.allclose(a, c, rtol=1e-3, atol=1e-3 * scale), path
 
 
+@pytest.mark.slow
+def test_attnres_block_scan_replays_the_masks(monkeypatch):
+    """Block AttnRes scans a block of units with a hand-written gradient that recomputes each
+    unit: with dropout, its loss and gradients equal autodiff of the unit-by-unit scan."""
+    from arch.attnres import AttnResStream
+
+    prog = program(residual="block_attnres", attnres__block_size=2, dropout=RATES)
+    state = prog.init(0)
+    batch = random_tokens((8, 17))
+
+    def loss_and_grads():  # traced anew on each call
+        return jax.jit(lambda *args: prog._loss_and_grads(*args, prog.dropout_key(1)))(
+            state["params"], state["model_state"], batch)
+
+    grouped = loss_and_grads()
+    monkeypatch.setattr(AttnResStream, "units_per_block", lambda self, units: None)
+    naive = loss_and_grads()
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5),
+                 grouped, naive)
+
+
 @pytest.mark.parametrize("fields, message", [
     (dict(model__dropout__residual=1.0),
      "model.dropout.residual=1.0 is invalid: must be a rate in [0, 1)"),
