@@ -20,6 +20,8 @@ from arch.attention_kernels import (
     cudnn_attention,
     splash_attention,
 )
+from arch.dropout import active_rate
+from arch.dropout import apply as dropout
 from arch.init import group_init
 from arch.layers import Dense
 from arch.norms import RMSNorm
@@ -129,6 +131,7 @@ def dot_product_attention(q_BxTxHxP, k_BxSxKxP, v_BxSxKxV, mask_BxTxS,
     weights = jax.nn.softmax(scores_BxKxGxTxS, axis=-1).astype(v_BxSxKxV.dtype)
     if recorder is not None:  # a no-op outside nnx.capture
         record(recorder, "attention_weights", weights, AttentionWeights)
+    weights = dropout(weights, "attention_probs")  # identity outside training (arch/dropout.py)
     out_BxTxKxGxV = constrain(jnp.einsum("bkgts,bskv->btkgv", weights, v_BxSxKxV),
                               ("act_batch", "act_seq", "act_kv_heads", "act_heads", None))
     return out_BxTxKxGxV.reshape(b, t, h, v_BxSxKxV.shape[-1])
@@ -153,6 +156,12 @@ def attend(q_BxTxHxP, k_BxSxKxP, v_BxSxKxV, query_positions_BxT, key_positions_B
     Under `nnx.capture` of `recorder` (the probes) the explicit path runs, so that the
     probabilities exist to be recorded."""
     if recorder is not None and is_capturing(recorder):
+        implementation = "xla"
+    if active_rate("attention_probs") > 0:  # training with attention dropout (arch/dropout.py)
+        if implementation not in ("auto", "xla"):
+            raise ValueError("model.dropout.attention_probs needs the explicit probabilities; "
+                             f"execution.attention_implementation={implementation!r} has none "
+                             "(use 'xla' or 'auto')")
         implementation = "xla"
     name = choose_implementation(
         implementation, backend=jax.default_backend(), query_len=q_BxTxHxP.shape[1],

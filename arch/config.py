@@ -5,6 +5,7 @@ from __future__ import annotations
 from arch.attention import ATTENTION
 from arch.attention_kernels import IMPLEMENTATIONS
 from arch.branch_scale import BRANCH_SCALES, default_multiplier, layerscale_init
+from arch.dropout import SITES
 from arch.ffn import ACTIVATIONS, FFN_WIDTHS, FFNS, hidden_width
 from arch.heads import HEADS
 from arch.init import INITS
@@ -99,6 +100,10 @@ def resolve_model(cfg) -> None:
     _resolve_branch(cfg)
     if cfg.reversible:  # arch/reversible.py
         _resolve_reversible(cfg)
+    for site in SITES:  # arch/dropout.py
+        rate = cfg.dropout[site]
+        check(isinstance(rate, (int, float)) and not isinstance(rate, bool) and 0 <= rate < 1,
+              f"model.dropout.{site}", rate, "must be a rate in [0, 1)")
     resolve_residual = getattr(RESIDUALS[cfg.residual.name], "resolve", None)
     if resolve_residual is not None:  # the mechanism's own fields (e.g. arch/attnres.py)
         resolve_residual(cfg)

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from arch.dropout import apply as dropout
 from arch.init import group_init
 from arch.layers import Dense
 from arch.registry import Registry
@@ -102,7 +103,8 @@ class MLP(nnx.Module):
         self.activation = activation(cfg)
 
     def __call__(self, x_BxTxD):
-        return self.down(constrain(self.activation(self.up(x_BxTxD)), _HIDDEN))
+        hidden_BxTxF = dropout(self.activation(self.up(x_BxTxD)), "ffn_hidden")  # training only
+        return self.down(constrain(hidden_BxTxF, _HIDDEN))
 
 
 class GatedFFN(nnx.Module):
@@ -135,6 +137,7 @@ class GatedFFN(nnx.Module):
 
     def __call__(self, x_BxTxD):
         hidden_BxTxF = self.activation(self.gate(x_BxTxD)) * self.up(x_BxTxD)
+        hidden_BxTxF = dropout(hidden_BxTxF, "ffn_hidden")  # training only (arch/dropout.py)
         return self.down(constrain(hidden_BxTxF, _HIDDEN))
 
 

@@ -27,6 +27,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from arch.attention import ATTENTION, EMPTY_SLOT, cache_slots
 from arch.branch_scale import BranchScale
+from arch.dropout import Dropout
+from arch.dropout import active as dropout_active
 from arch.ffn import FFNS
 from arch.heads import HEADS
 from arch.init import group_init
@@ -59,25 +61,33 @@ class Block(nnx.Module):
             if cfg.use_ffn:
                 self.ffn_branch = BranchScale(cfg, rngs=rngs)
 
-    def __call__(self, stream, positions_BxT, rotate, cache=None):
-        stream, cache = self.sublayer("attention", stream, positions_BxT, rotate, cache)
+    def __call__(self, stream, positions_BxT, rotate, cache=None,
+                 dropout: Dropout | None = None):
+        stream, cache = self.sublayer("attention", stream, positions_BxT, rotate, cache,
+                                      dropout=dropout)
         if self.use_ffn:
-            stream, _ = self.sublayer("ffn", stream, positions_BxT, rotate)
+            stream, _ = self.sublayer("ffn", stream, positions_BxT, rotate, dropout=dropout)
         return stream, cache
 
     def sublayer(self, name: str, stream, positions_BxT, rotate, cache=None,
-                 tap: Callable[[jax.Array], jax.Array] | None = None):
+                 tap: Callable[[jax.Array], jax.Array] | None = None,
+                 dropout: Dropout | None = None):
         """One sublayer ("attention" or "ffn") through its residual mechanism:
         h = read(state), u = F(h), state = write(state, u), then the state is sharded (between
         the tensor-parallel regions). `tap(u) -> u'`: the capture point of the instruments (the
-        probes record u there and add their perturbation; None in training). Returns (state,
-        KV cache)."""
+        probes record u there and add their perturbation; None in training). `dropout`: the
+        block's (arch/dropout.py), active inside F (attention probabilities, FFN hidden) and
+        applied to u before the write; None: none. Returns (state, KV cache)."""
         residual = getattr(self, f"{name}_residual")
         h, read = residual.read_with_context(stream)
-        if name == "attention":
-            update, cache = self.attention(h, positions_BxT, rotate, cache)
-        else:
-            update = self.ffn(h)
+        dropout = None if dropout is None else dropout.sublayer(name)
+        with dropout_active(dropout):
+            if name == "attention":
+                update, cache = self.attention(h, positions_BxT, rotate, cache)
+            else:
+                update = self.ffn(h)
+        if dropout is not None:
+            update = dropout.output(update, name)
         # What `execution.remat` save_attention_and_ffn_outputs / offload keep (arch/remat.py).
         update = checkpoint_name(update, ATTENTION_OUTPUT if name == "attention" else FFN_OUTPUT)
         if self.scales_branches:
@@ -99,12 +109,14 @@ class BlockGroup(nnx.Module):
             ffn = cfg.moe.dense_ffn if j < self.size - 1 else "moe"
             setattr(self, f"block_{j}", Block(cfg, execution=execution, ffn=ffn, rngs=rngs))
 
-    def __call__(self, stream, positions_BxT, rotate, cache=None):
+    def __call__(self, stream, positions_BxT, rotate, cache=None,
+                 dropout: Dropout | None = None):
         caches = []
         for j in range(self.size):
             block = getattr(self, f"block_{j}")
             layer_cache = None if cache is None else jax.tree.map(lambda c, j=j: c[j], cache)
-            stream, layer_cache = block(stream, positions_BxT, rotate, layer_cache)
+            stream, layer_cache = block(stream, positions_BxT, rotate, layer_cache,
+                                        dropout=None if dropout is None else dropout.at(j))
             caches.append(layer_cache)
         return stream, None if cache is None else jax.tree.map(lambda *c: jnp.stack(c), *caches)
 
@@ -145,11 +157,14 @@ class TransformerLM(nnx.Module):
         self.final_norm = make_norm(cfg, rngs=rngs) if cfg.norm.final else None
         self.head = HEADS[cfg.head.name](cfg, rngs=rngs)
 
-    def __call__(self, tokens_BxT: jax.Array, positions_BxT: jax.Array | None = None
-                 ) -> jax.Array:
+    def __call__(self, tokens_BxT: jax.Array, positions_BxT: jax.Array | None = None, *,
+                 dropout_key: jax.Array | None = None) -> jax.Array:
+        """Logits; `dropout_key` (a typed key, e.g. `arch.dropout.train_key(seed, step)`) turns
+        on the `model.dropout` sites (training); None, or all rates 0: deterministic."""
         if positions_BxT is None:
             positions_BxT = jnp.broadcast_to(jnp.arange(tokens_BxT.shape[1]), tokens_BxT.shape)
-        logits, _ = self._forward(tokens_BxT, positions_BxT, None)
+        logits, _ = self._forward(tokens_BxT, positions_BxT, None,
+                                  Dropout.for_model(self.cfg, dropout_key))
         return logits
 
     def decode(self, tokens_BxT, positions_BxT, cache):
@@ -167,43 +182,56 @@ class TransformerLM(nnx.Module):
                 (*self.stack_shape, batch, cache_slots(self.cfg, length)), EMPTY_SLOT, jnp.int32)
         return cache
 
-    def _forward(self, tokens_BxT, positions_BxT, cache):
+    def _forward(self, tokens_BxT, positions_BxT, cache, dropout: Dropout | None = None):
         x_BxTxD = self.position.embed(self.embed(tokens_BxT), positions_BxT)
+        if dropout is not None:  # arch/dropout.py; keys of unit l: dropout.layer_keys
+            x_BxTxD = dropout.embedding(x_BxTxD)
         graphdef, layer_params, layer_states = nnx.split(self.blocks, nnx.Param, ...)
         if self.cfg.reversible:  # arch/reversible.py: two coupled streams
             x_BxTxD, cache = run_reversible(graphdef, layer_params, layer_states, x_BxTxD,
-                                            positions_BxT, self.position.rotate, cache)
+                                            positions_BxT, self.position.rotate, cache,
+                                            dropout=dropout)
             return self._output(x_BxTxD), cache
         x_BxTxD = constrain(x_BxTxD, STREAM)
         stages = pipeline.stage_count()
+        if stages > 1 and dropout is not None:
+            raise ValueError(f"model.dropout does not run in the pipeline (mesh.stage={stages}): "
+                             "set its rates to 0 or mesh.stage=1")
         if stages > 1 and cache is None:  # training and evaluation: pipelined over `stage`
             return self._output(self._pipelined(x_BxTxD, positions_BxT, graphdef, layer_params,
                                                 layer_states, stages)), None
         stream = constrain_state(self.residual_stream.begin(x_BxTxD))
         stream, (layer_states, cache) = self._scan(stream, positions_BxT, graphdef, layer_params,
-                                                   layer_states, cache)
+                                                   layer_states, cache, dropout)
         nnx.update(self.blocks, layer_states)  # e.g. BatchNorm running statistics
         return self._output(self.residual_stream.end(stream)), cache
 
-    def _scan(self, stream, positions_BxT, graphdef, layer_params, layer_states, cache):
+    def _scan(self, stream, positions_BxT, graphdef, layer_params, layer_states, cache,
+              dropout: Dropout | None = None):
         """The layer stack as one scan over units (blocks, or MoE block groups),
         `execution.scan_unroll` units per loop iteration, or, for a mechanism that runs a group of
         units at a time (`ResidualStream.units_per_block`), scanned by the mechanism
-        (`scan`). Returns the final state and the per-unit (non-parameter state, KV cache),
-        stacked over units."""
+        (`scan`). With `dropout`, each unit's key data rides along as a scanned input, so any
+        recomputation of a unit replays its masks. Returns the final state and the per-unit
+        (non-parameter state, KV cache), stacked over units."""
         units, stream_module = self.stack_shape[0], self.residual_stream
         group = stream_module.units_per_block(units)
 
         def run_unit(stream, layer):
-            params, states, layer_cache = layer
+            params, states, layer_cache, *key_data = layer
             block = nnx.merge(graphdef, params, states)
-            stream, layer_cache = block(stream, positions_BxT, self.position.rotate, layer_cache)
+            unit_dropout = dropout.from_key_data(key_data[0]) if key_data else None
+            stream, layer_cache = block(stream, positions_BxT, self.position.rotate, layer_cache,
+                                        dropout=unit_dropout)
             return stream, (nnx.state(block, nnx.Not(nnx.Param)), layer_cache)
 
         run_unit = apply_remat(run_unit, self.execution.remat)  # arch/remat.py
         scan = (stream_module.scan if group
                 else functools.partial(jax.lax.scan, unroll=self.execution.scan_unroll))
-        return scan(run_unit, stream, (layer_params, layer_states, cache))
+        layers = (layer_params, layer_states, cache)
+        if dropout is not None:
+            layers = (*layers, dropout.layer_keys(units))
+        return scan(run_unit, stream, layers)
 
     def _pipelined(self, x_BxTxD, positions_BxT, graphdef, layer_params, layer_states,
                    stages: int):

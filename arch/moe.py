@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
+from arch.dropout import apply as dropout
 from arch.ffn import FFNS, activation
 from arch.init import group_init, truncated_normal
 from arch.layers import Dense, param
@@ -142,6 +143,7 @@ class RoutedExperts(nnx.Module):
             hidden_BxExCxF = self.activation(gate_BxExCxF) * hidden_BxExCxF
         else:
             hidden_BxExCxF = self.activation(hidden_BxExCxF)
+        hidden_BxExCxF = dropout(hidden_BxExCxF, "ffn_hidden")  # training only (arch/dropout.py)
         hidden_BxExCxF = constrain(hidden_BxExCxF, _DISPATCHED_HIDDEN)
         return jnp.einsum("becf,efd->becd", hidden_BxExCxF, self.down[...].astype(self.dtype))
 

@@ -130,6 +130,15 @@ def model_config() -> ml_collections.ConfigDict:
         init=dict(default="fan_in", **{group: ml_collections.FieldReference(None, field_type=str)
                                        for group in INIT_GROUPS}),
         reversible=False,         # RevNet/Reformer coupling, activations O(1) in depth (prenorm)
+        # Inverted dropout in training (arch/dropout.py), a rate p ∈ [0, 1) per site; keys from
+        # (seed, step, layer, site). Evaluation and generation never drop.
+        dropout=dict(
+            embedding=0.0,        # x⁰ after the position embedding
+            attention_probs=0.0,  # softmax probabilities (explicit-scores xla kernel only)
+            attention_output=0.0,  # the attention sublayer's output, before the residual write
+            ffn_hidden=0.0,       # FFN (and MoE expert) hidden activations, before W₂
+            residual=0.0,         # every sublayer's update u, before the residual write
+        ),
     ))
 
 

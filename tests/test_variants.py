@@ -51,7 +51,12 @@ VARIANTS = {
                                  init=dict(attention_output="zeros", ffn_output="zeros")),
     "width-moe-every-2nd-shared-mlp-silu": dict(residual="width", ffn="moe", moe__every=2,
                                                 moe__experts=4, moe__shared_experts=1,
-                                                moe__expert_ffn="mlp", ffn__activation="silu"),
+                                                moe__expert_ffn="mlp", ffn__activation="silu",
+                                                # every dropout site on: masks do not depend on
+                                                # the sharding (arch/dropout.py)
+                                                dropout=dict(embedding=0.1, attention_probs=0.1,
+                                                             attention_output=0.1,
+                                                             ffn_hidden=0.1, residual=0.1)),
 }
 
 # A residual mechanism no combination above rides with trains alone, with the defaults: every

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from arch.config import resolve_execution, resolve_model
+from arch.dropout import enabled
 from config import check
 from config.validate import check_fields
 from sharding.mesh import ici_dcn_shapes, mesh_shape
@@ -45,7 +46,25 @@ def validate(config, device_count: int, slice_count: int = 1) -> dict[str, int]:
     if mesh["sequence"] > 1:
         _check_sequence_parallel(config, mesh["sequence"], mesh["stage"])
     validate_pipeline(config, mesh)  # mesh.stage
+    if enabled(model):
+        _check_dropout(config, mesh)
     return mesh
+
+
+def _check_dropout(config, mesh: dict[str, int]) -> None:
+    """Dropout (`arch/dropout.py`) draws its masks over whole arrays in the tokens' array order,
+    so it runs neither in the pipeline's microbatches nor on sequence parallelism's striped
+    order, and attention-probability dropout needs the explicit-scores kernel."""
+    for axis, what in (("stage", "the pipeline's microbatches"),
+                       ("sequence", "sequence parallelism's striped token order")):
+        check(mesh[axis] == 1, f"mesh.{axis}", mesh[axis],
+              f"model.dropout draws masks in the unsplit array order, not {what}; set "
+              f"mesh.{axis}=1 or every model.dropout rate to 0")
+    implementation = config.execution.attention_implementation
+    check(config.model.dropout.attention_probs == 0 or implementation in ("auto", "xla"),
+          "execution.attention_implementation", implementation,
+          "model.dropout.attention_probs > 0 needs the explicit probabilities: use 'xla' or "
+          "'auto' (which then runs xla)")
 
 
 def _check_accumulation(config, batch_shards: int, stages: int) -> None:

@@ -42,6 +42,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from arch import dropout
 from arch.model import TransformerLM
 from arch.moe import AuxLoss, DroppedFraction
 from sharding.mesh import make_mesh, maybe_initialize_distributed, slice_count
@@ -151,9 +152,11 @@ class TrainProgram:
             state["ema"] = jax.tree.map(jnp.copy, params)
         return state
 
-    def _loss_and_grads(self, params, model_state, tokens_BxT1, teacher_params=None):
+    def _loss_and_grads(self, params, model_state, tokens_BxT1, teacher_params=None,
+                        dropout_key=None):
         """Training-mode loss, its gradients with respect to the parameters, the model state after
         the forward pass (nnx.value_and_grad carries that state's updates), and extra metrics.
+        `dropout_key`: the model's dropout key (`dropout_key`), None: no dropout.
 
         The loss is next-token cross-entropy plus the sum of every `arch.moe.AuxLoss` the forward
         pass wrote (MoE balancing and z-losses), plus, given `teacher_params` (the EMA), w·KL
@@ -170,7 +173,7 @@ class TrainProgram:
         model = nnx.merge(self.graphdef, params, model_state)
 
         def loss(model):
-            logits_BxTxV = model(inputs_BxT, positions_BxT)
+            logits_BxTxV = model(inputs_BxT, positions_BxT, dropout_key=dropout_key)
             value = next_token_loss(logits_BxTxV, targets_BxT)
             metrics = {}
             if teacher_logits_BxTxV is not None:
@@ -200,14 +203,25 @@ class TrainProgram:
         split = tokens_BxT1.reshape(batch // steps, steps, length)
         return constrain(split, ("act_batch", None, None))
 
+    def dropout_key(self, step, microbatch=0) -> jax.Array | None:
+        """The model's dropout key for train step `step`, accumulation microbatch `microbatch`:
+        a pure function of (config.seed, step, microbatch) (`arch.dropout.train_key`), so a
+        resumed or re-sharded run draws the same masks; None when every `model.dropout` rate is
+        0 (nothing random is traced)."""
+        if not dropout.enabled(self.model_cfg):
+            return None
+        return dropout.train_key(self.config.seed, step, microbatch)
+
     def _accumulated_loss_and_grads(self, params, model_state, tokens_BxT1: jax.Array,
-                                    teacher_params=None):
+                                    teacher_params=None, step=0):
         """`_loss_and_grads` of the whole batch as the mean over `accumulation_steps`
         microbatches, scanned: the carry holds the sums of gradients, loss and metrics, and
-        the model state, updated by each microbatch in turn. With one step, no scan."""
+        the model state, updated by each microbatch in turn. With one step, no scan. `step`:
+        the train step, for the dropout keys (microbatch i folds in i)."""
         steps = self.config.accumulation_steps
         if steps == 1:
-            return self._loss_and_grads(params, model_state, tokens_BxT1, teacher_params)
+            return self._loss_and_grads(params, model_state, tokens_BxT1, teacher_params,
+                                        self.dropout_key(step))
         micro = self.microbatches(tokens_BxT1)
         # Abstract first pass: the metrics' structure and dtypes, to start the sums at zero.
         _, _, _, abstract_metrics = jax.eval_shape(self._loss_and_grads, params, model_state,
@@ -219,8 +233,8 @@ class TrainProgram:
             params, teacher_params, loss_sum, grad_sum, model_state, metric_sum = carry
             tokens = constrain(jax.lax.dynamic_index_in_dim(micro, index, 1, keepdims=False),
                                ("act_batch", None))
-            loss, grads, model_state, metrics = self._loss_and_grads(params, model_state,
-                                                                     tokens, teacher_params)
+            loss, grads, model_state, metrics = self._loss_and_grads(
+                params, model_state, tokens, teacher_params, self.dropout_key(step, index))
             return (params, teacher_params, loss_sum + loss,
                     jax.tree.map(jnp.add, grad_sum, grads), model_state,
                     jax.tree.map(jnp.add, metric_sum, metrics)), None
@@ -250,7 +264,7 @@ class TrainProgram:
         distillation the EMA is also the teacher, which takes no gradient step."""
         teacher_params = state["ema"] if self.distill_weight > 0 else None
         loss, grads, model_state, aux_metrics = self._accumulated_loss_and_grads(
-            state["params"], state["model_state"], tokens_BxT1, teacher_params)
+            state["params"], state["model_state"], tokens_BxT1, teacher_params, state["step"])
         updates, opt_state = self.optimizer.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         grad_norm = optax.tree.norm(grads)
