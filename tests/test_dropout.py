@@ -95,7 +95,7 @@ def test_train_step_masks_depend_on_seed_and_step_only():
     state = prog.init(0)
     params, model_state = state["params"], state["model_state"]
 
-    step_loss = jax.jit(lambda p, s, b, key: prog._loss_and_grads(p, s, b, key)[0])
+    step_loss = jax.jit(lambda p, s, b, key: prog._loss_and_grads(p, s, b, dropout_key=key)[0])
 
     def loss(step, seed=0):
         return float(step_loss(params, model_state, batch, train_key(seed, step)))
@@ -120,7 +120,8 @@ def test_remat_replays_the_masks():
         prog = program(dropout=RATES, execution__remat=remat)
         state = prog.init(0)
         grads.append(jax.jit(lambda p, s, b, prog=prog: prog._loss_and_grads(
-            p, s, b, prog.dropout_key(2))[1])(state["params"], state["model_state"], batch))
+            p, s, b, dropout_key=prog.dropout_key(2))[1])(state["params"], state["model_state"],
+                                                          batch))
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), *grads)
 
 
@@ -175,7 +176,8 @@ def test_attnres_block_scan_replays_the_masks(monkeypatch):
     batch = random_tokens((8, 17))
 
     def loss_and_grads():  # traced anew on each call
-        return jax.jit(lambda *args: prog._loss_and_grads(*args, prog.dropout_key(1)))(
+        return jax.jit(lambda *args: prog._loss_and_grads(
+            *args, dropout_key=prog.dropout_key(1)))(
             state["params"], state["model_state"], batch)
 
     grouped = loss_and_grads()
