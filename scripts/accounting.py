@@ -14,7 +14,9 @@ For each model (an experiment file, and/or named reference shapes, `--shape all`
                     attention counted as t + 1 keys at position t, at --seq_len
                     (`arch.accounting.flops_per_token`; what MFU divides by)
   kv_cache          bytes per token over all layers and per sequence of --seq_len, at the
-                    compute dtype (MLA stores its latent) — `kv_cache_bytes_per_token`
+                    compute dtype (MLA stores its latent), plus Gated DeltaNet layers' constant
+                    recurrent state per sequence — `kv_cache_bytes_per_token`,
+                    `recurrent_state_bytes`
   residual          I/O per token per sublayer (units of d), history per token (elements),
                     its bytes per sequence and per device (÷ mesh.sequence), and the residual
                     mechanism's added parameters — `residual_accounting`

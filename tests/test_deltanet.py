@@ -132,3 +132,33 @@ def test_config_errors(overrides, mesh, message):
     config.mesh.update(mesh)
     with pytest.raises(ConfigError, match=re.escape(message)):
         validate(config, 2)
+
+
+def test_accounting_counts_the_state_not_a_kv_cache_and_no_attention_scores():
+    from arch import accounting
+
+    config = tiny_config(layer_pattern="LA")
+    validate(config, 1)
+    cfg = config.model
+    d, dn = cfg.d_model, cfg.deltanet
+    h, k, v, w = dn.num_heads, dn.head_dim, dn.value_dim, dn.conv_width
+    # The A block's keys and values only (2 KV heads of 8, float32); the L block: S and conv tails.
+    assert accounting.kv_cache_bytes_per_token(cfg) == 2 * 2 * 8 * 4
+    assert accounting.recurrent_state_bytes(cfg) == (h * v * k + (w - 1) * h * (2 * k + v)) * 4
+    short, long = accounting.books(cfg, 8), accounting.books(cfg, 16)
+    assert (short["kv_cache"]["recurrent_state_bytes_per_sequence"]
+            == long["kv_cache"]["recurrent_state_bytes_per_sequence"])
+    assert long["kv_cache"]["bytes_per_sequence"] == (
+        16 * 2 * 2 * 8 * 4 + accounting.recurrent_state_bytes(cfg))
+    # Parameters measured from the built model: W_Q, W_K, W_V, W_G, W_α (+ b_Δ), W_β, log A, the
+    # three convolutions, the norm gain and W_O of the L block, beside the A block's MHA.
+    deltanet = (d * h * (2 * k + 2 * v + 2) + 2 * h + w * h * (2 * k + v) + v + h * v * d)
+    mha = d * 4 * 8 + 2 * d * 2 * 8 + 4 * 8 * d
+    assert accounting.parameter_breakdown(cfg)["attention"] == deltanet + mha
+    # FLOPs: the A block's causal scores and the L block's chunked form, never scores for L.
+    mixing = (accounting.ATTENTION["mha"].score_flops_per_token(cfg, 16)
+              + GatedDeltaNet.score_flops_per_token(cfg, 16))
+    assert accounting.flops_per_token(cfg, 16, training=False) == (
+        2 * accounting.matmul_parameter_count(cfg) + mixing)
+    assert GatedDeltaNet.score_flops_per_token(cfg, 16) == h * (
+        4 * 16 * k + 16 * (k + v) + 2 * 16 * v + 6 * k * v + 2 * w * (2 * k + v))
