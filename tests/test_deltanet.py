@@ -7,12 +7,28 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from arch.deltanet import GatedDeltaNet, gated_delta_chunked, gated_delta_recurrence
 from arch.model import BlockGroup
 from config import ConfigError
 from tests.helpers import prefill_then_decode, random_tokens, tiny_config, tiny_model
 from train.config import validate
+
+
+class JittedDecoder:
+    """`model.decode` and `init_cache` for `prefill_then_decode`, compiled once per shape."""
+
+    def __init__(self, model):
+        self.model = model
+        self._decode = nnx.jit(lambda model, tokens, positions, cache:
+                               model.decode(tokens, positions, cache))
+
+    def init_cache(self, batch, length):
+        return self.model.init_cache(batch, length)
+
+    def decode(self, tokens, positions, cache):
+        return self._decode(self.model, tokens, positions, cache)
 
 
 def naive_gated_delta(q, k, v, g, beta, state=None):
@@ -51,8 +67,9 @@ def test_chunked_and_recurrent_forms_equal_the_naive_recurrence(chunk, with_stat
     q, k, v, g, beta, state = random_inputs()
     state = state if with_state else None
     expected_out, expected_state = naive_gated_delta(q, k, v, g, beta, state)
-    for out, final in (gated_delta_chunked(q, k, v, g, beta, state, chunk=chunk),
-                       gated_delta_recurrence(q, k, v, g, beta, state)):
+    chunked = jax.jit(gated_delta_chunked, static_argnames="chunk")
+    for out, final in (chunked(q, k, v, g, beta, state, chunk=chunk),
+                       jax.jit(gated_delta_recurrence)(q, k, v, g, beta, state)):
         np.testing.assert_allclose(out, expected_out, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(final, expected_state, rtol=1e-5, atol=1e-5)
 
@@ -65,24 +82,24 @@ def test_chunked_gradients_equal_the_recurrence_gradients():
         out, final = form(*args)
         return jnp.sum(out * weights) + jnp.sum(jnp.sin(final))
 
-    chunked = jax.grad(lambda *a: loss(lambda *b: gated_delta_chunked(*b, chunk=4), *a),
-                       argnums=tuple(range(6)))(*inputs)
-    recurrent = jax.grad(lambda *a: loss(gated_delta_recurrence, *a),
-                         argnums=tuple(range(6)))(*inputs)
+    chunked = jax.jit(jax.grad(lambda *a: loss(lambda *b: gated_delta_chunked(*b, chunk=4), *a),
+                               argnums=tuple(range(6))))(*inputs)
+    recurrent = jax.jit(jax.grad(lambda *a: loss(gated_delta_recurrence, *a),
+                                 argnums=tuple(range(6))))(*inputs)
     for name, got, want in zip(("q", "k", "v", "g", "beta", "state"), chunked, recurrent,
                                strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=name)
 
 
-@pytest.mark.parametrize("pattern", ["", "LA"])
+@pytest.mark.parametrize("pattern", [pytest.param("", marks=pytest.mark.slow), "LA"])
 def test_decoding_token_by_token_equals_the_training_forward(pattern):
     overrides = dict(deltanet__chunk=4)
     overrides.update(layer_pattern=pattern) if pattern else overrides.update(
         attention="gated_deltanet")
     _, model = tiny_model(**overrides)
     tokens = random_tokens((2, 11))
-    full = model(tokens)
-    decoded = prefill_then_decode(model, tokens, prefill=6, cache_length=11)
+    full = nnx.jit(lambda model, tokens: model(tokens))(model, tokens)
+    decoded = prefill_then_decode(JittedDecoder(model), tokens, prefill=6, cache_length=11)
     np.testing.assert_allclose(decoded, full, rtol=1e-4, atol=1e-4)
 
 
@@ -162,3 +179,18 @@ def test_accounting_counts_the_state_not_a_kv_cache_and_no_attention_scores():
         2 * accounting.matmul_parameter_count(cfg) + mixing)
     assert GatedDeltaNet.score_flops_per_token(cfg, 16) == h * (
         4 * 16 * k + 16 * (k + v) + 2 * 16 * v + 6 * k * v + 2 * w * (2 * k + v))
+
+
+def test_the_traced_program_does_not_grow_with_depth():
+    """One scan step holds one pattern unit: 2 and 4 layers of "LA" trace the same operations."""
+    def operations(num_layers):
+        _, model = tiny_model(num_layers=num_layers, layer_pattern="LA")
+        graphdef, state = nnx.split(model)
+        jaxpr = jax.make_jaxpr(lambda s, t: nnx.merge(graphdef, s)(t))(state,
+                                                                       random_tokens((1, 8)))
+        text = str(jaxpr)
+        return {name: text.count(name) for name in ("triangular_solve", "dot_general", "scan")}
+
+    shallow, deep = operations(2), operations(4)
+    assert shallow == deep
+    assert shallow["triangular_solve"] == 2  # U' and W of the one Gated DeltaNet block
