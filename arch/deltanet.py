@@ -30,7 +30,7 @@ from arch.layers import Dense, param
 from arch.residual import MixingParam
 from sharding.rules import constrain
 
-HEADS = ("act_batch", None, "act_heads", None)  # B×T×H×P activations: heads over `tensor`
+HEAD_AXES = ("act_batch", None, "act_heads", None)  # B×T×H×P activations: heads over `tensor`
 
 
 def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
@@ -263,11 +263,11 @@ class GatedDeltaNet(nnx.Module):
     def __call__(self, x_BxTxD, positions_BxT, rotate, cache=None):
         del positions_BxT, rotate  # no RoPE; the recurrence reads the array order
         tails = {} if cache is None else cache
-        q, q_tail = self._convolve(constrain(self.query(x_BxTxD), HEADS), self.query_conv[...],
+        q, q_tail = self._convolve(constrain(self.query(x_BxTxD), HEAD_AXES), self.query_conv[...],
                                    tails.get("query_conv"))
-        k, k_tail = self._convolve(constrain(self.key(x_BxTxD), HEADS), self.key_conv[...],
+        k, k_tail = self._convolve(constrain(self.key(x_BxTxD), HEAD_AXES), self.key_conv[...],
                                    tails.get("key_conv"))
-        v, v_tail = self._convolve(constrain(self.value(x_BxTxD), HEADS), self.value_conv[...],
+        v, v_tail = self._convolve(constrain(self.value(x_BxTxD), HEAD_AXES), self.value_conv[...],
                                    tails.get("value_conv"))
         q = l2_normalize(q) * self.key_width**-0.5
         k = l2_normalize(k)
@@ -285,5 +285,5 @@ class GatedDeltaNet(nnx.Module):
                      "key_conv": k_tail.astype(cache["key_conv"].dtype),
                      "value_conv": v_tail.astype(cache["value_conv"].dtype)}
         o = o * jax.lax.rsqrt(jnp.mean(o**2, axis=-1, keepdims=True) + self.eps)
-        o = constrain((o * self.norm_scale[...]).astype(x_BxTxD.dtype), HEADS)
+        o = constrain((o * self.norm_scale[...]).astype(x_BxTxD.dtype), HEAD_AXES)
         return self.output(o * jax.nn.silu(self.gate(x_BxTxD))), cache

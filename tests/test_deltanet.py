@@ -194,3 +194,12 @@ def test_the_traced_program_does_not_grow_with_depth():
     shallow, deep = operations(2), operations(4)
     assert shallow == deep
     assert shallow["triangular_solve"] == 2  # U' and W of the one Gated DeltaNet block
+
+
+def test_probes_refuse_hybrid_stacks():
+    from train.instruments.probes import require_probeable
+
+    config = tiny_config(layer_pattern="LA")
+    validate(config, 1)
+    with pytest.raises(ValueError, match="model.layer_pattern / gated_deltanet"):
+        require_probeable(config.model)
