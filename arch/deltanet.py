@@ -188,8 +188,8 @@ class GatedDeltaNet(nnx.Module):
     form from the cached state; a single token runs the recurrence. The cache assumes each call
     continues the positions of the previous one.
 
-    Cost: the projections 2·D·H·(2K + 2V + 2)+2·H·V·D per token, plus `chunked_flops_per_token`
-    per head (training), O(T) in the sequence length.
+    Cost per token, constant in T: the projections 2·D·H·(2K + 2V + 2) + 2·H·V·D FLOPs, plus per
+    head `chunked_flops_per_token` (training, prefill) or 6·K·V (decoding).
     """
 
     float32_cache = ("state",)  # cache entries kept in float32 whatever the compute dtype
