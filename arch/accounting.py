@@ -82,7 +82,8 @@ def component_of(path: tuple[str, ...]) -> str:
       ffn        everything inside a block's `ffn` module (MoE router and experts included)
       norms      the sublayer norms of the plain sums (`*_residual/norm`) and `final_norm`
       residual   the rest of the residual mechanism (`*_residual/...` and the model-level
-                 `residual_stream`: depth-attention queries, stream gates and their norms)
+                 `residual_stream`: depth-attention queries, stream gates and their norms) and
+                 the branch scales (`*_branch`: LayerScale's γ)
       head       the output head (an untied projection, MoS/MoC mixtures, an output bias)
     """
     keys = [str(key) for key in path]
@@ -93,6 +94,8 @@ def component_of(path: tuple[str, ...]) -> str:
             return key
         if key == "final_norm":
             return "norms"
+        if key.endswith("_branch"):  # branch scaling (arch/branch_scale.py)
+            return "residual"
         if key.endswith("_residual") or key == "residual_stream":
             following = keys[keys.index(key) + 1:]
             return "norms" if following[:1] == ["norm"] else "residual"

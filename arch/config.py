@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from arch.attention import ATTENTION
 from arch.attention_kernels import IMPLEMENTATIONS
+from arch.branch_scale import BRANCH_SCALES, default_multiplier, layerscale_init
 from arch.ffn import ACTIVATIONS, FFN_WIDTHS, FFNS, hidden_width
 from arch.heads import HEADS
 from arch.init import INITS
@@ -94,6 +95,7 @@ def resolve_model(cfg) -> None:
           "model.head.mos_components", cfg.head.mos_components, "must be an integer ≥ 1")
     if cfg.ffn.name == "moe":  # arch/moe.py
         _resolve_moe(cfg)
+    _resolve_branch(cfg)
     _resolve_layer_pattern(cfg)  # hybrid stacks, Gated DeltaNet (arch/deltanet.py)
     if cfg.reversible:  # arch/reversible.py
         _resolve_reversible(cfg)
@@ -134,6 +136,20 @@ def _resolve_mla(cfg) -> None:
           cfg.mla.q_rank, "must be a non-negative integer (0: full-rank query projection)")
     check(cfg.mla.rope_dim % 2 == 0, "model.mla.rope_dim", cfg.mla.rope_dim,
           "the decoupled rotary key/query width must be even (RoPE rotates feature pairs)")
+
+
+def _resolve_branch(cfg) -> None:
+    """Branch scaling (`arch.branch_scale`): fills LayerScale's γ₀ and the fixed multiplier c."""
+    branch = cfg.branch_scale
+    check(branch.name in BRANCH_SCALES, "model.branch_scale.name", branch.name,
+          f"valid: {', '.join(BRANCH_SCALES)}")
+    if branch.layerscale_init is None:
+        branch.layerscale_init = layerscale_init(cfg.num_layers)
+    if branch.multiplier is None:
+        branch.multiplier = default_multiplier(cfg)
+    for field in ("layerscale_init", "multiplier"):
+        check(branch[field] > 0, f"model.branch_scale.{field}", branch[field],
+              "must be positive")
 
 
 def _resolve_layer_pattern(cfg) -> None:
@@ -178,6 +194,9 @@ def _resolve_reversible(cfg) -> None:
           f"model.norm.name={cfg.norm.name!r}; use a stateless norm")
     check(cfg.ffn.name != "moe", "model.reversible", True,
           "reversible blocks do not carry the MoE auxiliary losses; use a dense model.ffn.name")
+    check(cfg.branch_scale.name == "none", "model.reversible", True,
+          "reversible blocks do not scale their branches; set model.branch_scale.name='none' "
+          f"(got {cfg.branch_scale.name!r})")
 
 
 def _resolve_moe(cfg) -> None:

@@ -1,6 +1,8 @@
-"""Hugging Face config.json → our model config: the architecture half of the checkpoint
-importer (`train/instruments/hf.py` loads the weights). A pure function of a dict, so the
-accounting of public models (`arch.reference_shapes`) reads it without the importer.
+"""Hugging Face config.json ↔ our model config: the architecture half of the checkpoint importer
+and exporter (`train/instruments/hf.py` converts the weights). Pure functions of a dict, so the
+accounting of public models (`arch.reference_shapes`) reads them without the importer.
+`hf_config_from_model` is the inverse of `model_config_from_hf` below, refusing what the table
+cannot express.
 
 Architecture (`model_config_from_hf`: config.json → `config.defaults.model_config()` fields):
 
@@ -142,6 +144,80 @@ def _gpt2_fields(hf: Mapping) -> dict:
         norm=dict(name="layernorm", eps=float(_required(hf, "layer_norm_epsilon"))),
         position=dict(name="learned"), linear_bias=True,
         head=dict(name="tied" if hf.get("tie_word_embeddings", True) else "untied"))
+
+
+# Our model fields that do not change the function a Llama or GPT-2 computes: how it was
+# initialized, its compute dtype, how d_ff was derived, and the options of components it does not
+# use (which a run may still carry). Every other field must survive the round trip
+# model → config.json → model, or the export is refused.
+INERT_FIELDS = ("init.", "dtype", "ffn.ratio", "ffn.width", "ffn.multiple_of",
+                "ffn.leaky_relu_slope", "mla.", "moe.", "hyper.", "attnres.", "gated_residual.",
+                "residual.streams", "residual.dynamic", "norm.batchnorm_momentum",
+                "norm.dyt_alpha_init", "norm.gated_rank", "head.mos_", "fixnorm_scale",
+                "branch_scale.layerscale_init", "branch_scale.multiplier")
+
+
+def _flat(config: Mapping, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in config.items():
+        if isinstance(value, Mapping):
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _inverse(names: Mapping[str, str]) -> dict[str, str]:
+    """ours → the first Hugging Face name that maps to it (silu before swish, gelu_new first)."""
+    inverse: dict[str, str] = {}
+    for theirs, ours in names.items():
+        inverse.setdefault(ours, theirs)
+    return inverse
+
+
+def hf_config_from_model(cfg) -> dict:
+    """The Hugging Face config.json dict of a resolved model config: the inverse of
+    `model_config_from_hf`. RoPE models export as "llama", learned positions as "gpt2" (float32
+    weights, `architectures` set for `AutoModelForCausalLM`). Raises ValueError in one line,
+    naming the first field whose value the exported config.json would not reproduce (an AttnRes
+    stream, a LayerScale, a MoE FFN, ...)."""
+    if cfg.position.name == "rope":
+        gated = _inverse(LLAMA_GATED_FFN)
+        if cfg.ffn.name not in gated:
+            raise ValueError(f"model.ffn.name={cfg.ffn.name!r} cannot be exported as llama: its "
+                             f"FFN is gated ({', '.join(sorted(gated))})")
+        hf = dict(model_type="llama", architectures=["LlamaForCausalLM"],
+                  vocab_size=cfg.vocab_size, hidden_size=cfg.d_model,
+                  intermediate_size=cfg.ffn.d_ff, num_hidden_layers=cfg.num_layers,
+                  num_attention_heads=cfg.attention.num_heads,
+                  num_key_value_heads=cfg.attention.num_kv_heads,
+                  head_dim=cfg.attention.head_dim, hidden_act=gated[cfg.ffn.name],
+                  max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm.eps,
+                  rope_theta=cfg.position.rope_base, rope_scaling=None,
+                  attention_bias=False, mlp_bias=False,
+                  tie_word_embeddings=cfg.head.name == "tied")
+    elif cfg.position.name == "learned":
+        activations = _inverse(GPT2_ACTIVATION)
+        if cfg.ffn.activation not in activations:
+            raise ValueError(f"model.ffn.activation={cfg.ffn.activation!r} cannot be exported as "
+                             f"gpt2 (has: {', '.join(sorted(activations))})")
+        hf = dict(model_type="gpt2", architectures=["GPT2LMHeadModel"],
+                  vocab_size=cfg.vocab_size, n_embd=cfg.d_model, n_layer=cfg.num_layers,
+                  n_head=cfg.attention.num_heads, n_inner=cfg.ffn.d_ff,
+                  n_positions=cfg.max_seq_len, layer_norm_epsilon=cfg.norm.eps,
+                  activation_function=activations[cfg.ffn.activation],
+                  tie_word_embeddings=cfg.head.name == "tied")
+    else:
+        raise ValueError(f"model.position.name={cfg.position.name!r} cannot be exported: llama "
+                         "needs 'rope', gpt2 'learned'")
+    hf["torch_dtype"] = "float32"
+    ours = _flat(cfg.to_dict())
+    theirs = _flat(model_config_from_hf(hf).to_dict())
+    for field, value in ours.items():
+        if not field.startswith(INERT_FIELDS) and theirs.get(field) != value:
+            raise ValueError(f"model.{field}={value!r} cannot be exported as {hf['model_type']}: "
+                             f"its config.json would give {theirs.get(field)!r}")
+    return hf
 
 
 def model_config_from_hf(hf_config: Mapping) -> ml_collections.ConfigDict:

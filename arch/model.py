@@ -26,6 +26,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from arch.attention import ATTENTION
+from arch.branch_scale import BranchScale
 from arch.ffn import FFNS
 from arch.heads import HEADS
 from arch.init import group_init
@@ -55,6 +56,11 @@ class Block(nnx.Module):
             self.ffn = FFNS[ffn or cfg.ffn.name](cfg, rngs=rngs)
             self.ffn_residual = RESIDUALS[cfg.residual.name](cfg, rngs=rngs)
         self.use_ffn = cfg.use_ffn
+        self.scales_branches = cfg.branch_scale.name != "none"
+        if self.scales_branches:  # arch/branch_scale.py: γ ⊙ F or c·F before the write
+            self.attention_branch = BranchScale(cfg, rngs=rngs)
+            if cfg.use_ffn:
+                self.ffn_branch = BranchScale(cfg, rngs=rngs)
 
     def __call__(self, stream, positions_BxT, rotate, cache=None):
         stream, cache = self.sublayer("attention", stream, positions_BxT, rotate, cache)
@@ -77,6 +83,8 @@ class Block(nnx.Module):
             update = self.ffn(h)
         # What `execution.remat` save_attention_and_ffn_outputs / offload keep (arch/remat.py).
         update = checkpoint_name(update, ATTENTION_OUTPUT if name == "attention" else FFN_OUTPUT)
+        if self.scales_branches:
+            update = getattr(self, f"{name}_branch")(update)
         if tap is not None:
             update = tap(update)
         return constrain_state(residual.write(stream, update, read)), cache

@@ -121,6 +121,13 @@ def model_config() -> ml_collections.ConfigDict:
             mixing=False,         # add back an n×n branch-mixing operator
             state_dtype="float32",  # branch dtype: float32, bfloat16, float8_e4m3fn
         ),
+        branch_scale=dict(        # a multiplier on each sublayer output (arch.branch_scale)
+            name="none",          # "none", "layerscale" (learned per-channel γ), "fixed" (c)
+            layerscale_init=ml_collections.FieldReference(None, field_type=float),  # γ₀; default
+                                  # by depth (CaiT): 0.1 for L ≤ 18 blocks, 1e-5 ≤ 24, else 1e-6
+            multiplier=ml_collections.FieldReference(None, field_type=float),  # fixed: c; default
+                                  # 1/√(2L), one over the root of the number of sublayers
+        ),
         head=dict(
             name="tied",          # arch.heads.HEADS
             bias=False,           # output bias b ∈ R^V on every head

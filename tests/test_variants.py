@@ -23,8 +23,9 @@ from train.config import validate
 from train.step import TrainProgram
 
 VARIANTS = {
-    "postnorm-scalenorm-geglu-untied": dict(residual="postnorm", norm="scalenorm", ffn="geglu",
-                                            head="untied", head__bias=True, norm__final=False),
+    "postnorm-scalenorm-geglu-untied-layerscale": dict(
+        residual="postnorm", norm="scalenorm", ffn="geglu", head="untied", head__bias=True,
+        norm__final=False, branch_scale="layerscale"),
     "deepnorm-layernorm-reglu-mos": dict(residual="deepnorm", norm="layernorm", ffn="reglu",
                                          head="mos", norm__final=False,
                                          init=dict(value="deepnorm", attention_output="deepnorm",
@@ -43,8 +44,9 @@ VARIANTS = {
                                                     norm="batchnorm", ffn="mlp",
                                                     ffn__activation="hardtanh",
                                                     init=dict(default="xavier")),
-    "noskip-none-sigmoid": dict(residual="noskip", norm="none", ffn="mlp",
-                                ffn__activation="sigmoid"),
+    "noskip-none-sigmoid-sigsoftmax-sinusoidal": dict(residual="noskip", norm="none", ffn="mlp",
+                                                      ffn__activation="sigmoid",
+                                                      head="sigsoftmax", position="sinusoidal"),
     "hc-relu-zero-outputs": dict(residual="hc", ffn="mlp", ffn__activation="relu",
                                  init=dict(attention_output="zeros", ffn_output="zeros")),
     "width-moe-every-2nd-shared-mlp-silu-hybrid-LA": dict(
