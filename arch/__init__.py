@@ -4,6 +4,7 @@ from arch import (  # noqa: F401
     attention,
     attnres,
     batchnorm,
+    deltanet,
     ffn,
     gated_residual,
     heads,

@@ -20,6 +20,7 @@ from arch.residual import (  # noqa: F401  (ResidualTraffic: re-exported with Re
     ResidualTraffic,
     sublayer_count,
 )
+from config.derived import layer_attentions
 
 
 def abstract_model(model_cfg) -> TransformerLM:
@@ -131,16 +132,41 @@ def parameter_breakdown(model_cfg) -> dict[str, int]:
             "tying_savings": parameter_count(untied) - parameter_count(tied)}
 
 
+def _cache_per_token(attention: str, model_cfg) -> bool:
+    """Whether layers of `attention` cache something per token (False: a recurrent state)."""
+    per_token = getattr(ATTENTION[attention], "cache_per_token", None)
+    return True if per_token is None else per_token(model_cfg)
+
+
 def kv_cache_bytes_per_token(model_cfg, dtype: str | None = None) -> int:
-    """Bytes the KV cache holds per token, over all layers: each attention class's
-    `cache_shapes` per position (MHA/GQA/MQA: keys and values, 2·h_kv·p; MLA: the latent and
-    the decoupled rotary key, d_c + d_r), × num_layers × the itemsize of `dtype` (default the
-    compute dtype `model.dtype`). Per sequence: × the positions it holds, its length, or with
-    a sliding window W at most W (`cache_positions`)."""
-    shapes = ATTENTION[model_cfg.attention.name].cache_shapes(model_cfg, 1, 1)
-    per_layer = sum(math.prod(shape) for shape in shapes.values())
-    itemsize = jnp.dtype(dtype or model_cfg.dtype).itemsize
-    return model_cfg.num_layers * per_layer * itemsize
+    """Bytes the KV cache holds per token, over the layers whose cache grows with the sequence
+    (`config.derived.layer_attentions`): each attention class's `cache_shapes` per position
+    (MHA/GQA/MQA: keys and values, 2·h_kv·p; MLA: the latent and the decoupled rotary key,
+    d_c + d_r), × the itemsize of `dtype` (default the compute dtype `model.dtype`). Per
+    sequence: × the positions it holds, its length, or with a sliding window W at most W
+    (`cache_positions`). Gated DeltaNet layers add nothing per token: their constant state is
+    `recurrent_state_bytes`."""
+    elements = 0
+    for attention in layer_attentions(model_cfg):
+        if _cache_per_token(attention, model_cfg):
+            shapes = ATTENTION[attention].cache_shapes(model_cfg, 1, 1)
+            elements += sum(math.prod(shape) for shape in shapes.values())
+    return elements * jnp.dtype(dtype or model_cfg.dtype).itemsize
+
+
+def recurrent_state_bytes(model_cfg, dtype: str | None = None) -> int:
+    """Bytes per sequence of the constant-size caches (Gated DeltaNet: the state S, H×V×K in
+    float32, and the convolutions' last W − 1 inputs, (W − 1)·H·(2K + V) at `dtype`, default
+    `model.dtype`), over the layers that keep one; the same at any sequence length."""
+    total = 0
+    for attention in layer_attentions(model_cfg):
+        if not _cache_per_token(attention, model_cfg):
+            kind = ATTENTION[attention]
+            kept = getattr(kind, "float32_cache", ())
+            for name, shape in kind.cache_shapes(model_cfg, 1, 1).items():
+                itemsize = 4 if name in kept else jnp.dtype(dtype or model_cfg.dtype).itemsize
+                total += math.prod(shape) * itemsize
+    return total
 
 
 def cache_positions(model_cfg, seq_len: int) -> int:
@@ -151,12 +177,14 @@ def cache_positions(model_cfg, seq_len: int) -> int:
 
 
 def flops_per_token(model_cfg, seq_len: int, training: bool = True) -> float:
-    """Matmul FLOPs per token: 2 per matmul weight, plus causal attention counted honestly (each
-    attention class's `score_flops_per_token`: position t attends to t + 1 keys, not T).
+    """Matmul FLOPs per token: 2 per matmul weight, plus each layer's token mixing
+    (`score_flops_per_token` of its attention class: causal attention counted honestly, position
+    t attends to t + 1 keys, not T; Gated DeltaNet's chunked form, O(1) in T).
     Training (forward + backward) is 3× forward.
     """
-    attention = ATTENTION[model_cfg.attention.name].score_flops_per_token(model_cfg, seq_len)
-    forward = 2 * matmul_parameter_count(model_cfg) + model_cfg.num_layers * attention
+    mixing = sum(ATTENTION[attention].score_flops_per_token(model_cfg, seq_len)
+                 for attention in layer_attentions(model_cfg))
+    forward = 2 * matmul_parameter_count(model_cfg) + mixing
     return float(3 * forward if training else forward)
 
 
@@ -258,12 +286,14 @@ def residual_accounting(model_cfg) -> dict:
 def books(model_cfg, seq_len: int, sequence_shards: int = 1) -> dict:
     """Every accounting figure of a resolved model config at `seq_len` (capped at the model's
     max_seq_len), as a nested dict: parameters (`parameter_breakdown`), flops per token for
-    training and inference, KV-cache bytes per token and per sequence, and the residual
+    training and inference, KV-cache bytes per token and per sequence (the per-token cache × the
+    length, plus Gated DeltaNet layers' constant recurrent state, itemized), and the residual
     mechanism's I/O, history and added parameters, with the history's bytes per sequence
     (history elements × seq_len at the mechanism's `state_itemsize`: e.g. a prefill's AttnRes
     sources, (N + 1)·T·d) and per device when `sequence_shards` devices split the sequence."""
     seq_len = min(seq_len, model_cfg.max_seq_len or seq_len)
     kv_per_token = kv_cache_bytes_per_token(model_cfg)
+    state_bytes = recurrent_state_bytes(model_cfg)
     residual = residual_accounting(model_cfg)
     history_bytes = (residual["history_elements_per_token"] * seq_len
                      * _mechanism(model_cfg, "state_itemsize").state_itemsize(model_cfg))
@@ -274,7 +304,9 @@ def books(model_cfg, seq_len: int, sequence_shards: int = 1) -> dict:
                   "inference_per_token": flops_per_token(model_cfg, seq_len, False)},
         "kv_cache": {"dtype": model_cfg.dtype, "bytes_per_token": kv_per_token,
                      "positions_held": cache_positions(model_cfg, seq_len),
-                     "bytes_per_sequence": kv_per_token * cache_positions(model_cfg, seq_len)},
+                     "recurrent_state_bytes_per_sequence": state_bytes,
+                     "bytes_per_sequence": kv_per_token * cache_positions(model_cfg, seq_len)
+                     + state_bytes},
         "residual": {"mechanism": model_cfg.residual.name,
                      "io_per_token_per_sublayer_d": residual["io_per_token_per_sublayer"],
                      "history_elements_per_token": residual["history_elements_per_token"],

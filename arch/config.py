@@ -16,6 +16,7 @@ from arch.remat import REMAT_POLICIES, host_offload_supported
 from arch.residual import RESIDUALS
 from config import ConfigError, check, lookup, registered
 from config.defaults import INIT_GROUPS
+from config.derived import DELTANET, PATTERN_LETTERS, blocks_per_unit, layer_attentions
 from sharding.sequence import SEQUENCE_ATTENTIONS
 
 
@@ -98,6 +99,7 @@ def resolve_model(cfg) -> None:
     if cfg.ffn.name == "moe":  # arch/moe.py
         _resolve_moe(cfg)
     _resolve_branch(cfg)
+    _resolve_layer_pattern(cfg)  # hybrid stacks, Gated DeltaNet (arch/deltanet.py)
     if cfg.reversible:  # arch/reversible.py
         _resolve_reversible(cfg)
     for site in SITES:  # arch/dropout.py
@@ -155,6 +157,37 @@ def _resolve_branch(cfg) -> None:
     for field in ("layerscale_init", "multiplier"):
         check(branch[field] > 0, f"model.branch_scale.{field}", branch[field],
               "must be positive")
+
+
+def _resolve_layer_pattern(cfg) -> None:
+    """`model.layer_pattern` (hybrid stacks) and, when a block is Gated DeltaNet, the
+    `model.deltanet` fields (`arch.deltanet.GatedDeltaNet`; defaults from `model.attention`)."""
+    pattern = cfg.layer_pattern
+    check(isinstance(pattern, str) and set(pattern) <= set(PATTERN_LETTERS),
+          "model.layer_pattern", pattern,
+          f"a string over {', '.join(PATTERN_LETTERS)} (L: gated_deltanet, A: "
+          "model.attention.name), e.g. 'LLLA'; '' for one attention in every block")
+    unit = blocks_per_unit(cfg)
+    check(cfg.num_layers % unit == 0, "model.layer_pattern", pattern,
+          f"model.num_layers={cfg.num_layers} must be a multiple of "
+          + (f"the pattern's length {len(pattern)}" if unit == len(pattern) else
+             f"lcm(len(layer_pattern), moe.every) = {unit}"))
+    if pattern:
+        check(not cfg.reversible, "model.layer_pattern", pattern,
+              "reversible blocks run a uniform stack; set layer_pattern='' or reversible=False")
+    if DELTANET not in layer_attentions(cfg):
+        return
+    dn, attention = cfg.deltanet, cfg.attention
+    for field, default in (("num_heads", attention.num_heads), ("head_dim", attention.head_dim)):
+        if dn[field] is None:
+            dn[field] = default
+    if dn.value_dim is None:
+        dn.value_dim = dn.head_dim
+    for field in ("num_heads", "head_dim", "value_dim", "conv_width", "chunk"):
+        check(isinstance(dn[field], int) and dn[field] > 0, f"model.deltanet.{field}", dn[field],
+              "must be a positive integer")
+    check(not cfg.linear_bias, "model.linear_bias", True,
+          "gated_deltanet blocks have no biases on their projections; set linear_bias=False")
 
 
 def _resolve_reversible(cfg) -> None:

@@ -39,17 +39,20 @@ from arch.remat import ATTENTION_OUTPUT, FFN_OUTPUT, apply_remat
 from arch.residual import RESIDUALS, constrain_state, is_capturing
 from arch.reversible import run_reversible
 from config.defaults import execution_config
-from config.derived import interleaves_moe
+from config.derived import blocks_per_unit, interleaves_moe, layer_attentions
 from sharding import pipeline
 from sharding.rules import STREAM, constrain
 
 
 class Block(nnx.Module):
     """One Transformer block: an attention and an FFN sublayer (unless `model.use_ffn=False`),
-    each wrapped by its own instance of the residual mechanism."""
+    each wrapped by its own instance of the residual mechanism. `attention` / `ffn` name the
+    token mixer / FFN when they differ from the config's (layer patterns, MoE interleaving)."""
 
-    def __init__(self, cfg, *, execution=None, ffn: str | None = None, rngs: nnx.Rngs):
-        self.attention = ATTENTION[cfg.attention.name](cfg, execution=execution, rngs=rngs)
+    def __init__(self, cfg, *, execution=None, ffn: str | None = None,
+                 attention: str | None = None, rngs: nnx.Rngs):
+        self.attention = ATTENTION[attention or cfg.attention.name](cfg, execution=execution,
+                                                                    rngs=rngs)
         self.attention_residual = RESIDUALS[cfg.residual.name](cfg, rngs=rngs)
         if cfg.use_ffn:  # False: a pure-attention stack (rank-collapse ablation)
             self.ffn = FFNS[ffn or cfg.ffn.name](cfg, rngs=rngs)
@@ -98,27 +101,40 @@ class Block(nnx.Module):
 
 
 class BlockGroup(nnx.Module):
-    """Dense/MoE interleaving, one MoE block every k = `model.moe.every` blocks (GShard,
-    Lepikhin et al. 2020 §3.1 and Switch Transformer, Fedus et al. 2022, use k = 2): k − 1 blocks
-    with the dense `model.moe.dense_ffn`, then one with `ffn="moe"`, run as one step of the layer
-    scan. Its KV caches are stacked k per group."""
+    """k blocks run as one step of the layer scan (k = `config.derived.blocks_per_unit`), so the
+    scan compiles once per group, not per layer:
+
+    - Dense/MoE interleaving, one MoE block every `model.moe.every` blocks (GShard, Lepikhin et
+      al. 2020 §3.1 and Switch Transformer, Fedus et al. 2022, use every = 2): the other blocks
+      use the dense `model.moe.dense_ffn`.
+    - A hybrid `model.layer_pattern` (e.g. "LLLA": three Gated DeltaNet blocks, then one
+      softmax-attention block, as in Qwen3-Next and Kimi Linear): block j's token mixer is the
+      pattern's letter j.
+
+    Both together: k is the least common multiple of the two periods. Its caches are stacked k per
+    group when its blocks share one attention kind, else a tuple with one cache per block."""
 
     def __init__(self, cfg, *, execution=None, rngs: nnx.Rngs):
-        self.size = cfg.moe.every
-        for j in range(self.size):  # attributes block_0 … block_{k-1}, the last one MoE
-            ffn = cfg.moe.dense_ffn if j < self.size - 1 else "moe"
-            setattr(self, f"block_{j}", Block(cfg, execution=execution, ffn=ffn, rngs=rngs))
+        self.size = blocks_per_unit(cfg)
+        attentions, every = layer_attentions(cfg), cfg.moe.every if interleaves_moe(cfg) else 0
+        for j in range(self.size):  # attributes block_0 … block_{k-1}
+            ffn = None if not every else "moe" if (j + 1) % every == 0 else cfg.moe.dense_ffn
+            setattr(self, f"block_{j}", Block(cfg, execution=execution, ffn=ffn,
+                                              attention=attentions[j], rngs=rngs))
 
     def __call__(self, stream, positions_BxT, rotate, cache=None,
                  dropout: Dropout | None = None):
-        caches = []
+        caches, per_block = [], isinstance(cache, tuple)
         for j in range(self.size):
             block = getattr(self, f"block_{j}")
-            layer_cache = None if cache is None else jax.tree.map(lambda c, j=j: c[j], cache)
+            layer_cache = (None if cache is None else cache[j] if per_block
+                           else jax.tree.map(lambda c, j=j: c[j], cache))
             stream, layer_cache = block(stream, positions_BxT, rotate, layer_cache,
                                         dropout=None if dropout is None else dropout.at(j))
             caches.append(layer_cache)
-        return stream, None if cache is None else jax.tree.map(lambda *c: jnp.stack(c), *caches)
+        if cache is None or per_block:
+            return stream, None if cache is None else tuple(caches)
+        return stream, jax.tree.map(lambda *c: jnp.stack(c), *caches)
 
 
 class TransformerLM(nnx.Module):
@@ -143,9 +159,10 @@ class TransformerLM(nnx.Module):
                                init=group_init(cfg, "embedding")(cfg.d_model, cfg.vocab_size))
         self.position = POSITIONS[cfg.position.name](cfg, rngs=rngs)
 
-        unit = BlockGroup if interleaves_moe(cfg) else Block
-        self.stack_shape = ((cfg.num_layers // cfg.moe.every, cfg.moe.every)
-                            if unit is BlockGroup else (cfg.num_layers,))
+        size = blocks_per_unit(cfg)
+        self.stack_shape = (cfg.num_layers // size, size) if size > 1 else (cfg.num_layers,)
+        unit = (BlockGroup if size > 1
+                else functools.partial(Block, attention=layer_attentions(cfg)[0]))
 
         @nnx.split_rngs(splits=self.stack_shape[0])
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
@@ -170,17 +187,28 @@ class TransformerLM(nnx.Module):
     def decode(self, tokens_BxT, positions_BxT, cache):
         return self._forward(tokens_BxT, positions_BxT, cache)
 
-    def init_cache(self, batch: int, length: int, dtype=jnp.float32) -> dict:
-        """Zeroed KV cache for `length` positions, stacked over layers (groups × k when MoE is
-        interleaved). With `attention.window` W > 0 it holds min(length, W) slots, a ring buffer,
+    def init_cache(self, batch: int, length: int, dtype=jnp.float32) -> dict | tuple:
+        """Zeroed KV cache for `length` positions, stacked over layers (groups × k when the scan
+        runs `BlockGroup`s), in `dtype` but for an attention class's `float32_cache` entries
+        (Gated DeltaNet's recurrent state). A group whose blocks differ in attention
+        (`model.layer_pattern`) gets a tuple of k caches, each stacked over groups. With
+        `attention.window` W > 0 an attention cache holds min(length, W) slots, a ring buffer,
         and "position" (the position in each slot, `EMPTY_SLOT` until written)."""
-        shapes = ATTENTION[self.cfg.attention.name].cache_shapes(self.cfg, batch, length)
-        cache = {name: jnp.zeros((*self.stack_shape, *shape), dtype)
-                 for name, shape in shapes.items()}
-        if self.cfg.attention.window:  # a ring buffer: each slot's position (write_cache)
-            cache["position"] = jnp.full(
-                (*self.stack_shape, batch, cache_slots(self.cfg, length)), EMPTY_SLOT, jnp.int32)
-        return cache
+        attentions = layer_attentions(self.cfg)[:blocks_per_unit(self.cfg)]
+
+        def zeros(attention: str, stack: tuple[int, ...]) -> dict:
+            kind = ATTENTION[attention]
+            kept = getattr(kind, "float32_cache", ())
+            cache = {name: jnp.zeros((*stack, *shape), jnp.float32 if name in kept else dtype)
+                     for name, shape in kind.cache_shapes(self.cfg, batch, length).items()}
+            if self.cfg.attention.window and attention == self.cfg.attention.name:
+                cache["position"] = jnp.full(  # a ring buffer: each slot's position (write_cache)
+                    (*stack, batch, cache_slots(self.cfg, length)), EMPTY_SLOT, jnp.int32)
+            return cache
+
+        if len(set(attentions)) == 1:
+            return zeros(attentions[0], self.stack_shape)
+        return tuple(zeros(attention, self.stack_shape[:1]) for attention in attentions)
 
     def _forward(self, tokens_BxT, positions_BxT, cache, dropout: Dropout | None = None):
         x_BxTxD = self.position.embed(self.embed(tokens_BxT), positions_BxT)

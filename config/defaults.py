@@ -40,6 +40,16 @@ def model_config() -> ml_collections.ConfigDict:
             v_dim=ml_collections.FieldReference(None, field_type=int),     # default head_dim
             absorb=False,         # cached attention in the latent space (W_UK absorbed)
         ),
+        deltanet=dict(            # gated_deltanet layers (arch.deltanet.GatedDeltaNet)
+            num_heads=ml_collections.FieldReference(None, field_type=int),  # default attention's
+            head_dim=ml_collections.FieldReference(None, field_type=int),   # key width K; default
+                                  # attention.head_dim
+            value_dim=ml_collections.FieldReference(None, field_type=int),  # V; default head_dim
+            conv_width=4,         # short causal depthwise convolution on q, k, v, width W
+            chunk=64,             # tokens per chunk of the chunkwise-parallel training form
+        ),
+        layer_pattern="",         # hybrid stack, repeated over the layers: "L" a gated_deltanet
+                                  # block, "A" one of attention.name (e.g. "LLLA"); "": all "A"
         position=dict(
             name="rope",          # arch.positions.POSITIONS
             rope_base=10_000.0,

@@ -4,8 +4,30 @@ the layering, so they live here, in the leaf. No JAX."""
 
 from __future__ import annotations
 
+import math
+
 
 def interleaves_moe(model_cfg) -> bool:
     """Whether MoE FFNs alternate with dense ones (`model.moe.every` = k > 1): the layer scan then
     runs groups of k blocks (`arch.model.BlockGroup`) instead of single blocks."""
     return model_cfg.use_ffn and model_cfg.ffn.name == "moe" and model_cfg.moe.every > 1
+
+
+# `model.layer_pattern` letters: "L" a Gated DeltaNet block, "A" the configured attention.
+PATTERN_LETTERS = ("L", "A")
+DELTANET = "gated_deltanet"
+
+
+def layer_attentions(model_cfg) -> tuple[str, ...]:
+    """The attention (token mixer) of each of the `num_layers` blocks: `model.attention.name`, or
+    `model.layer_pattern` repeated ("L": gated_deltanet, "A": `model.attention.name`)."""
+    pattern = model_cfg.layer_pattern or "A"
+    return tuple(DELTANET if pattern[i % len(pattern)] == "L" else model_cfg.attention.name
+                 for i in range(model_cfg.num_layers))
+
+
+def blocks_per_unit(model_cfg) -> int:
+    """Blocks per step of the layer scan: the least common multiple of the layer pattern's length
+    and, with MoE interleaving, `moe.every` (1: single blocks)."""
+    every = model_cfg.moe.every if interleaves_moe(model_cfg) else 1
+    return math.lcm(len(model_cfg.layer_pattern) or 1, every)

@@ -15,9 +15,10 @@ For each model (an experiment file, and/or named reference shapes, `--shape all`
                     sliding window W), at --seq_len
                     (`arch.accounting.flops_per_token`; what MFU divides by)
   kv_cache          bytes per token over all layers and per sequence of --seq_len, at the
-                    compute dtype (MLA stores its latent) — `kv_cache_bytes_per_token`; the
-                    positions held per sequence: --seq_len, or with a sliding window
-                    (model.attention.window W) min(--seq_len, W), a ring buffer
+                    compute dtype (MLA stores its latent), plus Gated DeltaNet layers' constant
+                    recurrent state per sequence — `kv_cache_bytes_per_token`,
+                    `recurrent_state_bytes`; the positions held per sequence: --seq_len, or with
+                    a sliding window (model.attention.window W) min(--seq_len, W), a ring buffer
   residual          I/O per token per sublayer (units of d), history per token (elements),
                     its bytes per sequence and per device (÷ mesh.sequence), and the residual
                     mechanism's added parameters — `residual_accounting`

@@ -49,14 +49,12 @@ VARIANTS = {
                                                       head="sigsoftmax", position="sinusoidal"),
     "hc-relu-zero-outputs": dict(residual="hc", ffn="mlp", ffn__activation="relu",
                                  init=dict(attention_output="zeros", ffn_output="zeros")),
-    "width-moe-every-2nd-shared-mlp-silu": dict(residual="width", ffn="moe", moe__every=2,
-                                                moe__experts=4, moe__shared_experts=1,
-                                                moe__expert_ffn="mlp", ffn__activation="silu",
-                                                # every dropout site on: masks do not depend on
-                                                # the sharding (arch/dropout.py)
-                                                dropout=dict(embedding=0.1, attention_probs=0.1,
-                                                             attention_output=0.1,
-                                                             ffn_hidden=0.1, residual=0.1)),
+    "width-moe-every-2nd-shared-mlp-silu-hybrid-LA-dropout": dict(
+        residual="width", ffn="moe", moe__every=2, moe__experts=4, moe__shared_experts=1,
+        moe__expert_ffn="mlp", ffn__activation="silu", layer_pattern="LA", deltanet__chunk=4,
+        # every dropout site on: masks do not depend on the sharding (arch/dropout.py)
+        dropout=dict(embedding=0.1, attention_probs=0.1, attention_output=0.1, ffn_hidden=0.1,
+                     residual=0.1)),
 }
 
 # A residual mechanism no combination above rides with trains alone, with the defaults: every
@@ -68,6 +66,8 @@ VARIANTS.update({f"{name}-alone": dict(residual=name) for name in RESIDUALS
 def test_variants_cover_every_registered_choice():
     used = {field: {v.get(field) for v in VARIANTS.values()} for field in
             ("attention", "norm", "residual", "ffn", "head")}
+    used["attention"] |= {"gated_deltanet" for v in VARIANTS.values()
+                          if "L" in v.get("layer_pattern", "")}
     used["activation"] = {v.get("ffn__activation") for v in VARIANTS.values()}
     used["init"] = {s for v in VARIANTS.values() for s in v.get("init", {}).values()}
     defaults = {"attention": "mha", "norm": "rmsnorm", "residual": "prenorm", "ffn": "swiglu",

@@ -5,6 +5,7 @@ from __future__ import annotations
 from arch.config import resolve_execution, resolve_model
 from arch.dropout import enabled
 from config import check
+from config.derived import DELTANET, layer_attentions
 from config.validate import check_fields
 from sharding.mesh import ici_dcn_shapes, mesh_shape
 from sharding.pipeline import validate_pipeline
@@ -43,6 +44,7 @@ def validate(config, device_count: int, slice_count: int = 1) -> dict[str, int]:
               f"must be divisible by mesh.expert={mesh['expert']}")
         check(model.moe.d_ff % tensor == 0, "model.moe.d_ff", model.moe.d_ff,
               f"must be divisible by mesh.tensor={tensor}")
+    _check_hybrid(model, mesh)  # gated_deltanet blocks, model.layer_pattern
     if mesh["sequence"] > 1:
         _check_sequence_parallel(config, mesh["sequence"], mesh["stage"])
     validate_pipeline(config, mesh)  # mesh.stage
@@ -65,6 +67,26 @@ def _check_dropout(config, mesh: dict[str, int]) -> None:
           "execution.attention_implementation", implementation,
           "model.dropout.attention_probs > 0 needs the explicit probabilities: use 'xla' or "
           "'auto' (which then runs xla)")
+
+
+def _check_hybrid(model, mesh: dict[str, int]) -> None:
+    """Gated DeltaNet runs its recurrence in token order on one device's whole sequence and in
+    the ordinary layer scan: no sequence parallelism (which stripes the sequence) and no
+    pipeline; its heads shard over `tensor`."""
+    if model.layer_pattern:
+        check(mesh["stage"] == 1, "model.layer_pattern", model.layer_pattern,
+              f"hybrid stacks do not run in the pipeline (mesh.stage={mesh['stage']}); use "
+              "mesh.stage=1")
+    if DELTANET not in layer_attentions(model):
+        return
+    heads = model.deltanet.num_heads
+    check(heads % mesh["tensor"] == 0, "model.deltanet.num_heads", heads,
+          f"must be divisible by mesh.tensor={mesh['tensor']}")
+    check(mesh["sequence"] == 1, "mesh.sequence", mesh["sequence"],
+          "gated_deltanet blocks do not pass their state between sequence shards; use "
+          "mesh.sequence=1")
+    check(mesh["stage"] == 1, "mesh.stage", mesh["stage"],
+          "gated_deltanet blocks do not run in the pipeline; use mesh.stage=1")
 
 
 def _check_accumulation(config, batch_shards: int, stages: int) -> None:

@@ -61,6 +61,7 @@ from arch.attention import AttentionWeights
 from arch.layers import Dense
 from arch.model import TransformerLM, interleaves_moe
 from arch.residual import RESIDUALS
+from config.derived import DELTANET
 from sharding.rules import STREAM, constrain
 from train.step import build_program, compile_train_step, next_token_loss
 
@@ -75,6 +76,10 @@ def require_probeable(cfg) -> None:
         raise ValueError("model.reversible=True: the probes walk the residual mechanisms of "
                          "arch/residual.py, not the reversible stack; probe the model with "
                          "model.reversible=False")
+    if cfg.layer_pattern or cfg.attention.name == DELTANET:
+        raise ValueError("model.layer_pattern / gated_deltanet: the probes read softmax "
+                         "attention blocks in stacks of one kind; probe a model with "
+                         "layer_pattern='' and a softmax attention")
 
 
 def _split_tokens(tokens_BxT1: jax.Array) -> tuple[jax.Array, jax.Array]:
