@@ -146,17 +146,19 @@ def _resolve_mla(cfg) -> None:
 
 
 def _resolve_branch(cfg) -> None:
-    """Branch scaling (`arch.branch_scale`): fills LayerScale's γ₀ and the fixed multiplier c."""
+    """Branch scaling (`arch.branch_scale`): fills the chosen scale's default, LayerScale's γ₀
+    or the fixed multiplier c (the other stays as given, so a run without branch scaling keeps
+    the config it was saved with)."""
     branch = cfg.branch_scale
     check(branch.name in BRANCH_SCALES, "model.branch_scale.name", branch.name,
           f"valid: {', '.join(BRANCH_SCALES)}")
-    if branch.layerscale_init is None:
+    if branch.name == "layerscale" and branch.layerscale_init is None:
         branch.layerscale_init = layerscale_init(cfg.num_layers)
-    if branch.multiplier is None:
+    if branch.name == "fixed" and branch.multiplier is None:
         branch.multiplier = default_multiplier(cfg)
     for field in ("layerscale_init", "multiplier"):
-        check(branch[field] > 0, f"model.branch_scale.{field}", branch[field],
-              "must be positive")
+        check(branch[field] is None or branch[field] > 0, f"model.branch_scale.{field}",
+              branch[field], "must be positive")
 
 
 def _resolve_layer_pattern(cfg) -> None:
