@@ -58,19 +58,30 @@ def active_parameter_count(model_cfg) -> int:
     return _size(nnx.state(model, nnx.Param)) - routed * (experts - k) // experts
 
 
+def _matmul_weights(model_cfg, model, inside=lambda path: True) -> int:
+    """Dense kernels once plus routed MoE expert weights at k/E, of the parameters whose path
+    satisfies `inside` (everything by default)."""
+    count = _size(nnx.state(model, lambda path, _: path[-1] == "kernel" and inside(path)))
+    if model_cfg.ffn.name == "moe":
+        routed = _size(nnx.state(model, lambda path, _: "routed_experts" in path
+                                 and inside(path)))
+        count += routed * model_cfg.moe.top_k // model_cfg.moe.experts
+    return count
+
+
 def matmul_parameter_count(model_cfg) -> int:
     """Weights used in one matrix multiply per token: every Dense kernel once (MoE router and
     shared experts included), routed MoE expert weights at k/E of their size (a token runs k of
     the E experts; dispatch/combine einsums are not counted), plus what the head multiplies again
-    (the tied embedding; MoS's K vocabulary projections)."""
+    (the tied embedding; MoS's K vocabulary projections). Multi-token prediction modules
+    (arch/mtp.py) count once, with their kernels; see `flops_per_token` for how often each
+    part runs."""
     model = abstract_model(model_cfg)
-    count = _size(nnx.state(model, lambda path, _: path[-1] == "kernel"))
-    routed, k, experts = _routed_expert_share(model_cfg, model)
-    count += routed * k // experts
-    return count + HEADS[model_cfg.head.name].reused_matmul_parameters(model_cfg)
+    return (_matmul_weights(model_cfg, model)
+            + HEADS[model_cfg.head.name].reused_matmul_parameters(model_cfg))
 
 
-COMPONENTS = ("embedding", "attention", "ffn", "norms", "residual", "head")
+COMPONENTS = ("embedding", "attention", "ffn", "norms", "residual", "head", "mtp")
 
 
 def component_of(path: tuple[str, ...]) -> str:
@@ -83,8 +94,12 @@ def component_of(path: tuple[str, ...]) -> str:
       residual   the rest of the residual mechanism (`*_residual/...` and the model-level
                  `residual_stream`: depth-attention queries, stream gates and their norms)
       head       the output head (an untied projection, MoS/MoC mixtures, an output bias)
+      mtp        the multi-token prediction modules (`mtp`, arch/mtp.py: norms, projections and
+                 blocks), counted apart because they serve training only
     """
     keys = [str(key) for key in path]
+    if keys[:1] == ["mtp"]:
+        return "mtp"
     for key in keys:
         if key in ("embed", "position"):
             return "embedding"
@@ -142,10 +157,19 @@ def kv_cache_bytes_per_token(model_cfg, dtype: str | None = None) -> int:
 def flops_per_token(model_cfg, seq_len: int, training: bool = True) -> float:
     """Matmul FLOPs per token: 2 per matmul weight, plus causal attention counted honestly (each
     attention class's `score_flops_per_token`: position t attends to t + 1 keys, not T).
-    Training (forward + backward) is 3× forward.
+    Training (forward + backward) is 3× forward. Multi-token prediction (`model.head.mtp_depth`
+    = k, arch/mtp.py) adds, in training only, its modules' weights and, per module, one more
+    head application and one block's attention scores.
     """
     attention = ATTENTION[model_cfg.attention.name].score_flops_per_token(model_cfg, seq_len)
-    forward = 2 * matmul_parameter_count(model_cfg) + model_cfg.num_layers * attention
+    model = abstract_model(model_cfg)
+    mtp = _matmul_weights(model_cfg, model, lambda path: path[0] == "mtp")
+    forward = 2 * (matmul_parameter_count(model_cfg) - mtp) + model_cfg.num_layers * attention
+    depth = model_cfg.head.get("mtp_depth", 0)
+    if training and depth:
+        head = (_matmul_weights(model_cfg, model, lambda path: path[0] == "head")
+                + HEADS[model_cfg.head.name].reused_matmul_parameters(model_cfg))
+        forward += 2 * mtp + depth * (2 * head + attention)
     return float(3 * forward if training else forward)
 
 

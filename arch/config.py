@@ -91,6 +91,11 @@ def resolve_model(cfg) -> None:
               "model.ffn.name='moe' has no biases; use a dense model.ffn.name or linear_bias=False")
     check(isinstance(cfg.head.mos_components, int) and cfg.head.mos_components >= 1,
           "model.head.mos_components", cfg.head.mos_components, "must be an integer ≥ 1")
+    check(isinstance(cfg.head.mtp_depth, int) and cfg.head.mtp_depth >= 0,
+          "model.head.mtp_depth", cfg.head.mtp_depth,
+          "must be an integer ≥ 0 (0: no multi-token prediction)")
+    check(cfg.head.mtp_weight >= 0, "model.head.mtp_weight", cfg.head.mtp_weight,
+          "must be non-negative")
     if cfg.ffn.name == "moe":  # arch/moe.py
         _resolve_moe(cfg)
     if cfg.reversible:  # arch/reversible.py

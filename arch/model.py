@@ -30,6 +30,7 @@ from arch.ffn import FFNS
 from arch.heads import HEADS
 from arch.init import group_init
 from arch.layers import Embedding
+from arch.mtp import MultiTokenModule, prenorm_config
 from arch.norms import make_norm
 from arch.positions import POSITIONS
 from arch.remat import ATTENTION_OUTPUT, FFN_OUTPUT, apply_remat
@@ -136,6 +137,11 @@ class TransformerLM(nnx.Module):
         self.residual_stream = RESIDUALS[cfg.residual.name].stream(cfg, rngs=rngs)
         self.final_norm = make_norm(cfg, rngs=rngs) if cfg.norm.final else None
         self.head = HEADS[cfg.head.name](cfg, rngs=rngs)
+        if cfg.head.get("mtp_depth", 0):  # multi-token prediction modules (arch/mtp.py)
+            self.mtp = nnx.List([
+                MultiTokenModule(cfg, Block(prenorm_config(cfg), execution=self.execution,
+                                            rngs=rngs), rngs=rngs)
+                for _ in range(cfg.head.mtp_depth)])
 
     def __call__(self, tokens_BxT: jax.Array, positions_BxT: jax.Array | None = None
                  ) -> jax.Array:
@@ -147,6 +153,20 @@ class TransformerLM(nnx.Module):
     def decode(self, tokens_BxT, positions_BxT, cache):
         return self._forward(tokens_BxT, positions_BxT, cache)
 
+    def multi_token_logits(self, tokens_BxT: jax.Array, positions_BxT: jax.Array,
+                           future_tokens_KxBxT: jax.Array) -> list[jax.Array]:
+        """The training forward pass with multi-token prediction (arch/mtp.py): [the next-token
+        logits, then those of MTP modules 1 … k], each B×T×V float32. `future_tokens_KxBxT[j−1]`
+        holds t_{i+j} at the array index of t_i (any token where none exists: causal attention
+        keeps it out of every earlier position)."""
+        hidden_BxTxD, _ = self._hidden(tokens_BxT, positions_BxT, None)
+        logits = [self._output(hidden_BxTxD)]
+        for module, future_BxT in zip(self.mtp, future_tokens_KxBxT, strict=True):
+            hidden_BxTxD = module(hidden_BxTxD, self.embed(future_BxT), positions_BxT,
+                                  self.position.rotate)
+            logits.append(self._output(hidden_BxTxD))
+        return logits
+
     def init_cache(self, batch: int, length: int, dtype=jnp.float32) -> dict:
         """Zeroed KV cache for `length` positions, stacked over layers (groups × k when MoE is
         interleaved)."""
@@ -155,22 +175,27 @@ class TransformerLM(nnx.Module):
                 for name, shape in shapes.items()}
 
     def _forward(self, tokens_BxT, positions_BxT, cache):
+        hidden_BxTxD, cache = self._hidden(tokens_BxT, positions_BxT, cache)
+        return self._output(hidden_BxTxD), cache
+
+    def _hidden(self, tokens_BxT, positions_BxT, cache):
+        """The stack's output (what the final norm reads), B×T×D, and the updated KV cache."""
         x_BxTxD = self.position.embed(self.embed(tokens_BxT), positions_BxT)
         graphdef, layer_params, layer_states = nnx.split(self.blocks, nnx.Param, ...)
         if self.cfg.reversible:  # arch/reversible.py: two coupled streams
             x_BxTxD, cache = run_reversible(graphdef, layer_params, layer_states, x_BxTxD,
                                             positions_BxT, self.position.rotate, cache)
-            return self._output(x_BxTxD), cache
+            return x_BxTxD, cache
         x_BxTxD = constrain(x_BxTxD, STREAM)
         stages = pipeline.stage_count()
         if stages > 1 and cache is None:  # training and evaluation: pipelined over `stage`
-            return self._output(self._pipelined(x_BxTxD, positions_BxT, graphdef, layer_params,
-                                                layer_states, stages)), None
+            return self._pipelined(x_BxTxD, positions_BxT, graphdef, layer_params,
+                                   layer_states, stages), None
         stream = constrain_state(self.residual_stream.begin(x_BxTxD))
         stream, (layer_states, cache) = self._scan(stream, positions_BxT, graphdef, layer_params,
                                                    layer_states, cache)
         nnx.update(self.blocks, layer_states)  # e.g. BatchNorm running statistics
-        return self._output(self.residual_stream.end(stream)), cache
+        return self.residual_stream.end(stream), cache
 
     def _scan(self, stream, positions_BxT, graphdef, layer_params, layer_states, cache):
         """The layer stack as one scan over units (blocks, or MoE block groups),

@@ -116,6 +116,8 @@ def model_config() -> ml_collections.ConfigDict:
             bias=False,           # output bias b ∈ R^V on every head
             mos_components=4,     # K for mos/moc (Yang et al. 2018)
             mos_tied=True,        # mos/moc: output projection = the input embedding
+            mtp_depth=0,          # k multi-token prediction modules (arch/mtp.py; training only)
+            mtp_weight=0.3,       # λ: loss = CE + (λ/k) Σ_j CE_j (DeepSeek-V3: 0.3, then 0.1)
         ),
         # Initialization scheme (arch.init.INITS) per parameter group; None: `default`.
         init=dict(default="fan_in", **{group: ml_collections.FieldReference(None, field_type=str)

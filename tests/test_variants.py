@@ -23,8 +23,9 @@ from train.config import validate
 from train.step import TrainProgram
 
 VARIANTS = {
-    "postnorm-scalenorm-geglu-untied": dict(residual="postnorm", norm="scalenorm", ffn="geglu",
-                                            head="untied", head__bias=True, norm__final=False),
+    "postnorm-scalenorm-geglu-untied-mtp": dict(residual="postnorm", norm="scalenorm",
+                                                ffn="geglu", head="untied", head__bias=True,
+                                                norm__final=False, head__mtp_depth=2),
     "deepnorm-layernorm-reglu-mos": dict(residual="deepnorm", norm="layernorm", ffn="reglu",
                                          head="mos", norm__final=False,
                                          init=dict(value="deepnorm", attention_output="deepnorm",

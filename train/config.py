@@ -23,6 +23,8 @@ def validate(config, device_count: int, slice_count: int = 1) -> dict[str, int]:
         model.max_seq_len = config.seq_len
     resolve_model(model)
     resolve_execution(config.execution)
+    check(model.head.mtp_depth < config.seq_len, "model.head.mtp_depth", model.head.mtp_depth,
+          f"must be below seq_len={config.seq_len} (MTP depth j has seq_len − j targets)")
 
     mesh = mesh_shape(config.mesh, device_count)
     ici_dcn_shapes(config.mesh, mesh, slice_count)
