@@ -147,11 +147,12 @@ def kv_cache_bytes_per_token(model_cfg, dtype: str | None = None) -> int:
     """Bytes the KV cache holds per token, over all layers: each attention class's
     `cache_shapes` per position (MHA/GQA/MQA: keys and values, 2·h_kv·p; MLA: the latent and
     the decoupled rotary key, d_c + d_r), × num_layers × the itemsize of `dtype` (default the
-    compute dtype `model.dtype`). Per sequence: × its length."""
+    compute dtype `model.dtype`), × R = `model.loop_count` (one cache per loop and layer). Per
+    sequence: × its length."""
     shapes = ATTENTION[model_cfg.attention.name].cache_shapes(model_cfg, 1, 1)
     per_layer = sum(math.prod(shape) for shape in shapes.values())
     itemsize = jnp.dtype(dtype or model_cfg.dtype).itemsize
-    return model_cfg.num_layers * per_layer * itemsize
+    return model_cfg.get("loop_count", 1) * model_cfg.num_layers * per_layer * itemsize
 
 
 def flops_per_token(model_cfg, seq_len: int, training: bool = True) -> float:
@@ -159,12 +160,16 @@ def flops_per_token(model_cfg, seq_len: int, training: bool = True) -> float:
     attention class's `score_flops_per_token`: position t attends to t + 1 keys, not T).
     Training (forward + backward) is 3× forward. Multi-token prediction (`model.head.mtp_depth`
     = k, arch/mtp.py) adds, in training only, its modules' weights and, per module, one more
-    head application and one block's attention scores.
+    head application and one block's attention scores. Looped depth (`model.loop_count` = R)
+    runs the block stack, its weights and its attention, R times (the parameters stay).
     """
     attention = ATTENTION[model_cfg.attention.name].score_flops_per_token(model_cfg, seq_len)
     model = abstract_model(model_cfg)
     mtp = _matmul_weights(model_cfg, model, lambda path: path[0] == "mtp")
-    forward = 2 * (matmul_parameter_count(model_cfg) - mtp) + model_cfg.num_layers * attention
+    blocks = _matmul_weights(model_cfg, model, lambda path: path[0] == "blocks")
+    loops = model_cfg.get("loop_count", 1)
+    forward = (2 * (matmul_parameter_count(model_cfg) - mtp + (loops - 1) * blocks)
+               + loops * model_cfg.num_layers * attention)
     depth = model_cfg.head.get("mtp_depth", 0)
     if training and depth:
         head = (_matmul_weights(model_cfg, model, lambda path: path[0] == "head")

@@ -9,6 +9,9 @@ Layer parameters are stacked along a leading `layers` axis at construction (one 
 or per `BlockGroup` of k blocks when MoE is interleaved), and the forward pass scans over them, so
 compile time does not grow with depth. Non-parameter layer state (BatchNorm
 running statistics) comes out of the scan and is written back into the module.
+Looped depth (`model.loop_count` = R > 1, `_loop`) runs the scan R times with the same parameters,
+inside one outer scan. Multi-token prediction modules (`model.head.mtp_depth`, arch/mtp.py) run
+only in the training loss (`multi_token_logits`); the forward pass and `decode` ignore them.
 Under a mesh whose `stage` axis is larger than 1, training and evaluation run the stack as a
 pipeline instead (`sharding/pipeline.py`, GPipe or circular over microbatches); KV-cache decoding
 keeps the ordinary scan (GSPMD moves the stage-sharded layer parameters).
@@ -30,6 +33,7 @@ from arch.ffn import FFNS
 from arch.heads import HEADS
 from arch.init import group_init
 from arch.layers import Embedding
+from arch.moe import AuxLoss, DroppedFraction
 from arch.mtp import MultiTokenModule, prenorm_config
 from arch.norms import make_norm
 from arch.positions import POSITIONS
@@ -169,19 +173,36 @@ class TransformerLM(nnx.Module):
 
     def init_cache(self, batch: int, length: int, dtype=jnp.float32) -> dict:
         """Zeroed KV cache for `length` positions, stacked over layers (groups × k when MoE is
-        interleaved)."""
+        interleaved), and with looped depth (`model.loop_count` = R > 1) over loops first: one
+        cache per (loop, layer)."""
         shapes = ATTENTION[self.cfg.attention.name].cache_shapes(self.cfg, batch, length)
-        return {name: jnp.zeros((*self.stack_shape, *shape), dtype)
-                for name, shape in shapes.items()}
+        loops = self.cfg.get("loop_count", 1)
+        stack = ((loops,) if loops > 1 else ()) + self.stack_shape
+        return {name: jnp.zeros((*stack, *shape), dtype) for name, shape in shapes.items()}
+
+    def loop_hidden_states(self, tokens_BxT: jax.Array, positions_BxT: jax.Array | None = None
+                           ) -> jax.Array:
+        """What the final norm would read after each pass of the layer stack (looped depth,
+        `model.loop_count` = R), R×B×T×D; the last entry is what it does read. For the
+        early-exit probe (`train.instruments.early_exit`)."""
+        if positions_BxT is None:
+            positions_BxT = jnp.broadcast_to(jnp.arange(tokens_BxT.shape[1]), tokens_BxT.shape)
+        hidden_RxBxTxD, _ = self._hidden(tokens_BxT, positions_BxT, None, loop_exits=True)
+        return hidden_RxBxTxD
 
     def _forward(self, tokens_BxT, positions_BxT, cache):
         hidden_BxTxD, cache = self._hidden(tokens_BxT, positions_BxT, cache)
         return self._output(hidden_BxTxD), cache
 
-    def _hidden(self, tokens_BxT, positions_BxT, cache):
-        """The stack's output (what the final norm reads), B×T×D, and the updated KV cache."""
+    def _hidden(self, tokens_BxT, positions_BxT, cache, loop_exits: bool = False):
+        """The stack's output (what the final norm reads), B×T×D, and the updated KV cache.
+        `loop_exits`: that output after each pass of a looped stack instead, R×B×T×D."""
         x_BxTxD = self.position.embed(self.embed(tokens_BxT), positions_BxT)
         graphdef, layer_params, layer_states = nnx.split(self.blocks, nnx.Param, ...)
+        loops = self.cfg.get("loop_count", 1)
+        if (loops > 1 or loop_exits) and (self.cfg.reversible or pipeline.stage_count() > 1):
+            raise ValueError(f"model.loop_count={loops}: looped depth runs neither reversible "
+                             "blocks nor the pipeline (mesh.stage > 1)")
         if self.cfg.reversible:  # arch/reversible.py: two coupled streams
             x_BxTxD, cache = run_reversible(graphdef, layer_params, layer_states, x_BxTxD,
                                             positions_BxT, self.position.rotate, cache)
@@ -192,10 +213,51 @@ class TransformerLM(nnx.Module):
             return self._pipelined(x_BxTxD, positions_BxT, graphdef, layer_params,
                                    layer_states, stages), None
         stream = constrain_state(self.residual_stream.begin(x_BxTxD))
+        if loops > 1 or loop_exits:
+            hidden, layer_states, cache = self._loop(stream, x_BxTxD, positions_BxT, graphdef,
+                                                     layer_params, layer_states, cache, loops,
+                                                     loop_exits)
+            nnx.update(self.blocks, layer_states)
+            return hidden, cache
         stream, (layer_states, cache) = self._scan(stream, positions_BxT, graphdef, layer_params,
                                                    layer_states, cache)
         nnx.update(self.blocks, layer_states)  # e.g. BatchNorm running statistics
         return self.residual_stream.end(stream), cache
+
+    def _loop(self, stream, x_BxTxD, positions_BxT, graphdef, layer_params, layer_states, cache,
+              loops: int, exits: bool = False):
+        """Looped depth (Dehghani et al. 2019, "Universal Transformers"; Geiping et al. 2025,
+        "Scaling up Test-Time Compute with Latent Reasoning: A Recurrent Depth Approach"): the
+        layer stack applied R = `model.loop_count` times with the same parameters,
+
+            x ← stack(x)  for r = 1;   x ← stack(x + x⁰ if `model.loop_inject` else x)  for r > 1,
+
+        as one outer `jax.lax.scan` over the R passes around the layer scan (`_scan`), so the
+        stack compiles once. The KV cache holds one entry per (loop, layer) (`init_cache`).
+        Non-parameter layer state threads through the passes (BatchNorm running statistics are
+        updated once per pass); the MoE auxiliary losses are summed over the passes (each pass
+        is L more MoE layers) and the dropped fraction averaged. Returns (what the final norm
+        reads, B×T×D, or with `exits` what it would read after each pass, R×B×T×D; the layer
+        state; the cache). Cost: R× the stack's FLOPs and KV cache, the same parameters."""
+        inject = self.cfg.get("loop_inject", False)
+
+        def one_pass(carry, loop):
+            stream, layer_states = carry
+            index, loop_cache = loop
+            if inject:
+                stream = jnp.where(index > 0, stream + x_BxTxD, stream)
+            stream, (layer_states, loop_cache) = self._scan(
+                stream, positions_BxT, graphdef, layer_params, layer_states, loop_cache)
+            exit_BxTxD = self.residual_stream.end(stream) if exits else None
+            return (stream, layer_states), (exit_BxTxD, layer_states, loop_cache)
+
+        (stream, _), (exits_RxBxTxD, states_R, cache) = jax.lax.scan(
+            one_pass, (stream, layer_states), (jnp.arange(loops), cache))
+        losses, dropped, rest = nnx.split_state(states_R, AuxLoss, DroppedFraction, ...)
+        layer_states = nnx.merge_state(jax.tree.map(lambda x: x.sum(0), losses),
+                                       jax.tree.map(lambda x: x.mean(0), dropped),
+                                       jax.tree.map(lambda x: x[-1], rest))
+        return (exits_RxBxTxD if exits else self.residual_stream.end(stream)), layer_states, cache
 
     def _scan(self, stream, positions_BxT, graphdef, layer_params, layer_states, cache):
         """The layer stack as one scan over units (blocks, or MoE block groups),

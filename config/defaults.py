@@ -123,6 +123,10 @@ def model_config() -> ml_collections.ConfigDict:
         init=dict(default="fan_in", **{group: ml_collections.FieldReference(None, field_type=str)
                                        for group in INIT_GROUPS}),
         reversible=False,         # RevNet/Reformer coupling, activations O(1) in depth (prenorm)
+        loop_count=1,             # R: the block stack applied R times, shared parameters
+                                  # (looped depth; single-stream residuals, no pipeline)
+        loop_inject=False,        # looped depth: add the embedding x⁰ to the stream before
+                                  # every pass after the first
     ))
 
 

@@ -46,6 +46,9 @@ def validate(config, device_count: int, slice_count: int = 1) -> dict[str, int]:
               f"must be divisible by mesh.tensor={tensor}")
     if mesh["sequence"] > 1:
         _check_sequence_parallel(config, mesh["sequence"], mesh["stage"])
+    check(mesh["stage"] == 1 or model.loop_count == 1, "model.loop_count", model.loop_count,
+          f"looped depth does not run in the pipeline (mesh.stage={mesh['stage']}); use "
+          "mesh.stage=1 or model.loop_count=1")
     validate_pipeline(config, mesh)  # mesh.stage
     return mesh
 
