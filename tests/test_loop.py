@@ -73,6 +73,14 @@ def test_one_loop_is_the_plain_model_and_injection_re_adds_the_embedding():
     np.testing.assert_allclose(injected(tokens), plain._output(x), atol=2e-5, rtol=1e-5)
 
 
+def test_the_stack_is_traced_once_whatever_the_loop_count():
+    tokens = random_tokens((2, T))
+    for loops in (2, 5):
+        _, model = tiny_model(loop_count=loops, loop_inject=True)
+        jaxpr = str(jax.make_jaxpr(lambda tokens, model=model: model(tokens))(tokens))
+        assert jaxpr.count("scan[") == 2, loops  # the passes' scan around the layer scan
+
+
 def init_cache_shape(model):
     return {name: value.shape for name, value in model.init_cache(2, T).items()}
 

@@ -21,10 +21,11 @@ from train.step import TrainProgram, multi_token_batch, next_token_loss
 T = 16
 
 
-def program(**model) -> TrainProgram:
+def program(devices: int = 1, mesh: dict | None = None, **model) -> TrainProgram:
     config = tiny_config(**model)
-    validate(config, 1)
-    return TrainProgram(config, make_mesh(config.mesh, jax.devices()[:1]))
+    config.mesh.update(mesh or {})
+    validate(config, devices)
+    return TrainProgram(config, make_mesh(config.mesh, jax.devices()[:devices]))
 
 
 def loss_and_metrics(program: TrainProgram, tokens_BxT1):
@@ -68,6 +69,18 @@ def test_modules_follow_the_equation_and_the_loss_decomposes():
     np.testing.assert_allclose(loss, expected, rtol=1e-5)
     np.testing.assert_allclose(metrics["next_token_loss"], hand_losses[0], rtol=1e-5)
     np.testing.assert_allclose(metrics["mtp_loss"], loss - hand_losses[0], rtol=1e-4)
+
+
+def test_sequence_parallelism_changes_no_loss():
+    """Under mesh.sequence = 2 the batch is striped: the future tokens, targets and masks are
+    permuted with it, so every loss equals one device's."""
+    tokens_BxT1 = random_tokens((8, T + 1))
+    _, loss, metrics = loss_and_metrics(program(head__mtp_depth=2), tokens_BxT1)
+    _, striped_loss, striped = loss_and_metrics(
+        program(2, dict(data=1, sequence=2), head__mtp_depth=2), tokens_BxT1)
+    np.testing.assert_allclose(striped_loss, loss, rtol=1e-5)
+    for name in ("next_token_loss", "mtp_loss_1", "mtp_loss_2"):
+        np.testing.assert_allclose(striped[name], metrics[name], rtol=1e-5)
 
 
 def test_depth_zero_is_the_plain_model_and_the_forward_pass_ignores_the_modules():
