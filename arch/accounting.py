@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
-from arch.attention import ATTENTION
+from arch.attention import ATTENTION, cache_slots
 from arch.heads import HEADS
 from arch.model import TransformerLM
 from arch.norms import make_norm
@@ -92,7 +92,8 @@ def component_of(path: tuple[str, ...]) -> str:
       ffn        everything inside a block's `ffn` module (MoE router and experts included)
       norms      the sublayer norms of the plain sums (`*_residual/norm`) and `final_norm`
       residual   the rest of the residual mechanism (`*_residual/...` and the model-level
-                 `residual_stream`: depth-attention queries, stream gates and their norms)
+                 `residual_stream`: depth-attention queries, stream gates and their norms) and
+                 the branch scales (`*_branch`: LayerScale's γ)
       head       the output head (an untied projection, MoS/MoC mixtures, an output bias)
       mtp        the multi-token prediction modules (`mtp`, arch/mtp.py: norms, projections and
                  blocks), counted apart because they serve training only
@@ -107,6 +108,8 @@ def component_of(path: tuple[str, ...]) -> str:
             return key
         if key == "final_norm":
             return "norms"
+        if key.endswith("_branch"):  # branch scaling (arch/branch_scale.py)
+            return "residual"
         if key.endswith("_residual") or key == "residual_stream":
             following = keys[keys.index(key) + 1:]
             return "norms" if following[:1] == ["norm"] else "residual"
@@ -148,11 +151,19 @@ def kv_cache_bytes_per_token(model_cfg, dtype: str | None = None) -> int:
     `cache_shapes` per position (MHA/GQA/MQA: keys and values, 2·h_kv·p; MLA: the latent and
     the decoupled rotary key, d_c + d_r), × num_layers × the itemsize of `dtype` (default the
     compute dtype `model.dtype`), × R = `model.loop_count` (one cache per loop and layer). Per
-    sequence: × its length."""
+    sequence: × the positions it holds, its length, or with a sliding window W at most W
+    (`cache_positions`)."""
     shapes = ATTENTION[model_cfg.attention.name].cache_shapes(model_cfg, 1, 1)
     per_layer = sum(math.prod(shape) for shape in shapes.values())
     itemsize = jnp.dtype(dtype or model_cfg.dtype).itemsize
     return model_cfg.get("loop_count", 1) * model_cfg.num_layers * per_layer * itemsize
+
+
+def cache_positions(model_cfg, seq_len: int) -> int:
+    """Positions a KV cache holds for a sequence of `seq_len`: seq_len, or min(seq_len, W) with
+    `attention.window` W > 0 (a ring buffer, `arch.attention.write_cache`; its W int32 slot
+    positions per layer are not counted)."""
+    return cache_slots(model_cfg, seq_len)
 
 
 def flops_per_token(model_cfg, seq_len: int, training: bool = True) -> float:
@@ -291,7 +302,8 @@ def books(model_cfg, seq_len: int, sequence_shards: int = 1) -> dict:
                   "training_per_token": flops_per_token(model_cfg, seq_len, True),
                   "inference_per_token": flops_per_token(model_cfg, seq_len, False)},
         "kv_cache": {"dtype": model_cfg.dtype, "bytes_per_token": kv_per_token,
-                     "bytes_per_sequence": kv_per_token * seq_len},
+                     "positions_held": cache_positions(model_cfg, seq_len),
+                     "bytes_per_sequence": kv_per_token * cache_positions(model_cfg, seq_len)},
         "residual": {"mechanism": model_cfg.residual.name,
                      "io_per_token_per_sublayer_d": residual["io_per_token_per_sublayer"],
                      "history_elements_per_token": residual["history_elements_per_token"],

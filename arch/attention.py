@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from arch.attention_kernels import (
+    allowed_mask,
     blocked_attention,
     choose_implementation,
     cudnn_attention,
@@ -31,10 +32,72 @@ from sharding.sequence import ring_attention, sequence_shards
 ATTENTION = Registry("attention")
 
 
-def causal_mask(query_positions_BxT: jax.Array, key_positions_BxS: jax.Array) -> jax.Array:
-    """Additive mask M[b, t, s] = 0 where key s is at or before query t, −∞ otherwise."""
-    allowed = key_positions_BxS[:, None, :] <= query_positions_BxT[:, :, None]
+def causal_mask(query_positions_BxT: jax.Array, key_positions_BxS: jax.Array,
+                window: int = 0) -> jax.Array:
+    """Additive mask M[b, t, s] = 0 where key s is at or before query t (and, with a window
+    W > 0, pos_t − pos_s < W: the band of the W most recent positions), −∞ otherwise."""
+    allowed = allowed_mask(query_positions_BxT, key_positions_BxS, window)
     return jnp.where(allowed, 0.0, -jnp.inf).astype(jnp.float32)
+
+
+# A ring-buffer slot not yet written holds this position: after every query, so always masked.
+EMPTY_SLOT = jnp.iinfo(jnp.int32).max
+
+
+def cache_slots(cfg, length: int) -> int:
+    """Positions a KV cache for `length` positions holds: `length`, or with `attention.window`
+    W > 0 only min(length, W), a ring buffer (`write_cache`): O(W) memory however long the
+    generation."""
+    window = cfg.attention.window
+    return min(length, window) if window else length
+
+
+def mean_visible_keys(seq_len: int, window: int = 0) -> float:
+    """Keys a query sees, averaged over positions t = 0..T−1 of causal attention: min(t + 1, W)
+    (W = ∞ without a window), i.e. (T + 1)/2 for T ≤ W, else (W(W + 1)/2 + (T − W)·W)/T."""
+    if not window or seq_len <= window:
+        return (seq_len + 1) / 2
+    return (window * (window + 1) / 2 + (seq_len - window) * window) / seq_len
+
+
+def write_cache(cache: dict, new: dict, positions_BxT: jax.Array,
+                window: int = 0) -> tuple[dict, jax.Array, dict]:
+    """Write a block's cached arrays into `cache` and return what the block attends to:
+    (arrays B×S×… by name, their key positions B×S, the updated cache).
+
+    `new` holds each cached array of the block's T positions (B×T×…), named as in `cache`.
+    Without a window the cache has a slot per position: the block lands at slots t₀..t₀+T−1
+    and attends to all S slots (the mask hides those after each query).
+    With a window W (`attention.window`) the cache is a ring of R = min(length, W) slots
+    (`cache_slots`) plus "position" (B×R int32, `EMPTY_SLOT` where unwritten): position t is
+    stored at slot t mod R with t itself, so the band mask reads true positions. The last
+    min(T, R) positions of the block are written. A single token (decoding) writes first and
+    attends to the R slots (the slot it overwrites held t − W, outside its window); a longer
+    block (prefill) attends to the R slots as they were plus its own T positions, since its
+    early queries need keys its later positions overwrite: R + T keys, for this block only."""
+    if not window:
+        start = positions_BxT[0, 0]
+        written = {name: jax.lax.dynamic_update_slice(
+            cache[name], x.astype(cache[name].dtype), (0, start) + (0,) * (x.ndim - 2))
+            for name, x in new.items()}
+        length = next(iter(written.values())).shape[:2]
+        return written, jnp.broadcast_to(jnp.arange(length[1]), length), written
+    slots = cache["position"].shape[1]
+    length = positions_BxT.shape[1]
+    kept = min(length, slots)
+    slot_K = positions_BxT[0, -kept:] % slots
+    written = {name: cache[name].at[:, slot_K].set(x[:, -kept:].astype(cache[name].dtype),
+                                                    unique_indices=True)
+               for name, x in new.items()}
+    written["position"] = cache["position"].at[:, slot_K].set(
+        positions_BxT[:, -kept:].astype(jnp.int32), unique_indices=True)
+    if length == 1:
+        return {name: written[name] for name in new}, written["position"], written
+    attended = {name: jnp.concatenate([cache[name], x.astype(cache[name].dtype)], axis=1)
+                for name, x in new.items()}
+    key_positions_BxS = jnp.concatenate(
+        [cache["position"], positions_BxT.astype(jnp.int32)], axis=1)
+    return attended, key_positions_BxS, written
 
 
 class AttentionWeights(nnx.Intermediate):
@@ -73,12 +136,15 @@ def dot_product_attention(q_BxTxHxP, k_BxSxKxP, v_BxSxKxV, mask_BxTxS,
 
 def attend(q_BxTxHxP, k_BxSxKxP, v_BxSxKxV, query_positions_BxT, key_positions_BxS, *,
            implementation: str = "xla", chunk: int = 128, scale: float | None = None,
-           in_order: bool = False, recorder: nnx.Module | None = None) -> jax.Array:
+           window: int = 0, in_order: bool = False,
+           recorder: nnx.Module | None = None) -> jax.Array:
     """Causal attention softmax(QKᵀ·scale + M)V by `implementation`
     (`execution.attention_implementation`; `arch.attention_kernels`): `xla` (explicit scores,
     `dot_product_attention`), `blocked` (online softmax over `chunk`-position tiles, O(T·chunk)
     memory), `cudnn`, `splash`, or `auto` (`choose_implementation`: the fastest exact path for
     the backend and shape). All are the same function; tests/test_attention_kernels.py checks it.
+    `window` W > 0: sliding-window attention, M also hides keys W or more positions back
+    (`attention_kernels.allowed_mask`).
 
     `in_order`: query i and key i are at position i (no KV cache, no sequence shards: the train
     step's positions are then 0..T−1). `cudnn` then uses its built-in causal mask and `splash`
@@ -94,14 +160,15 @@ def attend(q_BxTxHxP, k_BxSxKxP, v_BxSxKxV, query_positions_BxT, key_positions_B
         value_width=v_BxSxKxV.shape[-1], in_order=in_order)
     if name == "blocked":
         return blocked_attention(q_BxTxHxP, k_BxSxKxP, v_BxSxKxV, query_positions_BxT,
-                                 key_positions_BxS, scale=scale, chunk=chunk)
+                                 key_positions_BxS, scale=scale, chunk=chunk, window=window)
     if name == "cudnn":
         return cudnn_attention(q_BxTxHxP, k_BxSxKxP, v_BxSxKxV, query_positions_BxT,
-                               key_positions_BxS, scale=scale, in_order=in_order)
+                               key_positions_BxS, scale=scale, window=window, in_order=in_order)
     if name == "splash":
-        return splash_attention(q_BxTxHxP, k_BxSxKxP, v_BxSxKxV, scale=scale, block=chunk)
+        return splash_attention(q_BxTxHxP, k_BxSxKxP, v_BxSxKxV, scale=scale, window=window,
+                                block=chunk)
     return dot_product_attention(q_BxTxHxP, k_BxSxKxP, v_BxSxKxV,
-                                 causal_mask(query_positions_BxT, key_positions_BxS),
+                                 causal_mask(query_positions_BxT, key_positions_BxS, window),
                                  scale=scale, recorder=recorder)
 
 
@@ -119,6 +186,13 @@ class MultiHeadAttention(nnx.Module):
 
     KV cache: {"key", "value"} of shape B×S_max×K×P; an input block at positions t₀..t₀+T−1
     writes its keys/values at those slots and attends to every slot at or before its position.
+
+    Sliding window (`attention.window` W > 0; Beltagy et al. 2020, "Longformer"; Mistral, Jiang
+    et al. 2023): M also hides keys W or more positions back, so a token sees the W most recent
+    positions, itself included. The KV cache is then a ring buffer of min(S_max, W) slots with
+    their positions (`write_cache`): O(W) memory per sequence. Cost: score FLOPs
+    4·H·P·min(t + 1, W) at position t (the `blocked`, `cudnn` and `splash` kernels skip masked
+    tiles; `xla` computes and masks all T × S scores).
 
     Sequence parallelism (`sharding/sequence.py`): queries stay sharded over `sequence`; keys and
     values are all-gathered (`execution.sequence_attention="all_gather"`) or, without a KV cache,
@@ -142,16 +216,20 @@ class MultiHeadAttention(nnx.Module):
         self.ring = execution.sequence_attention == "ring"
         self.implementation = execution.attention_implementation
         self.chunk = execution.attention_chunk
+        self.window = cfg.attention.window
 
     @staticmethod
     def score_flops_per_token(cfg, seq_len: int) -> float:
-        """Forward FLOPs of QKᵀ and AV per token, causal: position t attends to t + 1 keys, so
-        4·H·P·(t + 1) averages to 2·H·P·(T + 1) over t = 0..T−1."""
-        return 2 * cfg.attention.num_heads * cfg.attention.head_dim * (seq_len + 1)
+        """Forward FLOPs of QKᵀ and AV per token, causal: position t attends to t + 1 keys (with
+        a window W, min(t + 1, W)), so 4·H·P·(t + 1) averages to 2·H·P·(T + 1) over t = 0..T−1
+        (`mean_visible_keys`)."""
+        return (4 * cfg.attention.num_heads * cfg.attention.head_dim
+                * mean_visible_keys(seq_len, cfg.attention.window))
 
     @staticmethod
     def cache_shapes(cfg, batch: int, length: int) -> dict[str, tuple[int, ...]]:
-        shape = (batch, length, cfg.attention.num_kv_heads, cfg.attention.head_dim)
+        shape = (batch, cache_slots(cfg, length), cfg.attention.num_kv_heads,
+                 cfg.attention.head_dim)
         return {"key": shape, "value": shape}
 
     def __call__(self, x_BxTxD, positions_BxT, rotate, cache=None):
@@ -162,20 +240,16 @@ class MultiHeadAttention(nnx.Module):
         v = constrain(self.value(x_BxTxD), ("act_batch", "act_seq", "act_kv_heads", None))
         key_positions_BxS = positions_BxT
         if cache is not None:
-            start = positions_BxT[0, 0]
-            k = jax.lax.dynamic_update_slice(cache["key"], k.astype(cache["key"].dtype),
-                                             (0, start, 0, 0))
-            v = jax.lax.dynamic_update_slice(cache["value"], v.astype(cache["value"].dtype),
-                                             (0, start, 0, 0))
-            cache = {"key": k, "value": v}
-            key_positions_BxS = jnp.broadcast_to(jnp.arange(k.shape[1]), k.shape[:2])
+            attended, key_positions_BxS, cache = write_cache(
+                cache, {"key": k, "value": v}, positions_BxT, self.window)
+            k, v = attended["key"], attended["value"]
         elif self.ring and sequence_shards() > 1:
-            return self.output(ring_attention(q, k, v, positions_BxT)), cache
+            return self.output(ring_attention(q, k, v, positions_BxT, window=self.window)), cache
         gathered = ("act_batch", None, "act_kv_heads", None)  # all of the sequence on every shard
         k, v = constrain(k, gathered), constrain(v, gathered)
         out = attend(q, k.astype(q.dtype), v.astype(q.dtype), positions_BxT, key_positions_BxS,
-                     implementation=self.implementation, chunk=self.chunk, recorder=self,
-                     in_order=cache is None and sequence_shards() == 1)
+                     implementation=self.implementation, chunk=self.chunk, window=self.window,
+                     recorder=self, in_order=cache is None and sequence_shards() == 1)
         return self.output(out), cache
 
 
@@ -216,11 +290,13 @@ class MultiHeadLatentAttention(nnx.Module):
 
     KV cache: {"latent": B×S_max×C, "rope_key": B×S_max×R}, the normalized c_KV and the rotated
     k^R. An input block at positions t₀..t₀+T−1 writes its slots and attends to every slot at or
-    before its position. By default keys and values are up-projected from the cached latent
-    (the simple way). With `mla.absorb=True`, cached attention runs in the latent space instead
-    (DeepSeek-V2 §2.1.2, "absorbed" inference): q̃_i = W_UK,i q^C_i, scores
-    (q̃_i·c_KV + q^R_i·k^R)/√(N + R), i.e. MQA with one key/value head [c_KV; k^R] / c_KV of
-    width C + R / C, and o_i = W_UV,iᵀ (Σ_s w_is c_KV,s); mathematically equal to the simple way.
+    before its position. `attention.window` W > 0 bands the mask as in MHA and makes the cache
+    a ring of min(S_max, W) slots (`write_cache`). By default keys and values are up-projected
+    from the cached latent (the simple way). With `mla.absorb=True`, cached attention runs in
+    the latent space instead (DeepSeek-V2 §2.1.2, "absorbed" inference): q̃_i = W_UK,i q^C_i,
+    scores (q̃_i·c_KV + q^R_i·k^R)/√(N + R), i.e. MQA with one key/value head [c_KV; k^R] / c_KV
+    of width C + R / C, and o_i = W_UV,iᵀ (Σ_s w_is c_KV,s); mathematically equal to the simple
+    way.
     """
 
     def __init__(self, cfg, *, execution=None, rngs: nnx.Rngs):
@@ -256,17 +332,21 @@ class MultiHeadLatentAttention(nnx.Module):
         execution = execution or execution_config()
         self.implementation = execution.attention_implementation
         self.chunk = execution.attention_chunk
+        self.window = cfg.attention.window
 
     @staticmethod
     def score_flops_per_token(cfg, seq_len: int) -> float:
-        """Causal QKᵀ over N + R features and AV over V: H·(N + R + V)·(T + 1) on average."""
+        """Causal QKᵀ over N + R features and AV over V: H·(N + R + V)·(T + 1) on average
+        (2·H·(N + R + V)·`mean_visible_keys`, which a window W bounds by W)."""
         width = cfg.mla.nope_dim + cfg.mla.rope_dim + cfg.mla.v_dim
-        return cfg.attention.num_heads * width * (seq_len + 1)
+        return (2 * cfg.attention.num_heads * width
+                * mean_visible_keys(seq_len, cfg.attention.window))
 
     @staticmethod
     def cache_shapes(cfg, batch: int, length: int) -> dict[str, tuple[int, ...]]:
-        return {"latent": (batch, length, cfg.mla.kv_rank),
-                "rope_key": (batch, length, cfg.mla.rope_dim)}
+        slots = cache_slots(cfg, length)
+        return {"latent": (batch, slots, cfg.mla.kv_rank),
+                "rope_key": (batch, slots, cfg.mla.rope_dim)}
 
     def __call__(self, x_BxTxD, positions_BxT, rotate, cache=None):
         if self.query_down is None:
@@ -280,16 +360,11 @@ class MultiHeadLatentAttention(nnx.Module):
         rope_key_BxSxR = rotate(self.key_rope(x_BxTxD)[:, :, None], positions_BxT)[:, :, 0]
         key_positions_BxS = positions_BxT
         if cache is not None:
-            start = positions_BxT[0, 0]
-            latent_BxSxC = jax.lax.dynamic_update_slice(
-                cache["latent"], latent_BxSxC.astype(cache["latent"].dtype), (0, start, 0))
-            rope_key_BxSxR = jax.lax.dynamic_update_slice(
-                cache["rope_key"], rope_key_BxSxR.astype(cache["rope_key"].dtype), (0, start, 0))
-            cache = {"latent": latent_BxSxC, "rope_key": rope_key_BxSxR}
-            key_positions_BxS = jnp.broadcast_to(jnp.arange(latent_BxSxC.shape[1]),
-                                                 latent_BxSxC.shape[:2])
-            latent_BxSxC = latent_BxSxC.astype(x_BxTxD.dtype)
-            rope_key_BxSxR = rope_key_BxSxR.astype(x_BxTxD.dtype)
+            attended, key_positions_BxS, cache = write_cache(
+                cache, {"latent": latent_BxSxC, "rope_key": rope_key_BxSxR}, positions_BxT,
+                self.window)
+            latent_BxSxC = attended["latent"].astype(x_BxTxD.dtype)
+            rope_key_BxSxR = attended["rope_key"].astype(x_BxTxD.dtype)
         positions = (positions_BxT, key_positions_BxS)
         if cache is not None and self.absorb:
             out_BxTxHxV = self._absorbed(q_nope_BxTxHxN, q_rope_BxTxHxR, latent_BxSxC,
@@ -306,8 +381,8 @@ class MultiHeadLatentAttention(nnx.Module):
                                     heads), gathered)
             v = constrain(constrain(self.value_up(latent_BxSxC), heads), gathered)
             out_BxTxHxV = attend(q, k, v, *positions, implementation=self.implementation,
-                                 chunk=self.chunk, scale=self.scale, recorder=self,
-                                 in_order=cache is None and sequence_shards() == 1)
+                                 chunk=self.chunk, scale=self.scale, window=self.window,
+                                 recorder=self, in_order=cache is None and sequence_shards() == 1)
         return self.output(out_BxTxHxV), cache
 
     def _absorbed(self, q_nope_BxTxHxN, q_rope_BxTxHxR, latent_BxSxC, rope_key_BxSxR,
@@ -320,5 +395,5 @@ class MultiHeadLatentAttention(nnx.Module):
         k_BxSx1xCR = jnp.concatenate([latent_BxSxC, rope_key_BxSxR], -1)[:, :, None]
         out_BxTxHxC = attend(q, k_BxSx1xCR, latent_BxSxC[:, :, None], *positions,
                              implementation=self.implementation, chunk=self.chunk,
-                             scale=self.scale)
+                             scale=self.scale, window=self.window)
         return jnp.einsum("bthc,chv->bthv", out_BxTxHxC, self.value_up.kernel[...].astype(dtype))

@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from arch.heads import HEADS
+
 
 def log_odds(log_probs_NxV: np.ndarray, tokens: np.ndarray, reference_token: int) -> np.ndarray:
     """A_ij = log p(tokens[j] | i) − log p(reference_token | i), float64, N × M."""
@@ -60,7 +62,8 @@ def model_bottleneck(model, tokens_BxT: jax.Array, *, num_tokens: int | None = N
     `reference_token` (default M = min(V − 1, 2(d + 1)): enough columns to exceed the bound; pass
     another subset to `softmax_bottleneck` to choose the tokens). Adds "bound": the rank a single
     softmax of the final d-dimensional hidden state can reach (d + 1 with an output bias, d
-    without; MoS has no such bound, None). The bound is tested only when N and M exceed it."""
+    without; None for a head with no such bound, `mos` and `sigsoftmax`). The bound is tested
+    only when N and M exceed it."""
     cfg = model.cfg
     log_probs = jax.nn.log_softmax(model(tokens_BxT).astype(jnp.float32), axis=-1)
     vocab = log_probs.shape[-1]
@@ -69,5 +72,6 @@ def model_bottleneck(model, tokens_BxT: jax.Array, *, num_tokens: int | None = N
     subset = (reference_token + 1 + np.arange(num_tokens)) % vocab
     result = softmax_bottleneck(np.asarray(log_probs).reshape(-1, vocab), tokens=subset,
                                 reference_token=reference_token, rtol=rtol)
-    result["bound"] = None if cfg.head.name == "mos" else cfg.d_model + int(cfg.head.bias)
+    bounded = HEADS[cfg.head.name].rank_bounded
+    result["bound"] = cfg.d_model + int(cfg.head.bias) if bounded else None
     return result

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from arch.attention import ATTENTION
 from arch.attention_kernels import IMPLEMENTATIONS
+from arch.branch_scale import BRANCH_SCALES, default_multiplier, layerscale_init
 from arch.ffn import ACTIVATIONS, FFN_WIDTHS, FFNS, hidden_width
 from arch.heads import HEADS
 from arch.init import INITS
@@ -71,6 +72,8 @@ def resolve_model(cfg) -> None:
             f"≠ {'model.attention.width' if width else 'model.d_model'}={width or d}; set "
             f"model.attention.width={h * p} to use an attention width different from d")
     attention.width = h * p
+    check(isinstance(attention.window, int) and attention.window >= 0, "model.attention.window",
+          attention.window, "must be a non-negative integer (0: full causal attention)")
     if cfg.position.name == "rope":
         check(cfg.attention.head_dim % 2 == 0, "model.attention.head_dim", cfg.attention.head_dim,
               "RoPE needs an even head width")
@@ -98,6 +101,7 @@ def resolve_model(cfg) -> None:
           "must be non-negative")
     if cfg.ffn.name == "moe":  # arch/moe.py
         _resolve_moe(cfg)
+    _resolve_branch(cfg)
     if cfg.reversible:  # arch/reversible.py
         _resolve_reversible(cfg)
     _resolve_loop(cfg)
@@ -159,6 +163,20 @@ def _resolve_loop(cfg) -> None:
           "looped depth does not run reversible blocks; set model.reversible=False")
 
 
+def _resolve_branch(cfg) -> None:
+    """Branch scaling (`arch.branch_scale`): fills LayerScale's γ₀ and the fixed multiplier c."""
+    branch = cfg.branch_scale
+    check(branch.name in BRANCH_SCALES, "model.branch_scale.name", branch.name,
+          f"valid: {', '.join(BRANCH_SCALES)}")
+    if branch.layerscale_init is None:
+        branch.layerscale_init = layerscale_init(cfg.num_layers)
+    if branch.multiplier is None:
+        branch.multiplier = default_multiplier(cfg)
+    for field in ("layerscale_init", "multiplier"):
+        check(branch[field] > 0, f"model.branch_scale.{field}", branch[field],
+              "must be positive")
+
+
 def _resolve_reversible(cfg) -> None:
     """Reversible blocks (`arch.reversible`) couple a Pre-Norm attention and FFN, statelessly."""
     check(cfg.residual.name == "prenorm", "model.reversible", True,
@@ -170,6 +188,9 @@ def _resolve_reversible(cfg) -> None:
           f"model.norm.name={cfg.norm.name!r}; use a stateless norm")
     check(cfg.ffn.name != "moe", "model.reversible", True,
           "reversible blocks do not carry the MoE auxiliary losses; use a dense model.ffn.name")
+    check(cfg.branch_scale.name == "none", "model.reversible", True,
+          "reversible blocks do not scale their branches; set model.branch_scale.name='none' "
+          f"(got {cfg.branch_scale.name!r})")
 
 
 def _resolve_moe(cfg) -> None:

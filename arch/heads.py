@@ -6,12 +6,18 @@ A head returns either logits or normalized log-probabilities: the loss
 log-probabilities unchanged, so both are correct scores for training and sampling. Heads that
 return log-probabilities say so.
 
+A head whose scores are one softmax of a d-dimensional context (`rank_bounded`, the default) has
+a log-probability matrix of rank ≤ d + 1 (the softmax bottleneck, `arch.bottleneck`); `mos` and
+`sigsoftmax` are not so bounded.
+
 Config: `model.head` names the head; `model.head.bias` adds an output bias b ∈ R^V (zeros, logical
 axis `vocab`) to every head; `model.head.mos_components` (K) and `model.head.mos_tied` configure
 `mos` and `moc`.
 """
 
 from __future__ import annotations
+
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +42,8 @@ class TiedHead(nnx.Module):
     logits = x Eᵀ (+ b) with E the input embedding. No parameters besides the optional bias b
     (`model.head.bias`, zero-initialized)."""
 
+    rank_bounded: ClassVar[bool] = True
+
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         self.bias = _output_bias(cfg, rngs)
 
@@ -56,6 +64,8 @@ class UntiedHead(nnx.Module):
     """Untied head: logits = x W_out (+ b), W_out ∈ R^{d×V} initialized by `model.init.head`
     (default variance 1/d), b ∈ R^V zero-initialized when `model.head.bias`."""
 
+    rank_bounded: ClassVar[bool] = True
+
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         self.output = Dense((cfg.d_model,), (cfg.vocab_size,), ("embed",), ("vocab",), rngs=rngs,
                             dtype=jnp.dtype(cfg.dtype), use_bias=cfg.head.bias,
@@ -68,6 +78,26 @@ class UntiedHead(nnx.Module):
     def __call__(self, x_BxTxD: jax.Array, embedding: Embedding) -> jax.Array:
         del embedding
         return self.output(x_BxTxD)
+
+
+@HEADS.register("sigsoftmax")
+class SigSoftmaxHead(TiedHead):
+    """Sigsoftmax (Kanai, Fujiwara, Yamanaka & Adachi 2018, "Sigsoftmax: Reanalysis of the
+    Softmax Bottleneck", NeurIPS, eq. 8): with the tied head's logits z = x Eᵀ (+ b),
+
+        p(v | x) = exp(z_v) σ(z_v) / Σ_w exp(z_w) σ(z_w),
+        log p    = log_softmax(z + log σ(z)),
+
+    computed in float32 with σ in log space (`jax.nn.log_sigmoid`). log σ is not linear in z, so
+    the log-probability matrix over contexts is not bounded by rank d + 1 as a softmax's is, at
+    no extra parameters (the tied head's: the embedding, an optional bias). Returns normalized
+    log-probabilities. Cost: one log-sigmoid per vocabulary entry."""
+
+    rank_bounded: ClassVar[bool] = False
+
+    def __call__(self, x_BxTxD: jax.Array, embedding: Embedding) -> jax.Array:
+        z_BxTxV = super().__call__(x_BxTxD, embedding).astype(jnp.float32)
+        return jax.nn.log_softmax(z_BxTxV + jax.nn.log_sigmoid(z_BxTxV), axis=-1)
 
 
 class _MixtureHead(nnx.Module):
@@ -85,6 +115,8 @@ class _MixtureHead(nnx.Module):
     head_mixture), W_k (embed, head_mixture, head_context) — the context width is sharded over
     `tensor` like an MLP hidden layer.
     """
+
+    rank_bounded: ClassVar[bool] = True
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         d, k, v = cfg.d_model, cfg.head.mos_components, cfg.vocab_size
@@ -136,6 +168,8 @@ class MixtureOfSoftmaxes(_MixtureHead):
     the cross-entropy loss is unchanged by them (log_softmax is idempotent on log-probabilities).
     Parameters and initialization: see `_MixtureHead`. Cost: K vocabulary projections per token.
     """
+
+    rank_bounded: ClassVar[bool] = False
 
     @staticmethod
     def reused_matmul_parameters(cfg) -> int:

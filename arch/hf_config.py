@@ -1,6 +1,8 @@
-"""Hugging Face config.json → our model config: the architecture half of the checkpoint
-importer (`train/instruments/hf.py` loads the weights). A pure function of a dict, so the
-accounting of public models (`arch.reference_shapes`) reads it without the importer.
+"""Hugging Face config.json ↔ our model config: the architecture half of the checkpoint importer
+and exporter (`train/instruments/hf.py` converts the weights). Pure functions of a dict, so the
+accounting of public models (`arch.reference_shapes`) reads them without the importer.
+`hf_config_from_model` is the inverse of `model_config_from_hf` below, refusing what the table
+cannot express.
 
 Architecture (`model_config_from_hf`: config.json → `config.defaults.model_config()` fields):
 
@@ -16,6 +18,8 @@ Architecture (`model_config_from_hf`: config.json → `config.defaults.model_con
     norm.eps                rms_norm_eps                             layer_norm_epsilon
     position.rope_base      rope_theta or rope_parameters.rope_theta —
     max_seq_len             max_position_embeddings                  n_positions
+    attention.window        mistral sliding_window (null, or ≥       —
+                            max_position_embeddings: 0, full causal)
     head.name               tie_word_embeddings (default false)      tie_word_embeddings (default
                             → "tied" / "untied"                      true)
     ffn.name                hidden_act silu, swish / relu / sigmoid  "mlp"
@@ -34,10 +38,9 @@ head.bias=False, dtype float32).
 Our "gelu" is the tanh approximation, which is HF's gelu_new / gelu_pytorch_tanh (HF's "gelu" is
 the erf form and raises). What the framework cannot represent raises ValueError naming the field
 and value, never a silently different model: any `rope_scaling` (or `rope_parameters` other than
-plain {rope_type: default, rope_theta}); llama `attention_bias` / `mlp_bias` true; mistral
-`sliding_window` shorter than max_position_embeddings; gpt2 `scale_attn_weights` false,
-`scale_attn_by_inverse_layer_idx` true, `add_cross_attention` true; an activation without an
-exact counterpart; any other model_type.
+plain {rope_type: default, rope_theta}); llama `attention_bias` / `mlp_bias` true; gpt2
+`scale_attn_weights` false, `scale_attn_by_inverse_layer_idx` true, `add_cross_attention` true;
+an activation without an exact counterpart; any other model_type.
 """
 
 from __future__ import annotations
@@ -95,11 +98,10 @@ def _llama_fields(hf: Mapping) -> dict:
                 raise _unsupported(field, hf[field], "blockbench's Llama layout has no biases "
                                    "(model.linear_bias puts them on attention and FFN together)")
     max_positions = int(_required(hf, "max_position_embeddings"))
-    window = hf.get("sliding_window")
-    if model_type == "mistral" and window is not None and window < max_positions:
-        raise _unsupported("sliding_window", window, "blockbench attention is fully causal; "
-                           "only sliding_window=null (or ≥ max_position_embeddings="
-                           f"{max_positions}) imports exactly")
+    # Mistral's band: key s visible to query t iff t − W < s ≤ t (transformers'
+    # `sliding_window_overlay`), which is attention.window=W (`attention_kernels.allowed_mask`).
+    window = hf.get("sliding_window") if model_type == "mistral" else None
+    window = int(window) if window is not None and window < max_positions else 0
     hidden_act = hf.get("hidden_act", "silu")
     if hidden_act not in LLAMA_GATED_FFN:
         raise _unsupported("hidden_act", hidden_act, "supported: "
@@ -110,7 +112,7 @@ def _llama_fields(hf: Mapping) -> dict:
         vocab_size=int(_required(hf, "vocab_size")), d_model=d,
         num_layers=int(_required(hf, "num_hidden_layers")), max_seq_len=max_positions,
         attention=dict(num_heads=heads, num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-                       head_dim=head_dim,
+                       head_dim=head_dim, window=window,
                        width=None if heads * head_dim == d else heads * head_dim),
         ffn=dict(name=LLAMA_GATED_FFN[hidden_act], d_ff=int(_required(hf, "intermediate_size"))),
         norm=dict(name="rmsnorm", eps=float(_required(hf, "rms_norm_eps"))),
@@ -144,9 +146,87 @@ def _gpt2_fields(hf: Mapping) -> dict:
         head=dict(name="tied" if hf.get("tie_word_embeddings", True) else "untied"))
 
 
+# Our model fields that do not change the function a Llama or GPT-2 computes: how it was
+# initialized, its compute dtype, how d_ff was derived, and the options of components it does not
+# use (which a run may still carry). Every other field must survive the round trip
+# model → config.json → model, or the export is refused.
+INERT_FIELDS = ("init.", "dtype", "ffn.ratio", "ffn.width", "ffn.multiple_of",
+                "ffn.leaky_relu_slope", "mla.", "moe.", "hyper.", "attnres.", "gated_residual.",
+                "residual.streams", "residual.dynamic", "norm.batchnorm_momentum",
+                "norm.dyt_alpha_init", "norm.gated_rank", "head.mos_", "fixnorm_scale",
+                "branch_scale.layerscale_init", "branch_scale.multiplier")
+
+
+def _flat(config: Mapping, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in config.items():
+        if isinstance(value, Mapping):
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _inverse(names: Mapping[str, str]) -> dict[str, str]:
+    """ours → the first Hugging Face name that maps to it (silu before swish, gelu_new first)."""
+    inverse: dict[str, str] = {}
+    for theirs, ours in names.items():
+        inverse.setdefault(ours, theirs)
+    return inverse
+
+
+def hf_config_from_model(cfg) -> dict:
+    """The Hugging Face config.json dict of a resolved model config: the inverse of
+    `model_config_from_hf`. RoPE models export as "llama" ("mistral" with a sliding window),
+    learned positions as "gpt2" (float32 weights, `architectures` set for
+    `AutoModelForCausalLM`). Raises ValueError in one line,
+    naming the first field whose value the exported config.json would not reproduce (an AttnRes
+    stream, a LayerScale, a MoE FFN, ...)."""
+    if cfg.position.name == "rope":
+        gated = _inverse(LLAMA_GATED_FFN)
+        if cfg.ffn.name not in gated:
+            raise ValueError(f"model.ffn.name={cfg.ffn.name!r} cannot be exported as llama: its "
+                             f"FFN is gated ({', '.join(sorted(gated))})")
+        window = cfg.attention.window
+        hf = dict(model_type="mistral" if window else "llama",
+                  architectures=["MistralForCausalLM" if window else "LlamaForCausalLM"],
+                  **(dict(sliding_window=window) if window else {}),
+                  vocab_size=cfg.vocab_size, hidden_size=cfg.d_model,
+                  intermediate_size=cfg.ffn.d_ff, num_hidden_layers=cfg.num_layers,
+                  num_attention_heads=cfg.attention.num_heads,
+                  num_key_value_heads=cfg.attention.num_kv_heads,
+                  head_dim=cfg.attention.head_dim, hidden_act=gated[cfg.ffn.name],
+                  max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm.eps,
+                  rope_theta=cfg.position.rope_base, rope_scaling=None,
+                  attention_bias=False, mlp_bias=False,
+                  tie_word_embeddings=cfg.head.name == "tied")
+    elif cfg.position.name == "learned":
+        activations = _inverse(GPT2_ACTIVATION)
+        if cfg.ffn.activation not in activations:
+            raise ValueError(f"model.ffn.activation={cfg.ffn.activation!r} cannot be exported as "
+                             f"gpt2 (has: {', '.join(sorted(activations))})")
+        hf = dict(model_type="gpt2", architectures=["GPT2LMHeadModel"],
+                  vocab_size=cfg.vocab_size, n_embd=cfg.d_model, n_layer=cfg.num_layers,
+                  n_head=cfg.attention.num_heads, n_inner=cfg.ffn.d_ff,
+                  n_positions=cfg.max_seq_len, layer_norm_epsilon=cfg.norm.eps,
+                  activation_function=activations[cfg.ffn.activation],
+                  tie_word_embeddings=cfg.head.name == "tied")
+    else:
+        raise ValueError(f"model.position.name={cfg.position.name!r} cannot be exported: llama "
+                         "needs 'rope', gpt2 'learned'")
+    hf["torch_dtype"] = "float32"
+    ours = _flat(cfg.to_dict())
+    theirs = _flat(model_config_from_hf(hf).to_dict())
+    for field, value in ours.items():
+        if not field.startswith(INERT_FIELDS) and theirs.get(field) != value:
+            raise ValueError(f"model.{field}={value!r} cannot be exported as {hf['model_type']}: "
+                             f"its config.json would give {theirs.get(field)!r}")
+    return hf
+
+
 def model_config_from_hf(hf_config: Mapping) -> ml_collections.ConfigDict:
     """Our (resolved) model config for a Hugging Face config.json dict: model_type "llama",
-    "mistral" (Llama with a sliding window, accepted when the window never binds) or "gpt2".
+    "mistral" (Llama with a sliding window: `attention.window`) or "gpt2".
     Raises ValueError naming the field and value for anything not represented exactly."""
     model_type = hf_config.get("model_type")
     if model_type in LLAMA_FAMILY:

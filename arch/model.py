@@ -28,7 +28,8 @@ import ml_collections
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from arch.attention import ATTENTION
+from arch.attention import ATTENTION, EMPTY_SLOT, cache_slots
+from arch.branch_scale import BranchScale
 from arch.ffn import FFNS
 from arch.heads import HEADS
 from arch.init import group_init
@@ -57,6 +58,11 @@ class Block(nnx.Module):
             self.ffn = FFNS[ffn or cfg.ffn.name](cfg, rngs=rngs)
             self.ffn_residual = RESIDUALS[cfg.residual.name](cfg, rngs=rngs)
         self.use_ffn = cfg.use_ffn
+        self.scales_branches = cfg.branch_scale.name != "none"
+        if self.scales_branches:  # arch/branch_scale.py: γ ⊙ F or c·F before the write
+            self.attention_branch = BranchScale(cfg, rngs=rngs)
+            if cfg.use_ffn:
+                self.ffn_branch = BranchScale(cfg, rngs=rngs)
 
     def __call__(self, stream, positions_BxT, rotate, cache=None):
         stream, cache = self.sublayer("attention", stream, positions_BxT, rotate, cache)
@@ -79,6 +85,8 @@ class Block(nnx.Module):
             update = self.ffn(h)
         # What `execution.remat` save_attention_and_ffn_outputs / offload keep (arch/remat.py).
         update = checkpoint_name(update, ATTENTION_OUTPUT if name == "attention" else FFN_OUTPUT)
+        if self.scales_branches:
+            update = getattr(self, f"{name}_branch")(update)
         if tap is not None:
             update = tap(update)
         return constrain_state(residual.write(stream, update, read)), cache
@@ -174,11 +182,16 @@ class TransformerLM(nnx.Module):
     def init_cache(self, batch: int, length: int, dtype=jnp.float32) -> dict:
         """Zeroed KV cache for `length` positions, stacked over layers (groups × k when MoE is
         interleaved), and with looped depth (`model.loop_count` = R > 1) over loops first: one
-        cache per (loop, layer)."""
+        cache per (loop, layer). With `attention.window` W > 0 it holds min(length, W) slots, a
+        ring buffer, and "position" (the position in each slot, `EMPTY_SLOT` until written)."""
         shapes = ATTENTION[self.cfg.attention.name].cache_shapes(self.cfg, batch, length)
         loops = self.cfg.get("loop_count", 1)
         stack = ((loops,) if loops > 1 else ()) + self.stack_shape
-        return {name: jnp.zeros((*stack, *shape), dtype) for name, shape in shapes.items()}
+        cache = {name: jnp.zeros((*stack, *shape), dtype) for name, shape in shapes.items()}
+        if self.cfg.attention.window:  # a ring buffer: each slot's position (write_cache)
+            cache["position"] = jnp.full(
+                (*stack, batch, cache_slots(self.cfg, length)), EMPTY_SLOT, jnp.int32)
+        return cache
 
     def loop_hidden_states(self, tokens_BxT: jax.Array, positions_BxT: jax.Array | None = None
                            ) -> jax.Array:

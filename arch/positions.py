@@ -45,6 +45,28 @@ class LearnedPositions(NoPositions):
         return x_BxTxD + jnp.take(self.table[...], positions_BxT, axis=0).astype(x_BxTxD.dtype)
 
 
+@POSITIONS.register("sinusoidal")
+class SinusoidalPositions(NoPositions):
+    """Fixed sinusoidal positions (Vaswani et al. 2017 §3.5): x_t ← x_t + PE[t] with
+
+        PE[t, 2i] = sin(t / 10000^{2i/d}),    PE[t, 2i+1] = cos(t / 10000^{2i/d}),
+
+    computed from the positions themselves (no table, no length limit; an odd d drops the last
+    cosine). No parameters; cost: 2 transcendental functions per token and channel."""
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs):
+        del rngs
+        self.d_model = cfg.d_model
+
+    def embed(self, x_BxTxD, positions_BxT):
+        pair = jnp.arange(self.d_model) // 2  # i for channels 2i and 2i + 1
+        inv_freq_D = 10_000.0 ** (-2.0 * pair.astype(jnp.float32) / self.d_model)
+        angle_BxTxD = positions_BxT[..., None].astype(jnp.float32) * inv_freq_D
+        table_BxTxD = jnp.where(jnp.arange(self.d_model) % 2 == 0, jnp.sin(angle_BxTxD),
+                                jnp.cos(angle_BxTxD))
+        return x_BxTxD + table_BxTxD.astype(x_BxTxD.dtype)
+
+
 @POSITIONS.register("rope")
 class RoPE(NoPositions):
     """Rotary position embedding (Su et al. 2021, eq. 34), "rotate-half" layout.

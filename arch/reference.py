@@ -137,6 +137,9 @@ def unsupported(cfg) -> str | None:
     if cfg.fixnorm or cfg.head.bias or cfg.linear_bias or not cfg.use_ffn or cfg.reversible:
         return ("the reference model covers neither fixnorm, head.bias, linear_bias, "
                 "use_ffn=False nor reversible blocks")
+    if cfg.attention.window:
+        return ("the reference model has no sliding window (model.attention.window="
+                f"{cfg.attention.window}); it attends fully causally")
     return None
 
 

@@ -29,6 +29,8 @@ def model_config() -> ml_collections.ConfigDict:
             num_kv_heads=4,       # = num_heads: MHA; 1: MQA; in between: GQA
             head_dim=ml_collections.FieldReference(None, field_type=int),  # default d / h
             width=ml_collections.FieldReference(None, field_type=int),     # h·p if ≠ d
+            window=0,             # sliding window W: attend to the W most recent positions,
+                                  # KV cache a ring of W slots (0: full causal attention)
         ),
         mla=dict(                 # attention.name="mla" (arch.attention.MultiHeadLatentAttention)
             kv_rank=64,           # key/value latent width d_c (cached per token)
@@ -110,6 +112,13 @@ def model_config() -> ml_collections.ConfigDict:
                                   # gates zeroed (0: all n)
             mixing=False,         # add back an n×n branch-mixing operator
             state_dtype="float32",  # branch dtype: float32, bfloat16, float8_e4m3fn
+        ),
+        branch_scale=dict(        # a multiplier on each sublayer output (arch.branch_scale)
+            name="none",          # "none", "layerscale" (learned per-channel γ), "fixed" (c)
+            layerscale_init=ml_collections.FieldReference(None, field_type=float),  # γ₀; default
+                                  # by depth (CaiT): 0.1 for L ≤ 18 blocks, 1e-5 ≤ 24, else 1e-6
+            multiplier=ml_collections.FieldReference(None, field_type=float),  # fixed: c; default
+                                  # 1/√(2L), one over the root of the number of sublayers
         ),
         head=dict(
             name="tied",          # arch.heads.HEADS

@@ -11,10 +11,13 @@ For each model (an experiment file, and/or named reference shapes, `--shape all`
                     the total); vocabulary-indexed tables and the non-embedding rest; the tied
                     vs untied difference (V·d) — `arch.accounting.parameter_breakdown`
   flops             matmul FLOPs per token, training (3× forward) and inference, causal
-                    attention counted as t + 1 keys at position t, at --seq_len
+                    attention counted as t + 1 keys at position t (min(t + 1, W) with a
+                    sliding window W), at --seq_len
                     (`arch.accounting.flops_per_token`; what MFU divides by)
   kv_cache          bytes per token over all layers and per sequence of --seq_len, at the
-                    compute dtype (MLA stores its latent) — `kv_cache_bytes_per_token`
+                    compute dtype (MLA stores its latent) — `kv_cache_bytes_per_token`; the
+                    positions held per sequence: --seq_len, or with a sliding window
+                    (model.attention.window W) min(--seq_len, W), a ring buffer
   residual          I/O per token per sublayer (units of d), history per token (elements),
                     its bytes per sequence and per device (÷ mesh.sequence), and the residual
                     mechanism's added parameters — `residual_accounting`

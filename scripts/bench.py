@@ -66,6 +66,13 @@ batch_size × (seq_len + 1), and reports, in one run:
                          timed in ABBA blocks of 20 over the config, the baseline and the
                          --compare variants; with --baseline also baseline_decode_time_s and
                          decode_time_vs_baseline.
+  decode_cache_bytes     only with --decode: bytes of the KV cache that decoding allocates (all
+                         layers, --decode_batch sequences, at the compute dtype; a ring buffer's
+                         int32 slot positions included), and
+  decode_cache_positions the positions it holds: seq_len, or with model.attention.window W > 0
+                         min(seq_len, W) (a ring buffer: O(W) however long the generation;
+                         `arch.accounting.books` kv_cache.positions_held); per --compare variant
+                         and --baseline (baseline_decode_cache_bytes) too.
   loader_tokens_per_sec  only with --data: tokens/s the config's training data (config.data, e.g. a
                          prepared directory) delivers at batch_size × seq_len through the stream
                          the training loop reads (prefetching, `train.shards.loader_throughput`),
@@ -237,7 +244,11 @@ def decode_runner(program, prompt_BxP: jax.Array, length: int) -> Callable[[], N
     mode as in `train.generate`: the prompt is prefilled once into a cache of `length`
     positions, then each call decodes the greedy next token at the next position, wrapping
     back to the first position after the prompt when the cache is full (the cost of a decode
-    step does not depend on its position: attention reads the whole masked cache)."""
+    step does not depend on its position: attention reads the whole masked cache). The
+    callable's `cache_bytes` and `cache_positions` are the cache's size in bytes and in
+    positions held (min(length, W) with a sliding window W)."""
+    from arch.attention import cache_slots
+
     graphdef, dtype = program.graphdef, jnp.dtype(program.model_cfg.dtype)
     batch, prompt_len = prompt_BxP.shape
     state = program.init(program.config.seed)
@@ -264,6 +275,7 @@ def decode_runner(program, prompt_BxP: jax.Array, length: int) -> Callable[[], N
     with jax.set_mesh(program.mesh):
         token, cache = prefill(state["params"], state["model_state"], prompt_BxP)
     carry = {"token": token, "cache": cache, "count": 0}
+    cache_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(cache))
 
     def step() -> None:
         position = jnp.int32(prompt_len + carry["count"] % (length - prompt_len))
@@ -272,6 +284,8 @@ def decode_runner(program, prompt_BxP: jax.Array, length: int) -> Callable[[], N
                                                     carry["cache"], carry["token"], position)
         carry["count"] += 1
         jax.block_until_ready(carry["token"])
+    step.cache_bytes = cache_bytes
+    step.cache_positions = cache_slots(program.model_cfg, length)
     return step
 
 
@@ -391,7 +405,7 @@ def bench(config, steps: int, block: int, depth_check: bool, baseline: str | Non
     log(f"timing {steps} steps each of {', '.join(runners)}, in blocks of {block}...")
     times = time_interleaved(runners, steps, block)
     medians = {label: statistics.median(seconds) for label, seconds in times.items()}
-    decode_samples, decode_block = {}, 1
+    decode_samples, decode_block, decoders = {}, 1, {}
     if decode:
         prompt = tokens[:decode_batch, :config.seq_len // 2]
         decode_block = max(1, min(DECODE_BLOCK, decode_steps // 2))
@@ -426,7 +440,9 @@ def bench(config, steps: int, block: int, depth_check: bool, baseline: str | Non
         result.update(unrolled_step_time_s=medians.get("unrolled"),
                       vs_unrolled=ratio("unrolled", "framework") if "unrolled" in times else None)
     if decode:
-        result["decode_time_s"] = decode_times["framework"]
+        result.update(decode_time_s=decode_times["framework"],
+                      decode_cache_bytes=decoders["framework"].cache_bytes,
+                      decode_cache_positions=decoders["framework"].cache_positions)
     if (stages := program.mesh.shape["stage"]) > 1:
         schedule = config.execution.pipeline
         result["bubble_fraction"] = bubble_fraction(stages, schedule.virtual_stages,
@@ -441,7 +457,8 @@ def bench(config, steps: int, block: int, depth_check: bool, baseline: str | Non
             temp_bytes_vs_baseline=temp["framework"] / max(temp["baseline"], 1))
         if decode:
             result.update(baseline_decode_time_s=decode_times["baseline"],
-                          decode_time_vs_baseline=decode_ratio("framework", "baseline"))
+                          decode_time_vs_baseline=decode_ratio("framework", "baseline"),
+                          baseline_decode_cache_bytes=decoders["baseline"].cache_bytes)
     if compare:
         result["compare"] = {}
         for label in parse_compare(compare):
@@ -453,7 +470,9 @@ def bench(config, steps: int, block: int, depth_check: bool, baseline: str | Non
                              / main.get("stage_transfer_bytes", math.nan))
             if decode:
                 entry.update(decode_time_s=decode_times[label],
-                             decode_time_vs_config=decode_ratio(label, "framework"))
+                             decode_time_vs_config=decode_ratio(label, "framework"),
+                             decode_cache_bytes=decoders[label].cache_bytes,
+                             decode_cache_positions=decoders[label].cache_positions)
             result["compare"][label] = entry
     if data_batches:
         log(f"reading {data_batches} batches of the training data...")

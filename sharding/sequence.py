@@ -81,24 +81,31 @@ def stripe_batch(tokens_BxT1: jax.Array, shards: int):
     return inputs_BxT, targets_BxT, jnp.broadcast_to(jnp.asarray(order), (batch, length))
 
 
-def _block_scores(q_BxTxKxGxP, k_BxSxKxP, query_positions_BxT, key_positions_BxS, scale):
-    """Scaled scores B×K×G×T×S (float32), −∞ where the key comes after the query."""
+def _block_scores(q_BxTxKxGxP, k_BxSxKxP, query_positions_BxT, key_positions_BxS, scale,
+                  window: int = 0):
+    """Scaled scores B×K×G×T×S (float32), −∞ where the key comes after the query (or, with a
+    window W > 0, W or more positions before it)."""
     scores = jnp.einsum("btkgp,bskp->bkgts", q_BxTxKxGxP, k_BxSxKxP,
                         preferred_element_type=jnp.float32) * jnp.float32(scale)
-    allowed_BxTxS = key_positions_BxS[:, None, :] <= query_positions_BxT[:, :, None]
+    distance_BxTxS = query_positions_BxT[:, :, None] - key_positions_BxS[:, None, :]
+    allowed_BxTxS = distance_BxTxS >= 0
+    if window:
+        allowed_BxTxS &= distance_BxTxS < window
     return jnp.where(allowed_BxTxS[:, None, None], scores, -jnp.inf)
 
 
 def _fold(state, q_BxTxKxGxP, query_positions_BxT, k_BxSxKxP, v_BxSxKxV, key_positions_BxS,
-          scale):
+          scale, window: int = 0):
     """Online-softmax update of (m, l, o) = (running max B×K×G×T, normalizer, unnormalized output
     B×K×G×T×V, float32) with one key/value block of scores x_s and values v_s:
         m' = max(m, max_s x_s),  l' = e^{m−m'} l + Σ_s e^{x_s−m'},
         o' = e^{m−m'} o + Σ_s e^{x_s−m'} v_s;  the attention output is o/l after the last block.
     m must already be finite (it is: a query always sees itself in the first block). The max is
-    held out of autodiff; it cancels in o/l."""
+    held out of autodiff; it cancels in o/l. A block with every score masked leaves the state
+    as it was."""
     running_max, normalizer, output = state
-    scores = _block_scores(q_BxTxKxGxP, k_BxSxKxP, query_positions_BxT, key_positions_BxS, scale)
+    scores = _block_scores(q_BxTxKxGxP, k_BxSxKxP, query_positions_BxT, key_positions_BxS, scale,
+                           window)
     new_max = jax.lax.stop_gradient(jnp.maximum(running_max, scores.max(-1)))
     keep = jnp.exp(running_max - new_max)
     weights = jnp.exp(scores - new_max[..., None])
@@ -108,9 +115,11 @@ def _fold(state, q_BxTxKxGxP, query_positions_BxT, k_BxSxKxP, v_BxSxKxV, key_pos
     return new_max, normalizer * keep + weights.sum(-1), output
 
 
-def _start(q_BxTxKxGxP, query_positions_BxT, k_BxSxKxP, v_BxSxKxV, key_positions_BxS, scale):
+def _start(q_BxTxKxGxP, query_positions_BxT, k_BxSxKxP, v_BxSxKxV, key_positions_BxS, scale,
+           window: int = 0):
     """(m, l, o) of one block alone (every query must see at least one key in it)."""
-    scores = _block_scores(q_BxTxKxGxP, k_BxSxKxP, query_positions_BxT, key_positions_BxS, scale)
+    scores = _block_scores(q_BxTxKxGxP, k_BxSxKxP, query_positions_BxT, key_positions_BxS, scale,
+                           window)
     running_max = jax.lax.stop_gradient(scores.max(-1))
     weights = jnp.exp(scores - running_max[..., None])
     output = jnp.einsum("bkgts,bskv->bkgtv", weights.astype(v_BxSxKxV.dtype), v_BxSxKxV,
@@ -118,9 +127,13 @@ def _start(q_BxTxKxGxP, query_positions_BxT, k_BxSxKxP, v_BxSxKxV, key_positions
     return running_max, weights.sum(-1), output
 
 
-def any_causal_pair(key_positions, query_positions) -> jax.Array:
-    """Whether some key is at or before some query (else ring attention skips the block)."""
-    return jnp.min(key_positions) <= jnp.max(query_positions)
+def any_causal_pair(key_positions, query_positions, window: int = 0) -> jax.Array:
+    """Whether some key is at or before some query and, with a window W > 0, the latest key is
+    within W of the earliest query (else ring attention skips the block, all masked)."""
+    visible = jnp.min(key_positions) <= jnp.max(query_positions)
+    if window:
+        visible &= jnp.max(key_positions) > jnp.min(query_positions) - window
+    return visible
 
 
 def _halves(x):
@@ -129,7 +142,8 @@ def _halves(x):
     return x[:, :half], x[:, half:]
 
 
-def _ring_shard(q_BxTxHxP, k_BxTxKxP, v_BxTxKxV, positions_BxT, *, scale: float):
+def _ring_shard(q_BxTxHxP, k_BxTxKxP, v_BxTxKxV, positions_BxT, *, scale: float,
+                window: int = 0):
     """One shard's ring attention (inside shard_map, manual over `sequence`): T here is the
     shard's 2c tokens, two stripes of c."""
     shards = jax.lax.axis_size(AXIS)
@@ -148,14 +162,15 @@ def _ring_shard(q_BxTxHxP, k_BxTxKxP, v_BxTxKxV, positions_BxT, *, scale: float)
         query: then the block is skipped (not computed)."""
         k, v, key_positions = stripe
         return jax.lax.cond(
-            any_causal_pair(key_positions, query_positions[half]),
-            lambda s: _fold(s, queries[half], query_positions[half], k, v, key_positions, scale),
+            any_causal_pair(key_positions, query_positions[half], window),
+            lambda s: _fold(s, queries[half], query_positions[half], k, v, key_positions, scale,
+                            window),
             lambda s: s, state)
 
     # This shard's own block: the diagonal stripe pairs start the states (a query always sees
     # itself, so the running max is finite from here on), then the two cross pairs.
     own = stripes(k_BxTxKxP, v_BxTxKxV, positions_BxT)
-    states = [_start(queries[i], query_positions[i], *own[i], scale) for i in range(2)]
+    states = [_start(queries[i], query_positions[i], *own[i], scale, window) for i in range(2)]
     states = [fold_if_needed(states[0], 0, own[1]), fold_if_needed(states[1], 1, own[0])]
 
     permutation = [(j, (j + 1) % shards) for j in range(shards)]
@@ -177,9 +192,11 @@ def _ring_shard(q_BxTxHxP, k_BxTxKxP, v_BxTxKxV, positions_BxT, *, scale: float)
     return out_BxTxKxGxV.reshape(b, t, h, v_BxTxKxV.shape[-1])
 
 
-def ring_attention(q_BxTxHxP, k_BxTxKxP, v_BxTxKxV, positions_BxT, scale: float | None = None):
+def ring_attention(q_BxTxHxP, k_BxTxKxP, v_BxTxKxV, positions_BxT, scale: float | None = None,
+                   window: int = 0):
     """Causal softmax(QKᵀ·scale + M)V over the whole sequence, with the token axis sharded over
-    `sequence` and keys/values rotated around it (module docstring). Same contract as
+    `sequence` and keys/values rotated around it (module docstring); `window` W > 0 bands M to
+    the W most recent positions, and blocks wholly outside the band are skipped. Same contract as
     `arch.attention.dot_product_attention` (H query heads grouped over K key/value heads, scale
     1/√P by default, M from the positions, float32 scores) without recording the weights; must
     run under a mesh whose `sequence` axis divides T into shards of even length."""
@@ -189,6 +206,7 @@ def ring_attention(q_BxTxHxP, k_BxTxKxP, v_BxTxKxV, positions_BxT, scale: float 
                          f"divisible by 2 × {shards} sequence shards (two stripes per shard)")
     scale = q_BxTxHxP.shape[-1] ** -0.5 if scale is None else scale
     tokens = PartitionSpec(None, AXIS)
-    shard = jax.shard_map(lambda q, k, v, positions: _ring_shard(q, k, v, positions, scale=scale),
+    shard = jax.shard_map(lambda q, k, v, positions: _ring_shard(q, k, v, positions, scale=scale,
+                                                                  window=window),
                           in_specs=(tokens,) * 4, out_specs=tokens, axis_names={AXIS})
     return shard(q_BxTxHxP, k_BxTxKxP, v_BxTxKxV, positions_BxT)

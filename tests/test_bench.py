@@ -63,7 +63,8 @@ def test_bench_json_with_baseline_compare_decode_and_depth_memory():
                "--config.model.num_layers=2", "--config.seq_len=16", "--config.batch_size=8",
                "--json", "--steps", "3", "--block", "1",
                "--baseline", "model.ffn.name=mlp", "--depth_memory", "1,2",
-               "--compare", "model.attention.num_kv_heads=1", "--decode", "--decode_steps", "4",
+               "--compare", "model.attention.num_kv_heads=1;model.attention.window=4", "--decode",
+               "--decode_steps", "4",
                "--data", "--data_batches", "3"]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=300)
@@ -78,6 +79,15 @@ def test_bench_json_with_baseline_compare_decode_and_depth_memory():
         assert math.isfinite(variant[key]) and variant[key] > 0, (key, variant.get(key))
     assert result["loader_vs_step"] == result["loader_tokens_per_sec"] / result["tokens_per_sec"]
     assert variant["temp_bytes_vs_config"] == variant["temp_bytes"] / result["temp_bytes"]
+    # the KV cache decoding allocates: 2 layers × 1 sequence × positions × (keys + values of
+    # 2 KV heads of 8 float32 = 128 bytes); the window's ring holds 4 of the 16 positions (and
+    # their int32 positions), the MQA variant 1 of 2 KV heads
+    assert result["decode_cache_positions"] == 16
+    assert result["decode_cache_bytes"] == 2 * 16 * 128
+    assert variant["decode_cache_bytes"] == 2 * 16 * 128 // 2
+    windowed = result["compare"]["attention.window=4"]
+    assert windowed["decode_cache_positions"] == 4
+    assert windowed["decode_cache_bytes"] == 2 * 4 * (128 + 4)
     assert 0 < result["mfu"] < 10  # loose: a noisy shared CPU can beat its measured "peak"
     assert result["devices"] == 1
     assert "compile_24_over_4" not in result  # the depth check is opt-in

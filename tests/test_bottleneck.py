@@ -91,10 +91,10 @@ def test_diagnostic_states_dimensions_precision_and_threshold():
         softmax_bottleneck(log_probs, tokens=[1, 2], reference_token=2)
 
 
-@pytest.mark.parametrize("head", ["tied", "mos"])
+@pytest.mark.parametrize("head", ["tied", "mos", "sigsoftmax"])
 def test_model_bottleneck_respects_the_d_plus_one_bound(head):
     """A tiny LM (d = 32) over 256 positions and 64 tokens: a tied softmax stays at rank ≤ d;
-    MoS (K = 4) exceeds d + 1."""
+    MoS (K = 4) and sigsoftmax exceed d + 1."""
     cfg, model = tiny_model(head=head, head__mos_components=4)
     report = model_bottleneck(model, random_tokens((8, 32), seed=3), num_tokens=64)
     assert report["contexts"] == 256 and report["tokens"] == 64

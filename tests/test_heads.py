@@ -139,19 +139,37 @@ def test_one_component_mos_and_moc_give_the_same_distribution():
                                atol=1e-5)
 
 
-@pytest.mark.parametrize("head", ["tied", "moc", "mos"])
+def test_sigsoftmax_is_exp_times_sigmoid_normalized():
+    """p_v = exp(z_v) σ(z_v) / Σ_w exp(z_w) σ(z_w) with z the tied head's logits (Kanai et al.
+    2018, eq. 8), against float64 numpy, also for logits large enough to overflow exp."""
+    embedding, head = build_head("sigsoftmax", head__bias=True)
+    bias = set_random_bias(head.bias)
+    for scale in (1.0, 40.0):
+        x = hidden((2, 5, 8), scale=scale)
+        z = (np.asarray(x, np.float64) @ np.asarray(embedding.embedding[...], np.float64).T
+             + bias)
+        # exp(z)σ(z) = exp(z − log(1 + e^{−z})); shift by the max for a stable float64 reference
+        log_weights = z - np.logaddexp(0.0, -z)
+        expected = softmax64(log_weights)
+        log_p = head(x, embedding)
+        chex.assert_tree_all_finite(log_p)
+        np.testing.assert_allclose(np.exp(log_p), expected, atol=1e-6)
+
+
+@pytest.mark.parametrize("head", ["tied", "moc", "mos", "sigsoftmax"])
 def test_softmax_bottleneck_rank(head):
     """Log-probs of N=64 random contexts over V=32 tokens with d=4, minus a reference column.
 
     A single softmax of a d-dim context gives log p_v − log p_0 = h·(E_v − E_0) (+ b_v − b_0):
     rank ≤ d + 1. MoS with K=4 mixes normalized distributions and escapes the bound. Numerical
-    rank: `arch.bottleneck.softmax_bottleneck`'s default threshold.
+    rank: `arch.bottleneck.softmax_bottleneck`'s default threshold. Sigsoftmax's log σ(z) is not
+    bilinear in (h, E) either, so it escapes the bound with no extra parameters.
     """
     d, vocab = 4, 32
     embedding, module = build_head(head, vocab=vocab, d=d, head__mos_components=4)
     log_p = jax.nn.log_softmax(module(hidden((1, 64, d), seed=5), embedding))[0]
     report = softmax_bottleneck(log_p, tokens=np.arange(1, vocab), reference_token=0)
-    if head == "mos":
+    if head in ("mos", "sigsoftmax"):
         assert report["numerical_rank"] > d + 1, report
     else:
         assert report["numerical_rank"] <= d + 1, report
@@ -167,8 +185,9 @@ def test_mos_components_must_be_positive():
 @pytest.mark.parametrize("variant", [dict(head="tied", head__bias=True),
                                      dict(head="untied", head__bias=True),
                                      dict(head="mos"),
-                                     dict(head="moc")],
-                         ids=["tied+bias", "untied+bias", "mos", "moc"])
+                                     dict(head="moc"),
+                                     dict(head="sigsoftmax")],
+                         ids=["tied+bias", "untied+bias", "mos", "moc", "sigsoftmax"])
 def test_heads_compose_with_the_model(variant):
     _, model = tiny_model(**variant)
     tokens = random_tokens((2, 17))
@@ -184,7 +203,7 @@ def test_heads_compose_with_the_model(variant):
     assert not np.allclose(outputs[:, 9:], after[:, 9:])
     loss = next_token_loss(outputs, targets)
     assert np.isfinite(loss)
-    if variant["head"] == "mos":  # normalized log-probs: the loss is −mean log p(target)
+    if variant["head"] in ("mos", "sigsoftmax"):  # log-probs: the loss is −mean log p(target)
         np.testing.assert_allclose(np.exp(outputs).sum(-1), 1.0, atol=1e-5)
         nll = -jnp.take_along_axis(outputs, targets[..., None], axis=-1).mean()
         np.testing.assert_allclose(loss, nll, rtol=1e-6)

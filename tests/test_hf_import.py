@@ -45,6 +45,10 @@ REFERENCES = {  # name → (model class, config, save_pretrained options)
     # a sliding window that never binds (≥ max_position_embeddings) is accepted
     "mistral": (transformers.MistralForCausalLM, transformers.MistralConfig(
         **LLAMA, num_key_value_heads=2, sliding_window=64), {}),
+    # a binding window (8 < the 16 tokens): attention.window=8; eager attention builds the
+    # explicit band mask (test_transformers_applies_the_mistral_window)
+    "mistral_window": (transformers.MistralForCausalLM, transformers.MistralConfig(
+        **LLAMA, num_key_value_heads=2, sliding_window=8, attn_implementation="eager"), {}),
     "gpt2": (transformers.GPT2LMHeadModel, transformers.GPT2Config(
         n_embd=32, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=32,
         bos_token_id=0, eos_token_id=0), {}),
@@ -91,10 +95,22 @@ def test_logits_equal_transformers(checkpoints, name):
     assert (directory / "model.safetensors.index.json").exists() == name.endswith("sharded")
     expected = {"llama": ("rope", "untied", 2, 32, 500.0), "mistral": ("rope", "untied", 2, 32,
                                                                       10_000.0),
+                "mistral_window": ("rope", "untied", 2, 32, 10_000.0),
                 "llama_tied_sharded": ("rope", "tied", 1, 64, 10_000.0),
                 "gpt2": ("learned", "tied", 4, 32, 10_000.0)}[name]
     assert (model_cfg.position.name, model_cfg.head.name, model_cfg.attention.num_kv_heads,
             model_cfg.attention.width, model_cfg.position.rope_base) == expected
+    assert model_cfg.attention.window == (8 if name == "mistral_window" else 0)
+
+
+def test_transformers_applies_the_mistral_window(checkpoints):
+    """The reference the windowed import matches really is banded: transformers' Mistral
+    without the window gives other logits from position W on, and the same before it."""
+    directory, windowed = checkpoints["mistral_window"]
+    full = transformers.MistralForCausalLM.from_pretrained(
+        directory, sliding_window=None, attn_implementation="eager")
+    difference = np.abs(_reference_logits(full.eval()) - windowed).max(axis=(0, 2))
+    assert difference[:8].max() < 1e-5 and difference[8:].min() > 1e-2, difference
 
 
 def test_bf16_and_prefixless_checkpoints_give_the_same_parameters(checkpoints, tmp_path):
@@ -132,7 +148,6 @@ def test_unsupported_fields_raise_naming_field_and_value(checkpoints):
             ({**llama, "attention_bias": True}, "attention_bias", True),
             ({**llama, "mlp_bias": True}, "mlp_bias", True),
             ({**llama, "hidden_act": "gelu"}, "hidden_act", "gelu"),
-            ({**llama, "model_type": "mistral", "sliding_window": 16}, "sliding_window", 16),
             ({**gpt2, "scale_attn_by_inverse_layer_idx": True},
              "scale_attn_by_inverse_layer_idx", True),
             ({**gpt2, "activation_function": "gelu"}, "activation_function", "gelu"),

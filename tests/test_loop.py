@@ -85,8 +85,9 @@ def init_cache_shape(model):
     return {name: value.shape for name, value in model.init_cache(2, T).items()}
 
 
-def test_decoding_keeps_one_cache_per_loop_and_layer_and_equals_the_forward_pass():
-    _, model = tiny_model(loop_count=LOOPS, loop_inject=True)
+@pytest.mark.parametrize("fields", [dict(), dict(attention__window=4)], ids=["full", "window"])
+def test_decoding_keeps_one_cache_per_loop_and_layer_and_equals_the_forward_pass(fields):
+    _, model = tiny_model(loop_count=LOOPS, loop_inject=True, **fields)
     assert {shape[:2] for shape in init_cache_shape(model).values()} == {(LOOPS, 2)}
     tokens = random_tokens((2, T))
     np.testing.assert_allclose(prefill_then_decode(model, tokens, 8, T), model(tokens),

@@ -13,7 +13,7 @@ from arch import reference
 from arch.accounting import flops_per_token, matmul_parameter_count, parameter_count
 from arch.attention import MultiHeadAttention, causal_mask
 from arch.norms import LayerNorm, RMSNorm
-from arch.positions import RoPE
+from arch.positions import POSITIONS, RoPE
 from config import ConfigError
 from tests.helpers import prefill_then_decode, random_tokens, tiny_model
 
@@ -33,7 +33,7 @@ def test_matches_reference_and_contract(variant):
     np.testing.assert_allclose(logits, expected, atol=2e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("position", ["rope", "learned", "none"])
+@pytest.mark.parametrize("position", ["rope", "learned", "sinusoidal", "none"])
 def test_causality_future_tokens_leave_the_past_exactly_unchanged(position):
     _, model = tiny_model(position=position)
     tokens = random_tokens((2, 16))
@@ -96,6 +96,23 @@ def test_rope_scores_depend_only_on_relative_position():
     assert score(5, 2) != pytest.approx(score(5, 3), rel=1e-3)
 
 
+@pytest.mark.parametrize("d", [6, 7])
+def test_sinusoidal_positions_are_the_closed_form(d):
+    """PE[t, 2i] = sin(t / 10000^{2i/d}), PE[t, 2i+1] = cos(t / 10000^{2i/d}) (Vaswani et al.
+    2017 §3.5), added to the embedding, from the positions given (here not 0..T−1)."""
+    cfg, _ = tiny_model(position="sinusoidal", d_model=d, attention__num_heads=1,
+                        attention__num_kv_heads=1)
+    positions = np.array([[0, 1, 5, 300]])
+    x = np.asarray(jax.random.normal(jax.random.key(0), (1, 4, d)))
+    expected = np.zeros((4, d))
+    for t, pos in enumerate(positions[0]):
+        for j in range(d):
+            angle = pos / 10_000 ** (2 * (j // 2) / d)
+            expected[t, j] = np.sin(angle) if j % 2 == 0 else np.cos(angle)
+    got = POSITIONS["sinusoidal"](cfg, rngs=nnx.Rngs(0)).embed(jnp.asarray(x), positions)
+    np.testing.assert_allclose(got - x, expected[None], atol=1e-5)  # f32 angles up to ~300
+
+
 def test_norms_shift_and_scale_properties():
     x = jax.random.normal(jax.random.key(0), (3, 16)) + 2.0
     rms, ln = RMSNorm(16, rngs=nnx.Rngs(0)), LayerNorm(16, rngs=nnx.Rngs(0))
@@ -107,7 +124,7 @@ def test_norms_shift_and_scale_properties():
     np.testing.assert_allclose(jnp.sqrt(jnp.mean(rms(x) ** 2, -1)), 1.0, atol=1e-4)
 
 
-@pytest.mark.parametrize("position", ["rope", "learned"])
+@pytest.mark.parametrize("position", ["rope", "learned", "sinusoidal"])
 def test_kv_cache_decoding_equals_the_full_forward_pass(position):
     _, model = tiny_model(position=position, attention__num_kv_heads=1)
     tokens = random_tokens((2, 12))

@@ -23,10 +23,10 @@ from train.config import validate
 from train.step import TrainProgram
 
 VARIANTS = {
-    "postnorm-scalenorm-geglu-untied-mtp-loop": dict(residual="postnorm", norm="scalenorm",
-                                                     ffn="geglu", head="untied", head__bias=True,
-                                                     norm__final=False, head__mtp_depth=2,
-                                                     loop_count=2, loop_inject=True),
+    "postnorm-scalenorm-geglu-untied-layerscale-window-mtp-loop": dict(
+        residual="postnorm", norm="scalenorm", ffn="geglu", head="untied", head__bias=True,
+        norm__final=False, branch_scale="layerscale", attention__window=8,  # window < seq 16
+        head__mtp_depth=2, loop_count=2, loop_inject=True),
     "deepnorm-layernorm-reglu-mos": dict(residual="deepnorm", norm="layernorm", ffn="reglu",
                                          head="mos", norm__final=False,
                                          init=dict(value="deepnorm", attention_output="deepnorm",
@@ -45,8 +45,9 @@ VARIANTS = {
                                                     norm="batchnorm", ffn="mlp",
                                                     ffn__activation="hardtanh",
                                                     init=dict(default="xavier")),
-    "noskip-none-sigmoid": dict(residual="noskip", norm="none", ffn="mlp",
-                                ffn__activation="sigmoid"),
+    "noskip-none-sigmoid-sigsoftmax-sinusoidal": dict(residual="noskip", norm="none", ffn="mlp",
+                                                      ffn__activation="sigmoid",
+                                                      head="sigsoftmax", position="sinusoidal"),
     "hc-relu-zero-outputs": dict(residual="hc", ffn="mlp", ffn__activation="relu",
                                  init=dict(attention_output="zeros", ffn_output="zeros")),
     "width-moe-every-2nd-shared-mlp-silu": dict(residual="width", ffn="moe", moe__every=2,

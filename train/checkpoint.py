@@ -41,17 +41,25 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
-    def restore_latest(self, abstract_state, *, move_aside_corrupt: bool = False):
+    def restore_latest(self, abstract_state, *, move_aside_corrupt: bool = False,
+                       partial: bool = False):
         """(step, state, data_position) of the newest checkpoint that restores, or None (the
         errors are in `restore_errors`). With `move_aside_corrupt`, the newer checkpoints that
         failed are moved to `corrupt-<step>-<time>/` when an older one restores (by process 0;
-        every process then rescans the directory)."""
+        every process then rescans the directory). With `partial`, `abstract_state` may name a
+        subset of the saved entries (e.g. no optimizer state), and only those are read."""
         self.manager.wait_until_finished()
         self.restore_errors = {}
+        if partial:
+            restore_args = ocp.checkpoint_utils.construct_restore_args(abstract_state)
+            state_args = ocp.args.PyTreeRestore(abstract_state, restore_args=restore_args,
+                                                partial_restore=True)
+        else:
+            state_args = ocp.args.StandardRestore(abstract_state)
         for step in sorted(self.manager.all_steps(), reverse=True):
             try:
                 restored = self.manager.restore(step, args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
+                    state=state_args, data=ocp.args.JsonRestore()))
             except Exception as error:  # noqa: BLE001 -- any failure means "not usable"
                 reason = str(error).splitlines()[0].split(" See full TensorStore details")[0] \
                     if str(error) else ""

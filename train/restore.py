@@ -31,11 +31,17 @@ from train.tokenizer import tokenizer_of
 ANALYSIS_MESH = dict(data=-1, fsdp=1, tensor=1, sequence=1, stage=1, expert=1)
 
 
+# What generation, analysis and export read of a checkpoint: never the optimizer state, so
+# restoring a run holds one copy of the parameters, not three (AdamW's two moments).
+RESTORED_ENTRIES = ("step", "params", "model_state")
+
+
 def restore_run(workdir: str | Path):
-    """(program, step, train state) of the newest restorable checkpoint of the training run in
+    """(program, step, state) of the newest restorable checkpoint of the training run in
     `workdir`, rebuilt from its config.json (over `base_config()`'s defaults) onto all local
-    devices along the data axis (for generation and analysis). Raises FileNotFoundError with a
-    one-line message when there is no config or checkpoint."""
+    devices along the data axis (for generation and analysis). The state holds the
+    `RESTORED_ENTRIES` of the train state only: the optimizer state is not read. Raises
+    FileNotFoundError with a one-line message when there is no config or checkpoint."""
     config = base_config()  # fields added since the run was saved keep their defaults
     saved = saved_config(workdir, json.loads(config.to_json_best_effort()))
     if saved is None:
@@ -45,7 +51,9 @@ def restore_run(workdir: str | Path):
     config.mesh = ANALYSIS_MESH
     program = build_program(config)
     with Checkpointer(workdir) as checkpointer:
-        restored = checkpointer.restore_latest(program.abstract_state())
+        abstract_state = program.abstract_state()
+        restored = checkpointer.restore_latest(
+            {entry: abstract_state[entry] for entry in RESTORED_ENTRIES}, partial=True)
     if restored is None:
         raise FileNotFoundError(f"--workdir={workdir} holds no restorable checkpoint")
     step, state, _ = restored

@@ -76,6 +76,23 @@ class ByteTokenizer(Tokenizer):
     def decode(self, ids: Any) -> str:
         return np.asarray(ids, dtype=np.uint8).tobytes().decode("utf-8", errors="replace")
 
+    @staticmethod
+    def as_hugging_face() -> tokenizers.Tokenizer:
+        """The same ids as a Hugging Face tokenizer (what an exported byte-level run ships as
+        tokenizer.json): a byte-level BPE without merges over GPT-2's printable alphabet of the
+        256 bytes, token id = byte value."""
+        printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                     *range(ord("®"), ord("ÿ") + 1)]
+        others = [byte for byte in range(256) if byte not in printable]
+        symbol = {**{byte: chr(byte) for byte in printable},
+                  **{byte: chr(256 + n) for n, byte in enumerate(others)}}
+        tokenizer = tokenizers.Tokenizer(models.BPE(
+            vocab={symbol[byte]: byte for byte in range(256)}, merges=[]))
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False,
+                                                           use_regex=False)
+        tokenizer.decoder = decoders.ByteLevel()
+        return tokenizer
+
 
 def _file_hash(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()[:16]

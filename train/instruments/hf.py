@@ -1,4 +1,5 @@
-"""Hugging Face checkpoints → `TransformerLM`: Llama-family and GPT-2 models from local safetensors.
+"""Hugging Face checkpoints ↔ `TransformerLM`: Llama-family and GPT-2 models from local safetensors,
+and back (`hf_tensors_from_params`, the exporter's half; `train/instruments/export_hf.py`).
 
     model_cfg, model = load_hf_checkpoint("path/to/dir")   # config.json + model.safetensors
                                                            # (or model.safetensors.index.json)
@@ -255,6 +256,37 @@ def params_from_hf(model_cfg, tensors: Mapping[str, np.ndarray]) -> nnx.State:
                              f"{variable.shape} (got {None if value is None else value.shape})")
         filled.append((path, variable.replace(jnp.asarray(value, jnp.float32))))
     return nnx.from_flat_state(filled)
+
+
+def hf_tensors_from_params(model_cfg, params: nnx.State) -> dict[str, np.ndarray]:
+    """Hugging Face tensors by name (float32, the names `save_pretrained` writes, no lm_head for
+    a tied head) from our parameters: the inverse of `params_from_hf`, by the same rule tables.
+    Each rule's transforms only move entries (transpose, reshape, split into thirds), so
+    applying them to the indices 0…n−1 of the Hugging Face tensor tells where each of our
+    entries goes back; every entry must be written exactly once. ValueError (one line) for a
+    config outside the two weight layouts."""
+    layout = _layout(model_cfg)
+    ours = {tuple(map(str, path)): np.asarray(variable[...], np.float32)
+            for path, variable in nnx.to_flat_state(params)}
+    top_rules, layer_rules = RULES[layout](model_cfg)
+
+    def gather(shape: tuple[int, ...], targets, read) -> np.ndarray:
+        index = np.arange(int(np.prod(shape))).reshape(shape)
+        flat, written = np.zeros(index.size, np.float32), np.zeros(index.size, int)
+        for path, transform in targets:
+            where = np.asarray(transform(index)).ravel()
+            flat[where] = read(path).ravel()
+            written[where] += 1
+        assert np.all(written == 1), "a weight rule does not cover its tensor exactly once"
+        return flat.reshape(shape)
+
+    tensors = {name: gather(shape, targets, lambda path: ours[path])
+               for name, shape, targets in top_rules}
+    for name, shape, targets in layer_rules:
+        for i in range(model_cfg.num_layers):
+            tensors[f"{LAYER_PREFIX[layout]}{i}.{name}"] = gather(
+                shape, targets, lambda path, i=i: ours[("blocks", *path)][i])
+    return tensors
 
 
 def model_from_params(model_cfg, params: nnx.State) -> TransformerLM:

@@ -3,10 +3,10 @@
     python scripts/import_hf.py --checkpoint DIR --workdir OUT [--seq_len N]
 
 DIR holds config.json and model.safetensors (or a sharded model.safetensors.index.json) of a
-Llama-family (model_type "llama", or "mistral" without a binding sliding window) or GPT-2 model;
-`train.instruments.hf.load_hf_checkpoint` converts it (what maps to what, and what raises: its
-docstring and `arch.hf_config`'s). Nothing is downloaded. OUT must not hold a run yet. The script
-writes
+Llama-family (model_type "llama", or "mistral": its sliding window is attention.window) or GPT-2
+model; `train.instruments.hf.load_hf_checkpoint` converts it (what maps to what, and what
+raises: its docstring and `arch.hf_config`'s). Nothing is downloaded. OUT must not hold a run
+yet. The script writes
 
   OUT/config.json      the full training config, as `python -m train` writes it:
                        `config.defaults.base_config()` with the imported model section. Its

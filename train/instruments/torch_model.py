@@ -48,6 +48,8 @@ def unsupported(config) -> str | None:
                     f"num_heads={cfg.attention.num_heads}")
         elif cfg.fixnorm or cfg.head.bias or not cfg.use_ffn or cfg.reversible:
             what = "fixnorm, head.bias, use_ffn=False or reversible blocks"
+        elif cfg.attention.window:
+            what = f"model.attention.window={cfg.attention.window} (sliding window)"
         elif config.optimizer.get("name", "adamw") != "adamw":
             what = f"optimizer.name={config.optimizer.name!r}"
         elif config.accumulation_steps != 1:

@@ -1,0 +1,107 @@
+"""Hugging Face export (arch/hf_config.py `hf_config_from_model`, train/instruments/hf.py
+`hf_tensors_from_params`, train/instruments/export_hf.py): tiny Llama- and GPT-2-layout runs with
+randomized parameters are exported, loaded by `transformers`, whose float32 logits must equal
+ours; importing the export gives back the same parameters; the byte tokenizer's tokenizer.json
+gives the byte ids; what cannot be exported is refused naming the field."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from flax import nnx
+
+from arch.hf_config import hf_config_from_model
+from tests.helpers import tiny_config
+from train.checkpoint import Checkpointer
+from train.config import validate
+from train.instruments import export_hf
+from train.instruments.hf import load_hf_checkpoint
+from train.restore import RESTORED_ENTRIES, restore_run
+from train.step import build_program
+from train.tokenizer import ByteTokenizer
+
+TOKENS_BxT = np.random.default_rng(1).integers(0, 256, (2, 16))
+RUNS = {  # name → model overrides of tests.helpers.tiny_config
+    "llama": dict(attention__num_kv_heads=2, head="untied", position__rope_base=500.0),
+    "mistral": dict(attention__num_kv_heads=1, attention__window=6),  # binds: 16 tokens
+    "gpt2": dict(position="learned", norm="layernorm", ffn="mlp", linear_bias=True,
+                 attention__num_kv_heads=4),
+}
+
+
+def write_run(workdir, **overrides):
+    """A run directory as `python -m train` leaves it at step 0, every parameter moved by
+    N(0, 0.3²) so that no norm is the identity and attention is sharp."""
+    config = tiny_config(**overrides)
+    config.mesh.data = -1  # every device, as the trainer would take them
+    program = build_program(config)
+    state = program.init(0)
+    keys = iter(jax.random.split(jax.random.key(7), len(jax.tree.leaves(state["params"]))))
+    state["params"] = jax.tree.map(lambda p: p + 0.3 * jax.random.normal(next(keys), p.shape),
+                                   state["params"])
+    workdir.mkdir()
+    (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
+    with Checkpointer(workdir) as checkpointer:
+        checkpointer.save(0, state, {"next_step": 0, "seed": 0}, force=True)
+    model = nnx.merge(program.graphdef, state["params"], state["model_state"])
+    return config, model
+
+
+@pytest.mark.parametrize("name", sorted(RUNS))
+def test_transformers_computes_the_exported_runs_logits(name, tmp_path):
+    config, model = write_run(tmp_path / "run", **RUNS[name])
+    out = tmp_path / "hf"
+    assert export_hf.main(["--workdir", str(tmp_path / "run"), "--out", str(out)]) == 0
+    assert json.loads((out / "config.json").read_text())["model_type"] == name
+    reference = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        theirs = reference(torch.as_tensor(TOKENS_BxT)).logits.float().numpy()
+    ours = np.asarray(model(jnp.asarray(TOKENS_BxT)))
+    assert np.abs(ours).max() > 1.0  # randomized: the logits are not near zero
+    np.testing.assert_allclose(theirs, ours, atol=1e-4)
+    # import(export(run)): the same architecture and bit-equal parameters
+    model_cfg, imported = load_hf_checkpoint(out)
+    assert hf_config_from_model(model_cfg) == hf_config_from_model(config.model)
+    for (path, got), (_, expected) in zip(nnx.to_flat_state(nnx.state(imported, nnx.Param)),
+                                          nnx.to_flat_state(nnx.state(model, nnx.Param)),
+                                          strict=True):
+        np.testing.assert_array_equal(got[...], expected[...], err_msg=str(path))
+    # the byte-level run's tokenizer.json encodes text to its byte ids and back
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    text = "In the beginning — Génesis 1:1\n"
+    assert tokenizer.encode(text, add_special_tokens=False) \
+        == ByteTokenizer().encode(text).tolist()
+    assert tokenizer.decode(ByteTokenizer().encode(text)) == text
+
+
+def test_restore_run_reads_no_optimizer_state(tmp_path):
+    write_run(tmp_path / "run")
+    _, step, state = restore_run(tmp_path / "run")
+    assert step == 0 and set(state) == set(RESTORED_ENTRIES) and "opt_state" not in state
+
+
+def test_what_cannot_be_exported_is_refused_naming_the_field(tmp_path, capsys):
+    for overrides, message in (
+            (dict(residual="attnres"), "model.residual.name='attnres' cannot be exported as "
+                                       "llama: its config.json would give 'prenorm'"),
+            (dict(ffn="mlp"), "model.ffn.name='mlp' cannot be exported as llama: its FFN is "
+                              "gated (geglu, glu, reglu, swiglu)"),
+            (dict(position="learned", ffn="mlp", norm="layernorm", linear_bias=True),
+             "model.attention.num_kv_heads=2 cannot be exported as gpt2: its config.json would "
+             "give 4"),
+            (dict(position="none"), "model.position.name='none' cannot be exported: llama needs "
+                                    "'rope', gpt2 'learned'")):
+        config = tiny_config(**overrides)
+        validate(config, 1)
+        with pytest.raises(ValueError) as error:
+            hf_config_from_model(config.model)
+        assert str(error.value) == message
+    write_run(tmp_path / "run", branch_scale="layerscale")
+    assert export_hf.main(["--workdir", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 2
+    assert capsys.readouterr().err == ("error: model.branch_scale.name='layerscale' cannot be "
+                                       "exported as llama: its config.json would give 'none'\n")
+    assert not (tmp_path / "hf").exists()

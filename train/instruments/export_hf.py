@@ -1,0 +1,78 @@
+"""Export a blockbench run as a Hugging Face checkpoint that `transformers` loads.
+
+    python scripts/export_hf.py --workdir RUN --out DIR
+
+RUN is a run directory (`python -m train`, or an import); its newest checkpoint's parameters are
+restored (`train.restore.restore_run`: never the optimizer state). A model that a Llama or GPT-2
+checkpoint represents exactly is written (RoPE → "llama", learned positions → "gpt2":
+`arch.hf_config.hf_config_from_model`; anything else is refused in one line naming the field,
+e.g. an AttnRes stream or a MoE FFN). DIR must not exist or be empty. It gets
+
+  DIR/config.json        the model's architecture, float32 (`hf_config_from_model`);
+  DIR/model.safetensors  float32 weights under the names `save_pretrained` writes
+                         (`train.instruments.hf.hf_tensors_from_params`, the importer's tables
+                         inverted; no lm_head for a tied head);
+  DIR/tokenizer.json     (or tokenizer.model) the run's tokenizer: its tokenizer.json or
+                         SentencePiece model copied, or for a byte-level run a byte-level BPE
+                         without merges whose ids are the byte values.
+
+so that `transformers.AutoModelForCausalLM.from_pretrained(DIR)` computes the run's logits, and
+`scripts/import_hf.py --checkpoint DIR` gives back the same parameters. Exit status: 0 done, 2
+a bad argument, a missing run or a model that cannot be exported exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+from safetensors.numpy import save_file
+
+from arch.hf_config import hf_config_from_model
+from config.cli import ArgumentParser
+from train.instruments.hf import SINGLE_FILE, hf_tensors_from_params
+from train.restore import restore_run
+from train.tokenizer import ByteTokenizer, HuggingFaceTokenizer, tokenizer_of
+
+
+def export_run(workdir: str | Path, out: str | Path) -> Path:
+    """Write the Hugging Face checkpoint of the run in `workdir` into `out` (see the module
+    docstring); returns `out`. FileNotFoundError / ValueError with a one-line message."""
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"--out={out} is not empty; export into a new directory")
+    program, _, state = restore_run(workdir)
+    model_cfg = program.config.model
+    hf_config = hf_config_from_model(model_cfg)  # refuses before anything is written
+    tensors = hf_tensors_from_params(model_cfg, state["params"])
+    tokenizer = tokenizer_of(program.config.data)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, out / SINGLE_FILE, metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    if isinstance(tokenizer, ByteTokenizer):
+        tokenizer.as_hugging_face().save(str(out / "tokenizer.json"))
+    else:
+        name = "tokenizer.json" if isinstance(tokenizer, HuggingFaceTokenizer) \
+            else "tokenizer.model"
+        shutil.copyfile(tokenizer.path, out / name)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = ArgumentParser("python scripts/export_hf.py", __doc__)
+    parser.add_argument("--workdir", required=True, help="the run directory to export")
+    parser.add_argument("--out", required=True, help="the Hugging Face checkpoint directory")
+    args = parser.parse_args(argv)
+    try:
+        out = export_run(args.workdir, args.out)
+    except (FileNotFoundError, ValueError) as error:  # ConfigError is a ValueError
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(f"wrote {out / 'config.json'}, {out / SINGLE_FILE} and the tokenizer")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
