@@ -59,19 +59,30 @@ def active_parameter_count(model_cfg) -> int:
     return _size(nnx.state(model, nnx.Param)) - routed * (experts - k) // experts
 
 
+def _matmul_weights(model_cfg, model, inside=lambda path: True) -> int:
+    """Dense kernels once plus routed MoE expert weights at k/E, of the parameters whose path
+    satisfies `inside` (everything by default)."""
+    count = _size(nnx.state(model, lambda path, _: path[-1] == "kernel" and inside(path)))
+    if model_cfg.ffn.name == "moe":
+        routed = _size(nnx.state(model, lambda path, _: "routed_experts" in path
+                                 and inside(path)))
+        count += routed * model_cfg.moe.top_k // model_cfg.moe.experts
+    return count
+
+
 def matmul_parameter_count(model_cfg) -> int:
     """Weights used in one matrix multiply per token: every Dense kernel once (MoE router and
     shared experts included), routed MoE expert weights at k/E of their size (a token runs k of
     the E experts; dispatch/combine einsums are not counted), plus what the head multiplies again
-    (the tied embedding; MoS's K vocabulary projections)."""
+    (the tied embedding; MoS's K vocabulary projections). Multi-token prediction modules
+    (arch/mtp.py) count once, with their kernels; see `flops_per_token` for how often each
+    part runs."""
     model = abstract_model(model_cfg)
-    count = _size(nnx.state(model, lambda path, _: path[-1] == "kernel"))
-    routed, k, experts = _routed_expert_share(model_cfg, model)
-    count += routed * k // experts
-    return count + HEADS[model_cfg.head.name].reused_matmul_parameters(model_cfg)
+    return (_matmul_weights(model_cfg, model)
+            + HEADS[model_cfg.head.name].reused_matmul_parameters(model_cfg))
 
 
-COMPONENTS = ("embedding", "attention", "ffn", "norms", "residual", "head")
+COMPONENTS = ("embedding", "attention", "ffn", "norms", "residual", "head", "mtp")
 
 
 def component_of(path: tuple[str, ...]) -> str:
@@ -85,8 +96,12 @@ def component_of(path: tuple[str, ...]) -> str:
                  `residual_stream`: depth-attention queries, stream gates and their norms) and
                  the branch scales (`*_branch`: LayerScale's γ)
       head       the output head (an untied projection, MoS/MoC mixtures, an output bias)
+      mtp        the multi-token prediction modules (`mtp`, arch/mtp.py: norms, projections and
+                 blocks), counted apart because they serve training only
     """
     keys = [str(key) for key in path]
+    if keys[:1] == ["mtp"]:
+        return "mtp"
     for key in keys:
         if key in ("embed", "position"):
             return "embedding"
@@ -145,19 +160,22 @@ def kv_cache_bytes_per_token(model_cfg, dtype: str | None = None) -> int:
     d_c + d_r), × the itemsize of `dtype` (default the compute dtype `model.dtype`). Per
     sequence: × the positions it holds, its length, or with a sliding window W at most W
     (`cache_positions`). Gated DeltaNet layers add nothing per token: their constant state is
-    `recurrent_state_bytes`."""
+    `recurrent_state_bytes`. Looped depth (`model.loop_count` = R) keeps one cache per loop
+    and layer: × R."""
     elements = 0
     for attention in layer_attentions(model_cfg):
         if _cache_per_token(attention, model_cfg):
             shapes = ATTENTION[attention].cache_shapes(model_cfg, 1, 1)
             elements += sum(math.prod(shape) for shape in shapes.values())
-    return elements * jnp.dtype(dtype or model_cfg.dtype).itemsize
+    loops = model_cfg.get("loop_count", 1)
+    return loops * elements * jnp.dtype(dtype or model_cfg.dtype).itemsize
 
 
 def recurrent_state_bytes(model_cfg, dtype: str | None = None) -> int:
     """Bytes per sequence of the constant-size caches (Gated DeltaNet: the state S, H×V×K in
     float32, and the convolutions' last W − 1 inputs, (W − 1)·H·(2K + V) at `dtype`, default
-    `model.dtype`), over the layers that keep one; the same at any sequence length."""
+    `model.dtype`), over the layers that keep one (× `model.loop_count`); the same at any
+    sequence length."""
     total = 0
     for attention in layer_attentions(model_cfg):
         if not _cache_per_token(attention, model_cfg):
@@ -166,7 +184,7 @@ def recurrent_state_bytes(model_cfg, dtype: str | None = None) -> int:
             for name, shape in kind.cache_shapes(model_cfg, 1, 1).items():
                 itemsize = 4 if name in kept else jnp.dtype(dtype or model_cfg.dtype).itemsize
                 total += math.prod(shape) * itemsize
-    return total
+    return model_cfg.get("loop_count", 1) * total
 
 
 def cache_positions(model_cfg, seq_len: int) -> int:
@@ -180,11 +198,25 @@ def flops_per_token(model_cfg, seq_len: int, training: bool = True) -> float:
     """Matmul FLOPs per token: 2 per matmul weight, plus each layer's token mixing
     (`score_flops_per_token` of its attention class: causal attention counted honestly, position
     t attends to t + 1 keys, not T; Gated DeltaNet's chunked form, O(1) in T).
-    Training (forward + backward) is 3× forward.
+    Training (forward + backward) is 3× forward. Multi-token prediction (`model.head.mtp_depth`
+    = k, arch/mtp.py) adds, in training only, its modules' weights and, per module, one more
+    head application and one block's attention scores. Looped depth (`model.loop_count` = R)
+    runs the block stack, its weights and its token mixing, R times (the parameters stay).
     """
     mixing = sum(ATTENTION[attention].score_flops_per_token(model_cfg, seq_len)
                  for attention in layer_attentions(model_cfg))
-    forward = 2 * matmul_parameter_count(model_cfg) + mixing
+    model = abstract_model(model_cfg)
+    mtp = _matmul_weights(model_cfg, model, lambda path: path[0] == "mtp")
+    blocks = _matmul_weights(model_cfg, model, lambda path: path[0] == "blocks")
+    loops = model_cfg.get("loop_count", 1)
+    forward = (2 * (matmul_parameter_count(model_cfg) - mtp + (loops - 1) * blocks)
+               + loops * mixing)
+    depth = model_cfg.head.get("mtp_depth", 0)
+    if training and depth:
+        attention = ATTENTION[model_cfg.attention.name].score_flops_per_token(model_cfg, seq_len)
+        head = (_matmul_weights(model_cfg, model, lambda path: path[0] == "head")
+                + HEADS[model_cfg.head.name].reused_matmul_parameters(model_cfg))
+        forward += 2 * mtp + depth * (2 * head + attention)
     return float(3 * forward if training else forward)
 
 

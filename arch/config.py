@@ -96,6 +96,11 @@ def resolve_model(cfg) -> None:
               "model.ffn.name='moe' has no biases; use a dense model.ffn.name or linear_bias=False")
     check(isinstance(cfg.head.mos_components, int) and cfg.head.mos_components >= 1,
           "model.head.mos_components", cfg.head.mos_components, "must be an integer ≥ 1")
+    check(isinstance(cfg.head.mtp_depth, int) and cfg.head.mtp_depth >= 0,
+          "model.head.mtp_depth", cfg.head.mtp_depth,
+          "must be an integer ≥ 0 (0: no multi-token prediction)")
+    check(cfg.head.mtp_weight >= 0, "model.head.mtp_weight", cfg.head.mtp_weight,
+          "must be non-negative")
     if cfg.ffn.name == "moe":  # arch/moe.py
         _resolve_moe(cfg)
     _resolve_branch(cfg)
@@ -106,6 +111,7 @@ def resolve_model(cfg) -> None:
         rate = cfg.dropout[site]
         check(isinstance(rate, (int, float)) and not isinstance(rate, bool) and 0 <= rate < 1,
               f"model.dropout.{site}", rate, "must be a rate in [0, 1)")
+    _resolve_loop(cfg)
     resolve_residual = getattr(RESIDUALS[cfg.residual.name], "resolve", None)
     if resolve_residual is not None:  # the mechanism's own fields (e.g. arch/attnres.py)
         resolve_residual(cfg)
@@ -143,6 +149,25 @@ def _resolve_mla(cfg) -> None:
           cfg.mla.q_rank, "must be a non-negative integer (0: full-rank query projection)")
     check(cfg.mla.rope_dim % 2 == 0, "model.mla.rope_dim", cfg.mla.rope_dim,
           "the decoupled rotary key/query width must be even (RoPE rotates feature pairs)")
+
+
+def _resolve_loop(cfg) -> None:
+    """Looped depth (`TransformerLM._loop`): the stack applied `loop_count` times; a residual
+    state that is the hidden state itself (the depth-attention histories and multi-stream
+    states are sized and parameterized for one pass), and no reversible coupling."""
+    loops = cfg.loop_count
+    check(isinstance(loops, int) and loops >= 1, "model.loop_count", loops,
+          "must be a positive integer (1: no looping)")
+    check(isinstance(cfg.loop_inject, bool), "model.loop_inject", cfg.loop_inject,
+          "must be True or False")
+    if loops == 1:
+        return
+    single = sorted(name for name, mechanism in RESIDUALS.items() if mechanism.single_stream)
+    check(cfg.residual.name in single, "model.loop_count", loops,
+          f"looped depth needs a single-stream model.residual.name ({', '.join(single)}); got "
+          f"{cfg.residual.name!r}")
+    check(not cfg.reversible, "model.loop_count", loops,
+          "looped depth does not run reversible blocks; set model.reversible=False")
 
 
 def _resolve_branch(cfg) -> None:

@@ -9,6 +9,9 @@ Layer parameters are stacked along a leading `layers` axis at construction (one 
 or per `BlockGroup` of k blocks when MoE is interleaved), and the forward pass scans over them, so
 compile time does not grow with depth. Non-parameter layer state (BatchNorm
 running statistics) comes out of the scan and is written back into the module.
+Looped depth (`model.loop_count` = R > 1, `_loop`) runs the scan R times with the same parameters,
+inside one outer scan. Multi-token prediction modules (`model.head.mtp_depth`, arch/mtp.py) run
+only in the training loss (`multi_token_logits`); the forward pass and `decode` ignore them.
 Under a mesh whose `stage` axis is larger than 1, training and evaluation run the stack as a
 pipeline instead (`sharding/pipeline.py`, GPipe or circular over microbatches); KV-cache decoding
 keeps the ordinary scan (GSPMD moves the stage-sharded layer parameters).
@@ -33,6 +36,8 @@ from arch.ffn import FFNS
 from arch.heads import HEADS
 from arch.init import group_init
 from arch.layers import Embedding
+from arch.moe import AuxLoss, DroppedFraction
+from arch.mtp import MultiTokenModule, prenorm_config
 from arch.norms import make_norm
 from arch.positions import POSITIONS
 from arch.remat import ATTENTION_OUTPUT, FFN_OUTPUT, apply_remat
@@ -173,6 +178,11 @@ class TransformerLM(nnx.Module):
         self.residual_stream = RESIDUALS[cfg.residual.name].stream(cfg, rngs=rngs)
         self.final_norm = make_norm(cfg, rngs=rngs) if cfg.norm.final else None
         self.head = HEADS[cfg.head.name](cfg, rngs=rngs)
+        if cfg.head.get("mtp_depth", 0):  # multi-token prediction modules (arch/mtp.py)
+            self.mtp = nnx.List([
+                MultiTokenModule(cfg, Block(prenorm_config(cfg), execution=self.execution,
+                                            rngs=rngs), rngs=rngs)
+                for _ in range(cfg.head.mtp_depth)])
 
     def __call__(self, tokens_BxT: jax.Array, positions_BxT: jax.Array | None = None, *,
                  dropout_key: jax.Array | None = None) -> jax.Array:
@@ -187,14 +197,34 @@ class TransformerLM(nnx.Module):
     def decode(self, tokens_BxT, positions_BxT, cache):
         return self._forward(tokens_BxT, positions_BxT, cache)
 
+    def multi_token_logits(self, tokens_BxT: jax.Array, positions_BxT: jax.Array,
+                           future_tokens_KxBxT: jax.Array, *,
+                           dropout_key: jax.Array | None = None) -> list[jax.Array]:
+        """The training forward pass with multi-token prediction (arch/mtp.py): [the next-token
+        logits, then those of MTP modules 1 … k], each B×T×V float32. `future_tokens_KxBxT[j−1]`
+        holds t_{i+j} at the array index of t_i (any token where none exists: causal attention
+        keeps it out of every earlier position). `dropout_key`: the trunk's dropout (the MTP
+        modules run without it)."""
+        hidden_BxTxD, _ = self._hidden(tokens_BxT, positions_BxT, None,
+                                       Dropout.for_model(self.cfg, dropout_key))
+        logits = [self._output(hidden_BxTxD)]
+        for module, future_BxT in zip(self.mtp, future_tokens_KxBxT, strict=True):
+            hidden_BxTxD = module(hidden_BxTxD, self.embed(future_BxT), positions_BxT,
+                                  self.position.rotate)
+            logits.append(self._output(hidden_BxTxD))
+        return logits
+
     def init_cache(self, batch: int, length: int, dtype=jnp.float32) -> dict | tuple:
         """Zeroed KV cache for `length` positions, stacked over layers (groups × k when the scan
-        runs `BlockGroup`s), in `dtype` but for an attention class's `float32_cache` entries
-        (Gated DeltaNet's recurrent state). A group whose blocks differ in attention
-        (`model.layer_pattern`) gets a tuple of k caches, each stacked over groups. With
+        runs `BlockGroup`s), and with looped depth (`model.loop_count` = R > 1) over loops first:
+        one cache per (loop, layer). In `dtype` but for an attention class's `float32_cache`
+        entries (Gated DeltaNet's recurrent state). A group whose blocks differ in attention
+        (`model.layer_pattern`) gets a tuple of k caches, each stacked over (loops,) groups. With
         `attention.window` W > 0 an attention cache holds min(length, W) slots, a ring buffer,
         and "position" (the position in each slot, `EMPTY_SLOT` until written)."""
         attentions = layer_attentions(self.cfg)[:blocks_per_unit(self.cfg)]
+        loops = self.cfg.get("loop_count", 1)
+        loop = (loops,) if loops > 1 else ()
 
         def zeros(attention: str, stack: tuple[int, ...]) -> dict:
             kind = ATTENTION[attention]
@@ -207,32 +237,97 @@ class TransformerLM(nnx.Module):
             return cache
 
         if len(set(attentions)) == 1:
-            return zeros(attentions[0], self.stack_shape)
-        return tuple(zeros(attention, self.stack_shape[:1]) for attention in attentions)
+            return zeros(attentions[0], loop + self.stack_shape)
+        return tuple(zeros(attention, loop + self.stack_shape[:1]) for attention in attentions)
+
+    def loop_hidden_states(self, tokens_BxT: jax.Array, positions_BxT: jax.Array | None = None
+                           ) -> jax.Array:
+        """What the final norm would read after each pass of the layer stack (looped depth,
+        `model.loop_count` = R), R×B×T×D; the last entry is what it does read. For the
+        early-exit probe (`train.instruments.early_exit`)."""
+        if positions_BxT is None:
+            positions_BxT = jnp.broadcast_to(jnp.arange(tokens_BxT.shape[1]), tokens_BxT.shape)
+        hidden_RxBxTxD, _ = self._hidden(tokens_BxT, positions_BxT, None, loop_exits=True)
+        return hidden_RxBxTxD
 
     def _forward(self, tokens_BxT, positions_BxT, cache, dropout: Dropout | None = None):
+        hidden_BxTxD, cache = self._hidden(tokens_BxT, positions_BxT, cache, dropout)
+        return self._output(hidden_BxTxD), cache
+
+    def _hidden(self, tokens_BxT, positions_BxT, cache, dropout: Dropout | None = None,
+                loop_exits: bool = False):
+        """The stack's output (what the final norm reads), B×T×D, and the updated KV cache.
+        `dropout`: the training dropout (arch/dropout.py), None: none. `loop_exits`: that output
+        after each pass of a looped stack instead, R×B×T×D."""
         x_BxTxD = self.position.embed(self.embed(tokens_BxT), positions_BxT)
         if dropout is not None:  # arch/dropout.py; keys of unit l: dropout.layer_keys
             x_BxTxD = dropout.embedding(x_BxTxD)
         graphdef, layer_params, layer_states = nnx.split(self.blocks, nnx.Param, ...)
+        loops = self.cfg.get("loop_count", 1)
+        if (loops > 1 or loop_exits) and (self.cfg.reversible or pipeline.stage_count() > 1):
+            raise ValueError(f"model.loop_count={loops}: looped depth runs neither reversible "
+                             "blocks nor the pipeline (mesh.stage > 1)")
         if self.cfg.reversible:  # arch/reversible.py: two coupled streams
             x_BxTxD, cache = run_reversible(graphdef, layer_params, layer_states, x_BxTxD,
                                             positions_BxT, self.position.rotate, cache,
                                             dropout=dropout)
-            return self._output(x_BxTxD), cache
+            return x_BxTxD, cache
         x_BxTxD = constrain(x_BxTxD, STREAM)
         stages = pipeline.stage_count()
         if stages > 1 and dropout is not None:
             raise ValueError(f"model.dropout does not run in the pipeline (mesh.stage={stages}): "
                              "set its rates to 0 or mesh.stage=1")
         if stages > 1 and cache is None:  # training and evaluation: pipelined over `stage`
-            return self._output(self._pipelined(x_BxTxD, positions_BxT, graphdef, layer_params,
-                                                layer_states, stages)), None
+            return self._pipelined(x_BxTxD, positions_BxT, graphdef, layer_params,
+                                   layer_states, stages), None
         stream = constrain_state(self.residual_stream.begin(x_BxTxD))
+        if loops > 1 or loop_exits:
+            hidden, layer_states, cache = self._loop(stream, x_BxTxD, positions_BxT, graphdef,
+                                                     layer_params, layer_states, cache, loops,
+                                                     loop_exits, dropout)
+            nnx.update(self.blocks, layer_states)
+            return hidden, cache
         stream, (layer_states, cache) = self._scan(stream, positions_BxT, graphdef, layer_params,
                                                    layer_states, cache, dropout)
         nnx.update(self.blocks, layer_states)  # e.g. BatchNorm running statistics
-        return self._output(self.residual_stream.end(stream)), cache
+        return self.residual_stream.end(stream), cache
+
+    def _loop(self, stream, x_BxTxD, positions_BxT, graphdef, layer_params, layer_states, cache,
+              loops: int, exits: bool = False, dropout: Dropout | None = None):
+        """Looped depth (Dehghani et al. 2019, "Universal Transformers"; Geiping et al. 2025,
+        "Scaling up Test-Time Compute with Latent Reasoning: A Recurrent Depth Approach"): the
+        layer stack applied R = `model.loop_count` times with the same parameters,
+
+            x ← stack(x)  for r = 1;   x ← stack(x + x⁰ if `model.loop_inject` else x)  for r > 1,
+
+        as one outer `jax.lax.scan` over the R passes around the layer scan (`_scan`), so the
+        stack compiles once. The KV cache holds one entry per (loop, layer) (`init_cache`).
+        Non-parameter layer state threads through the passes (BatchNorm running statistics are
+        updated once per pass); the MoE auxiliary losses are summed over the passes (each pass
+        is L more MoE layers) and the dropped fraction averaged; dropout folds the pass index
+        into its keys, so each pass draws its own masks. Returns (what the final norm
+        reads, B×T×D, or with `exits` what it would read after each pass, R×B×T×D; the layer
+        state; the cache). Cost: R× the stack's FLOPs and KV cache, the same parameters."""
+        inject = self.cfg.get("loop_inject", False)
+
+        def one_pass(carry, loop):
+            stream, layer_states = carry
+            index, loop_cache = loop
+            if inject:
+                stream = jnp.where(index > 0, stream + x_BxTxD, stream)
+            stream, (layer_states, loop_cache) = self._scan(
+                stream, positions_BxT, graphdef, layer_params, layer_states, loop_cache,
+                None if dropout is None else dropout.at(index))
+            exit_BxTxD = self.residual_stream.end(stream) if exits else None
+            return (stream, layer_states), (exit_BxTxD, layer_states, loop_cache)
+
+        (stream, _), (exits_RxBxTxD, states_R, cache) = jax.lax.scan(
+            one_pass, (stream, layer_states), (jnp.arange(loops), cache))
+        losses, dropped, rest = nnx.split_state(states_R, AuxLoss, DroppedFraction, ...)
+        layer_states = nnx.merge_state(jax.tree.map(lambda x: x.sum(0), losses),
+                                       jax.tree.map(lambda x: x.mean(0), dropped),
+                                       jax.tree.map(lambda x: x[-1], rest))
+        return (exits_RxBxTxD if exits else self.residual_stream.end(stream)), layer_states, cache
 
     def _scan(self, stream, positions_BxT, graphdef, layer_params, layer_states, cache,
               dropout: Dropout | None = None):

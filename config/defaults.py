@@ -135,6 +135,8 @@ def model_config() -> ml_collections.ConfigDict:
             bias=False,           # output bias b ∈ R^V on every head
             mos_components=4,     # K for mos/moc (Yang et al. 2018)
             mos_tied=True,        # mos/moc: output projection = the input embedding
+            mtp_depth=0,          # k multi-token prediction modules (arch/mtp.py; training only)
+            mtp_weight=0.3,       # λ: loss = CE + (λ/k) Σ_j CE_j (DeepSeek-V3: 0.3, then 0.1)
         ),
         # Initialization scheme (arch.init.INITS) per parameter group; None: `default`.
         init=dict(default="fan_in", **{group: ml_collections.FieldReference(None, field_type=str)
@@ -149,6 +151,10 @@ def model_config() -> ml_collections.ConfigDict:
             ffn_hidden=0.0,       # FFN (and MoE expert) hidden activations, before W₂
             residual=0.0,         # every sublayer's update u, before the residual write
         ),
+        loop_count=1,             # R: the block stack applied R times, shared parameters
+                                  # (looped depth; single-stream residuals, no pipeline)
+        loop_inject=False,        # looped depth: add the embedding x⁰ to the stream before
+                                  # every pass after the first
     ))
 
 

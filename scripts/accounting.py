@@ -7,7 +7,7 @@
 For each model (an experiment file, and/or named reference shapes, `--shape all` for every one):
 
   parameters        total (unique, storage) and active per token (MoE: k of E routed experts);
-                    by component (embedding, attention, ffn, norms, residual, head; they sum to
+                    by component (embedding, attention, ffn, norms, residual, head, mtp; they sum to
                     the total); vocabulary-indexed tables and the non-embedding rest; the tied
                     vs untied difference (V·d) — `arch.accounting.parameter_breakdown`
   flops             matmul FLOPs per token, training (3× forward) and inference, causal

@@ -35,6 +35,7 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     "q_latent": None,    # MLA query latent width d_c'
     "head_mixture": None,  # K components of the mos/moc heads
     "head_context": "tensor",  # width of the mos/moc component contexts
+    "mtp_concat": "tensor",  # the 2d input [norm(h); norm(Emb)] of an MTP projection (arch/mtp)
     # activations
     "act_batch": ("data", "fsdp", "expert"),  # outside MoE layers, expert = data parallelism
     "act_expert_batch": ("data", "fsdp"),  # batch of the dispatched (B, E, C, d) MoE tokens

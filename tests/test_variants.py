@@ -23,9 +23,10 @@ from train.config import validate
 from train.step import TrainProgram
 
 VARIANTS = {
-    "postnorm-scalenorm-geglu-untied-layerscale-window": dict(
+    "postnorm-scalenorm-geglu-untied-layerscale-window-mtp-loop": dict(
         residual="postnorm", norm="scalenorm", ffn="geglu", head="untied", head__bias=True,
-        norm__final=False, branch_scale="layerscale", attention__window=8),  # window < seq 16
+        norm__final=False, branch_scale="layerscale", attention__window=8,  # window < seq 16
+        head__mtp_depth=2, loop_count=2, loop_inject=True),
     "deepnorm-layernorm-reglu-mos": dict(residual="deepnorm", norm="layernorm", ffn="reglu",
                                          head="mos", norm__final=False,
                                          init=dict(value="deepnorm", attention_output="deepnorm",

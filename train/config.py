@@ -25,6 +25,8 @@ def validate(config, device_count: int, slice_count: int = 1) -> dict[str, int]:
         model.max_seq_len = config.seq_len
     resolve_model(model)
     resolve_execution(config.execution)
+    check(model.head.mtp_depth < config.seq_len, "model.head.mtp_depth", model.head.mtp_depth,
+          f"must be below seq_len={config.seq_len} (MTP depth j has seq_len − j targets)")
 
     mesh = mesh_shape(config.mesh, device_count)
     ici_dcn_shapes(config.mesh, mesh, slice_count)
@@ -47,6 +49,9 @@ def validate(config, device_count: int, slice_count: int = 1) -> dict[str, int]:
     _check_hybrid(model, mesh)  # gated_deltanet blocks, model.layer_pattern
     if mesh["sequence"] > 1:
         _check_sequence_parallel(config, mesh["sequence"], mesh["stage"])
+    check(mesh["stage"] == 1 or model.loop_count == 1, "model.loop_count", model.loop_count,
+          f"looped depth does not run in the pipeline (mesh.stage={mesh['stage']}); use "
+          "mesh.stage=1 or model.loop_count=1")
     validate_pipeline(config, mesh)  # mesh.stage
     if enabled(model):
         _check_dropout(config, mesh)

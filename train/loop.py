@@ -249,8 +249,9 @@ def _train_locked(program: TrainProgram, config, workdir: Path) -> dict:
                           "mfu": throughput / tokens_per_step * model_flops / peak_flops,
                           **static,
                           **({"skipped_steps": int(skipped)} if skip_nonfinite else {}),
-                          **{k: float(metrics[k]) for k in ("aux_loss", "moe_dropped_fraction",
-                                                            "distill_kl") if k in metrics}}
+                          **{k: float(metrics[k]) for k in metrics
+                             if k in ("aux_loss", "moe_dropped_fraction", "distill_kl",
+                                      "next_token_loss") or k.startswith("mtp_loss")}}
                 progress.set_postfix(loss=f"{record['train_loss']:.3f}",
                                      tok_s=f"{throughput:,.0f}", mfu=f"{record['mfu']:.1%}")
             if step % config.eval_every == 0 or step == config.steps:

@@ -47,7 +47,7 @@ from arch.model import TransformerLM
 from arch.moe import AuxLoss, DroppedFraction
 from sharding.mesh import make_mesh, maybe_initialize_distributed, slice_count
 from sharding.rules import constrain, named_sharding
-from sharding.sequence import stripe_batch
+from sharding.sequence import stripe_batch, stripe_order
 from train.config import validate
 from train.optim import make_optimizer, schedule
 
@@ -82,6 +82,35 @@ def ema_update(ema, params, decay: float):
     """ema ← decay·ema + (1 − decay)·params, leaf by leaf (the EMA rule: the only update an EMA
     teacher ever gets). Cost: O(parameters)."""
     return jax.tree.map(lambda average, param: decay * average + (1 - decay) * param, ema, params)
+
+
+def masked_next_token_loss(logits_BxTxV: jax.Array, targets_BxT: jax.Array,
+                           valid_BxT: jax.Array) -> jax.Array:
+    """Mean cross-entropy over the positions where `valid_BxT` is True, in float32."""
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits_BxTxV, targets_BxT)
+    valid = valid_BxT.astype(jnp.float32)
+    return jnp.sum(losses * valid) / jnp.sum(valid)
+
+
+def multi_token_batch(tokens_BxT1: jax.Array, depth: int, shards: int = 1
+                      ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(future_tokens, targets, valid), each K×B×T (K = `depth`), of a batch of T + 1 tokens
+    t_0 … t_T for multi-token prediction (arch/mtp.py), in the order of `stripe_batch`'s inputs
+    (`stripe_order(T, shards)`). Module j = 1 … K at input position i reads
+    future_tokens[j−1, :, i] = t_{i+j} and predicts targets[j−1, :, i] = t_{i+j+1}; valid is
+    True exactly where that target exists, i ≤ T − 1 − j (T − j positions per sequence; the
+    last j are excluded from the mean). Missing tokens are 0 and are never a valid target."""
+    batch, length = tokens_BxT1.shape[0], tokens_BxT1.shape[1] - 1
+    padded_BxP = jnp.pad(tokens_BxT1, ((0, 0), (0, depth + 1)))
+    order = stripe_order(length, shards)
+    stripe = (lambda x: x[..., order]) if shards > 1 else (lambda x: x)  # noqa: E731
+    future, targets, valid = [], [], []
+    for j in range(1, depth + 1):
+        future.append(stripe(padded_BxP[:, j:j + length]))
+        targets.append(stripe(padded_BxP[:, j + 1:j + 1 + length]))
+        valid.append(jnp.broadcast_to(stripe(np.arange(length) <= length - 1 - j),
+                                      (batch, length)))
+    return jnp.stack(future), jnp.stack(targets), jnp.stack(valid)
 
 
 def _masked(leaf) -> bool:
@@ -159,10 +188,13 @@ class TrainProgram:
         `dropout_key`: the model's dropout key (`dropout_key`), None: no dropout.
 
         The loss is next-token cross-entropy plus the sum of every `arch.moe.AuxLoss` the forward
-        pass wrote (MoE balancing and z-losses), plus, given `teacher_params` (the EMA), w·KL
-        of the teacher's stop-gradient logits to the student's (`distillation_kl`). The metrics
-        are {"aux_loss", "moe_dropped_fraction" (mean over layers)} for a model with such
-        variables, and "distill_kl" (the KL, unweighted) with a teacher."""
+        pass wrote (MoE balancing and z-losses), plus, with multi-token prediction
+        (`model.head.mtp_depth` = k > 0, arch/mtp.py), (λ/k) Σ_j CE_j over the positions that
+        have a target for depth j (`multi_token_batch`), plus, given `teacher_params` (the EMA),
+        w·KL of the teacher's stop-gradient logits to the student's (`distillation_kl`). The
+        metrics are {"aux_loss", "moe_dropped_fraction" (mean over layers)} for a model with such
+        variables, {"next_token_loss", "mtp_loss" ((λ/k) Σ_j CE_j), "mtp_loss_<j>" (CE_j)} with
+        MTP, and "distill_kl" (the KL, unweighted) with a teacher."""
         inputs_BxT, targets_BxT, positions_BxT = self.model_inputs(tokens_BxT1)
         teacher_logits_BxTxV = None
         if teacher_params is not None:
@@ -171,11 +203,25 @@ class TrainProgram:
             teacher = nnx.merge(self.graphdef, teacher_params, model_state)
             teacher_logits_BxTxV = jax.lax.stop_gradient(teacher(inputs_BxT, positions_BxT))
         model = nnx.merge(self.graphdef, params, model_state)
+        depth = self.model_cfg.head.get("mtp_depth", 0)
 
         def loss(model):
-            logits_BxTxV = model(inputs_BxT, positions_BxT, dropout_key=dropout_key)
-            value = next_token_loss(logits_BxTxV, targets_BxT)
             metrics = {}
+            if depth:
+                future_KxBxT, mtp_targets_KxBxT, valid_KxBxT = multi_token_batch(
+                    tokens_BxT1, depth, self.sequence_shards)
+                logits_BxTxV, *mtp_logits = model.multi_token_logits(
+                    inputs_BxT, positions_BxT, future_KxBxT, dropout_key=dropout_key)
+                value = metrics["next_token_loss"] = next_token_loss(logits_BxTxV, targets_BxT)
+                for j, logits_j in enumerate(mtp_logits, start=1):
+                    metrics[f"mtp_loss_{j}"] = masked_next_token_loss(
+                        logits_j, mtp_targets_KxBxT[j - 1], valid_KxBxT[j - 1])
+                metrics["mtp_loss"] = (self.model_cfg.head.mtp_weight / depth) * sum(
+                    metrics[f"mtp_loss_{j}"] for j in range(1, depth + 1))
+                value = value + metrics["mtp_loss"]
+            else:
+                logits_BxTxV = model(inputs_BxT, positions_BxT, dropout_key=dropout_key)
+                value = next_token_loss(logits_BxTxV, targets_BxT)
             if teacher_logits_BxTxV is not None:
                 metrics["distill_kl"] = distillation_kl(logits_BxTxV, teacher_logits_BxTxV,
                                                         self.distill_temperature)

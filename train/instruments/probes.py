@@ -71,7 +71,12 @@ NORM_STATISTICS = ("input_mean", "input_variance", "input_rms", "gain_mean", "ga
 
 
 def require_probeable(cfg) -> None:
-    """ValueError for the reversible stack, whose two coupled streams the probes do not walk."""
+    """ValueError for the reversible stack, whose two coupled streams the probes do not walk,
+    and for looped depth, whose R passes they do not repeat (`train.instruments.early_exit`
+    probes it by pass)."""
+    if cfg.get("loop_count", 1) > 1:
+        raise ValueError(f"model.loop_count={cfg.loop_count}: the probes walk one pass of the "
+                         "block stack; use train.instruments.early_exit for looped depth")
     if cfg.reversible:
         raise ValueError("model.reversible=True: the probes walk the residual mechanisms of "
                          "arch/residual.py, not the reversible stack; probe the model with "
