@@ -147,14 +147,15 @@ def _gpt2_fields(hf: Mapping) -> dict:
 
 
 # Our model fields that do not change the function a Llama or GPT-2 computes: how it was
-# initialized, its compute dtype, how d_ff was derived, and the options of components it does not
-# use (which a run may still carry). Every other field must survive the round trip
-# model → config.json → model, or the export is refused.
-INERT_FIELDS = ("init.", "dtype", "ffn.ratio", "ffn.width", "ffn.multiple_of",
-                "ffn.leaky_relu_slope", "mla.", "moe.", "hyper.", "attnres.", "gated_residual.",
-                "residual.streams", "residual.dynamic", "norm.batchnorm_momentum",
-                "norm.dyt_alpha_init", "norm.gated_rank", "head.mos_", "fixnorm_scale",
-                "branch_scale.layerscale_init", "branch_scale.multiplier")
+# initialized and trained (dtype, dropout, the multi-token-prediction modules, which next-token
+# generation never runs and the export leaves out), how d_ff was derived, and the options of
+# components it does not use (which a run may still carry). Every other field must survive the
+# round trip model → config.json → model, or the export is refused.
+INERT_FIELDS = ("init.", "dtype", "dropout.", "head.mtp_", "ffn.ratio", "ffn.width",
+                "ffn.multiple_of", "ffn.leaky_relu_slope", "mla.", "moe.", "hyper.", "attnres.",
+                "gated_residual.", "deltanet.", "residual.streams", "residual.dynamic",
+                "norm.batchnorm_momentum", "norm.dyt_alpha_init", "norm.gated_rank", "head.mos_",
+                "fixnorm_scale", "branch_scale.layerscale_init", "branch_scale.multiplier")
 
 
 def _flat(config: Mapping, prefix: str = "") -> dict:
