@@ -27,8 +27,9 @@ for Transformers at Scale", §3): vector-wise int8 with the mixed-precision deco
     weight rows; the rest in int8:
         y = x_O · W_O  +  (s_x s_w / 127²) ⊙ (round(127 x_Ō / s_x) · round(127 W_Ō / s_w))
     with s_x = max_j∉O |x_{t j}| per row (token) of x and s_w = max_i |W_{i o}| per output column
-    o of W; the integer product accumulates in int32. Outlier rows are kept padded to
-    `quantization.outliers` per layer (their index, or an all-zero row past the layer's count).
+    o of W; the integer product accumulates in int32. Each quantized Dense keeps k outlier rows
+    per stacked layer, k the most of its layers (`quantization.outliers`; past a layer's own
+    count, index 0 with an all-zero weight row).
     Cost: two row/column absmax reductions and an int8 matmul; k·O float32 weights per layer.
 """
 
@@ -167,6 +168,17 @@ class LLMInt8Dense(nnx.Module):
         return y
 
 
+def dense_key(path: tuple) -> str:
+    """A stack Dense's name within its block, e.g. "attention/query" (the config's key)."""
+    return "/".join(str(part) for part in path[1:])
+
+
+def outlier_capacities(text: str) -> dict[str, int]:
+    """`quantization.outliers` "attention/query=2,ffn/down=40" as {name: k} (k ≥ 1)."""
+    pairs = [item.split("=") for item in text.split(",") if item]
+    return {name: max(int(k), 1) for name, k in pairs}
+
+
 def quantizable_dense(model: nnx.Module) -> list[tuple[tuple, Dense]]:
     """(path, module) of every Dense of the layer stack inside an attention or FFN sublayer."""
     return [(path, node) for path, node in nnx.iter_graph(model)
@@ -205,7 +217,7 @@ def quantized_structure(model: nnx.Module, quantization) -> nnx.Module:
         names = stack_names_of(dense.kernel, len(stack))
         bias = None if dense.bias is None else jnp.zeros((*stack, *out_shape), jnp.float32)
         if method == "llm_int8":
-            k = max(int(quantization.outliers), 1)
+            k = outlier_capacities(quantization.outliers).get(dense_key(path), 1)
             return LLMInt8Dense(
                 jnp.zeros((*stack, features_in, features_out), jnp.int8),
                 jnp.ones((*stack, 1, features_out), jnp.float32),

@@ -166,8 +166,9 @@ def quantization_config() -> ml_collections.ConfigDict:
         group_size=0,             # int8/gptq: input rows sharing a scale; 0: one per output column
         threshold=6.0,            # llm_int8: calibration |activation| above which a feature is
                                   # multiplied in float32
-        outliers=0,               # llm_int8: float32 feature rows held per layer (the most any
-                                  # layer has; written by scripts/quantize.py)
+        outliers="",              # llm_int8: float32 feature rows each quantized layer holds
+                                  # (the most of any stacked layer), "attention/query=2,…"
+                                  # (written by scripts/quantize.py)
         calibration_batches=0,    # batches of the training split the calibration read
     ))
 

@@ -44,6 +44,7 @@ import json
 import math
 import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -61,6 +62,7 @@ from arch.quantized import (
     QuantizedDense,
     check_group_size,
     dense_geometry,
+    dense_key,
     int8_rows,
     qtype_of,
     quantizable_dense,
@@ -231,7 +233,7 @@ def outlier_features(absmax: np.ndarray, threshold: float) -> np.ndarray:
 
 def llm_int8_layer(dense: Dense, outliers: np.ndarray, capacity: int) -> LLMInt8Dense:
     """An LLMInt8Dense of `dense` whose input features `outliers` (…×I bool) stay float32,
-    padded to `capacity` outlier rows per stacked layer."""
+    padded to `capacity` outlier rows per stacked layer (≥ the most of any layer)."""
     w, stack, in_shape, out_shape = _matrix(dense)
     w_LxIxO = w.reshape(-1, *w.shape[-2:])
     mask_LxI = outliers.reshape(-1, w.shape[-2])
@@ -274,20 +276,20 @@ def quantize_model(program, state, method: str, *, group_size: int = 0,
     bits = METHOD_BITS[method]
     model = nnx.merge(program.graphdef, state["params"], state["model_state"])
     fields = dict(method=method, bits=bits, group_size=group_size if method != "llm_int8" else 0,
-                  threshold=threshold, outliers=0)
+                  threshold=threshold, outliers="")
     report: dict = {}
     if method == "llm_int8":
         masks = {path: outlier_features(stats["absmax"], threshold)
                  for path, stats in calibration.items()}
-        capacity = max(1, max(int(m.reshape(-1, m.shape[-1]).sum(-1).max())
-                              for m in masks.values()))
-        fields["outliers"] = capacity
+        capacity = {path: max(1, int(m.reshape(-1, m.shape[-1]).sum(-1).max()))
+                    for path, m in masks.items()}
+        fields["outliers"] = ",".join(f"{dense_key(p)}={k}" for p, k in capacity.items())
         geometry = {path: math.prod(dense_geometry(dense)[2])
                     for path, dense in quantizable_dense(model)}
         report["eight_bit_share"] = eight_bit_share(masks, geometry)
         report["outlier_features"] = {"/".join(map(str, p)): m.reshape(-1, m.shape[-1]).sum(-1)
                                       .tolist() for p, m in masks.items()}
-        swap_dense(model, lambda path, dense: llm_int8_layer(dense, masks[path], capacity))
+        swap_dense(model, lambda path, dense: llm_int8_layer(dense, masks[path], capacity[path]))
     else:
         for path, dense in quantizable_dense(model):
             check_group_size(group_size, math.prod(dense_geometry(dense)[1]),
@@ -400,6 +402,10 @@ def decode_step_runner(program, state, context: int):
     return run
 
 
+def directory_bytes(directory: Path) -> int:
+    return sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
+
+
 def measure(workdir: str | Path, out: str | Path, *, steps: int = 200, block: int = 10) -> dict:
     """Validation loss of both runs and its delta, weight bytes of both, and the decode step time
     ratio quantized / float32 (median of per-round ratios, interleaved ABBA in one process)."""
@@ -410,9 +416,11 @@ def measure(workdir: str | Path, out: str | Path, *, steps: int = 200, block: in
     times = time_interleaved({"float32": decode_step_runner(program, state, context),
                               "quantized": decode_step_runner(program_q, state_q, context)},
                              steps, block)
-    disk = {name: sum(f.stat().st_size for f in (Path(run) / "checkpoints").rglob("*")
-                      if f.is_file() and "opt_state" not in str(f))
-            for name, run in (("float32", workdir), ("quantized", out))}
+    with tempfile.TemporaryDirectory() as scratch:  # the float32 parameters alone, as RUN_Q holds
+        with Checkpointer(scratch) as checkpointer:
+            checkpointer.save(0, state, {}, force=True)
+        disk = {"float32": directory_bytes(Path(scratch) / "checkpoints"),
+                "quantized": directory_bytes(Path(out) / "checkpoints")}
     return {"validation_loss_float32": loss, "validation_loss_quantized": loss_q,
             "loss_delta": loss_q - loss,
             "weight_bytes_float32": weight_bytes(state["params"]),
