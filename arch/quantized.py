@@ -8,7 +8,8 @@ axis and run under `jax.lax.scan`, so each quantized layer stores its arrays wit
 stack axes and the scan slices them like any parameter. A kernel W ∈ R^{in_shape × out_shape}
 is stored flattened to a matrix W ∈ R^{I×O}, I = prod(in_shape), O = prod(out_shape).
 
-`QuantizedDense` (methods int8, gptq4, gptq3): weight-only quantization.
+`QuantizedDense` (methods int8, int4, int3: round-to-nearest; gptq4, gptq3): weight-only
+quantization.
     W ≈ Ŵ = q ⊙ s,   q ∈ Z^{I×O} in [−2^{b−1}, 2^{b−1} − 1],   s ∈ R^{(I/g)×O}
     (one scale per output channel and group of g input rows; g = I: per channel), and
     y = x · Ŵ (+ b), with Ŵ dequantized on the fly in the compute dtype (`qwix.dequantize`).
@@ -45,8 +46,8 @@ from qwix._src.core import qarray
 
 from arch.layers import Dense
 
-QUANTIZATION_METHODS = ("none", "int8", "llm_int8", "gptq4", "gptq3")
-METHOD_BITS = {"none": 32, "int8": 8, "llm_int8": 8, "gptq4": 4, "gptq3": 3}
+QUANTIZATION_METHODS = ("none", "int8", "int4", "int3", "llm_int8", "gptq4", "gptq3")
+METHOD_BITS = {"none": 32, "int8": 8, "int4": 4, "int3": 3, "llm_int8": 8, "gptq4": 4, "gptq3": 3}
 SUBLAYERS = ("attention", "ffn")  # what is quantized: the Dense layers under these attributes
 
 

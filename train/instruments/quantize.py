@@ -1,7 +1,7 @@
 """Post-training quantization of a run: `python scripts/quantize.py`.
 
-    python scripts/quantize.py --workdir RUN --method int8|llm_int8|gptq4|gptq3 --out RUN_Q \
-        [--group_size G] [--calibration_batches N] [--threshold 6.0] [--measure]
+    python scripts/quantize.py --workdir RUN --method int8|llm_int8|gptq4|gptq3|int4|int3 \
+        --out RUN_Q [--group_size G] [--calibration_batches N] [--threshold 6.0] [--measure]
 
 Reads RUN's parameters (`restore_run`), quantizes the attention and FFN projections of the layer
 stack (`arch/quantized.py` says which layers and how they compute), and writes RUN_Q: RUN's
@@ -10,8 +10,8 @@ of the quantized parameters (integer values + scales: the weight bytes shrink on
 memory) that `restore_run`, `python -m train.generate`, the probe report and evaluation read.
 
 Methods:
-- int8: round-to-nearest, symmetric, one scale per output channel (or per group of G input rows),
-  through qwix (`qwix.quantize`).
+- int8 (and int4, int3: GPTQ's round-to-nearest baseline): round-to-nearest, symmetric, one scale
+  per output channel (or per group of G input rows), through qwix (`qwix.quantize`).
 - gptq4, gptq3: GPTQ (Frantar et al. 2023, "GPTQ: Accurate Post-Training Quantization for
   Generative Pre-trained Transformers", Alg. 1) at 4 or 3 bits: per layer, minimize
   ‖W X − Ŵ X‖² with H = X Xᵀ from calibration activations X (dampened by 1% of its mean
@@ -78,7 +78,7 @@ from train.data import VALIDATION_SEED
 from train.instruments.timing import paired_ratio, time_interleaved
 from train.restore import restore_run
 
-METHODS = ("int8", "llm_int8", "gptq4", "gptq3")
+METHODS = ("int8", "int4", "int3", "llm_int8", "gptq4", "gptq3")
 CALIBRATION_SEED = 1  # the training split's batch order for calibration (training used seed 0+)
 
 
@@ -355,7 +355,7 @@ def quantize_run(workdir: str | Path, out: str | Path, method: str, *, group_siz
                          f"({program.config.quantization.method}); quantize a float32 run")
     started = time.perf_counter()
     calibration = None
-    if method != "int8":
+    if method in ("llm_int8", "gptq4", "gptq3"):
         if calibration_batches < 1:
             raise ValueError(f"--calibration_batches={calibration_batches} is invalid: "
                              f"{method} needs ≥ 1 batch of calibration data")
