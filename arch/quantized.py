@@ -121,6 +121,12 @@ class QuantizedDense(nnx.Module):
         self.bits, self.in_shape, self.out_shape = bits, tuple(in_shape), tuple(out_shape)
         self.dtype = dtype
 
+    def keep_input_blocks(self, keep_SxK: jax.Array) -> None:
+        """Zero the weights of input block k (of K equal blocks of the flattened input, e.g. a
+        head of the attention output projection) where keep[..., k] = 0 (keep: 0 or 1, stacked
+        like the layer): the head ablation of `train.instruments.probes`."""
+        _keep_rows(self.qvalue, _row_keep(keep_SxK, self.qvalue.shape[-2]))
+
     def __call__(self, x: jax.Array) -> jax.Array:
         lead = x.shape[:x.ndim - len(self.in_shape)]
         kernel_IxO = dequantize(self.qvalue[...], self.scale[...], self.bits, self.dtype)
@@ -129,6 +135,15 @@ class QuantizedDense(nnx.Module):
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
         return y
+
+
+def _row_keep(keep_SxK: jax.Array, rows: int) -> jax.Array:
+    """Blocks of input rows → rows: each of K blocks of `rows`/K consecutive rows gets its keep."""
+    return jnp.repeat(keep_SxK, rows // keep_SxK.shape[-1], axis=-1)
+
+
+def _keep_rows(qvalue: nnx.Param, keep_SxI: jax.Array) -> None:
+    qvalue[...] = jnp.where(keep_SxI[..., None] != 0, qvalue[...], jnp.zeros((), qvalue.dtype))
 
 
 def int8_rows(x_NxI: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -153,6 +168,13 @@ class LLMInt8Dense(nnx.Module):
         self.outlier_weight = _param(outlier_weight, stack_names + (None, None))
         self.bias = None if bias is None else _param(bias, stack_names + (None,) * len(out_shape))
         self.in_shape, self.out_shape, self.dtype = tuple(in_shape), tuple(out_shape), dtype
+
+    def keep_input_blocks(self, keep_SxK: jax.Array) -> None:
+        """`QuantizedDense.keep_input_blocks`: the int8 rows and the float32 outlier rows."""
+        keep_SxI = _row_keep(keep_SxK, self.qvalue.shape[-2])
+        _keep_rows(self.qvalue, keep_SxI)
+        keep_SxR = jnp.take_along_axis(keep_SxI, self.outlier_index[...], axis=-1)
+        self.outlier_weight[...] = self.outlier_weight[...] * keep_SxR[..., None]
 
     def __call__(self, x: jax.Array) -> jax.Array:
         lead = x.shape[:x.ndim - len(self.in_shape)]

@@ -164,3 +164,22 @@ def test_bad_arguments_are_one_line_errors(tiny_run, tmp_path):
         quantize.quantize_run(tiny_run, tmp_path / "q", "int8", group_size=24)
     with pytest.raises(ValueError, match=r"^--calibration_batches=0 is invalid"):
         quantize.quantize_run(tiny_run, tmp_path / "q", "gptq4", calibration_batches=0)
+
+
+def test_removing_an_input_block_zeroes_exactly_its_weights():
+    """keep_input_blocks (the probes' head ablation on a quantized W_O): weight-only, it equals
+    zeroing block k of the input; LLM.int8() zeroes block k's int8 rows and float32 outlier rows
+    and nothing else (its output differs from zeroing the input: the row scales s_x change)."""
+    dense, llm_layer, x, _ = _llm_int8_dense(6.0)  # input (4 blocks × 6), outliers 2 and 11
+    rtn_layer = quantize.weight_only_layer(dense, 4, 0, None)
+    keep_K = jnp.asarray([1.0, 0.0, 1.0, 1.0])  # block 1 (rows 6–11) holds outlier feature 11
+    expected = rtn_layer(jnp.asarray(x) * keep_K[None, :, None])
+    rtn_layer.keep_input_blocks(keep_K)
+    np.testing.assert_allclose(rtn_layer(jnp.asarray(x)), expected, rtol=1e-6, atol=1e-6)
+    qvalue, rows = (np.array(llm_layer.qvalue[...]), np.array(llm_layer.outlier_weight[...]))
+    llm_layer.keep_input_blocks(keep_K)
+    qvalue[6:12] = 0
+    rows[llm_layer.outlier_index[...] == 11] = 0
+    assert np.abs(rows).sum(axis=1).tolist().count(0.0) == 1
+    np.testing.assert_array_equal(llm_layer.qvalue[...], qvalue)
+    np.testing.assert_array_equal(llm_layer.outlier_weight[...], rows)
