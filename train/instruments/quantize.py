@@ -367,7 +367,9 @@ def quantize_run(workdir: str | Path, out: str | Path, method: str, *, group_siz
     out.mkdir(parents=True, exist_ok=True)
     write_run(workdir, out, int(step), params, model_state, fields,
               calibration_batches if calibration is not None else 0)
-    return dict(fields, step=int(step), seconds=time.perf_counter() - started, **report)
+    return dict(fields, step=int(step), seconds=time.perf_counter() - started,
+                calibration_batches=calibration_batches if calibration is not None else 0,
+                **report)
 
 
 # Measuring ---------------------------------------------------------------------------------------
