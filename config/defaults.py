@@ -160,7 +160,7 @@ def quantization_config() -> ml_collections.ConfigDict:
     method quantized the attention and FFN projections of the layer stack, and the shapes of its
     stored arrays. method "none": a float32 run."""
     return ml_collections.ConfigDict(dict(
-        method="none",            # "none", "int8" (per-channel round-to-nearest), "llm_int8"
+        method="none",            # "none", "int8"/"int4"/"int3" (round-to-nearest), "llm_int8"
                                   # (vector-wise int8 + float32 outlier features), "gptq4", "gptq3"
         bits=32,                  # bits per quantized weight (written with the method)
         group_size=0,             # int8/gptq: input rows sharing a scale; 0: one per output column

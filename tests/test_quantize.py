@@ -15,6 +15,8 @@ from qwix.contrib import gptq_core
 
 from arch.layers import Dense
 from arch.quantized import dequantize, quantize_matrix
+from config import ConfigError
+from config.validate import check_training
 from tests.helpers import tiny_config, write_run
 from train.data import VALIDATION_SEED
 from train.generate import generate_text
@@ -183,3 +185,11 @@ def test_removing_an_input_block_zeroes_exactly_its_weights():
     assert np.abs(rows).sum(axis=1).tolist().count(0.0) == 1
     np.testing.assert_array_equal(llm_layer.qvalue[...], qvalue)
     np.testing.assert_array_equal(llm_layer.outlier_weight[...], rows)
+
+
+def test_a_quantized_run_is_refused_for_training():
+    config = tiny_config()
+    config.quantization.method = "gptq4"
+    with pytest.raises(ConfigError, match=r"^quantization.method='gptq4' is invalid: must be "
+                                          r"'none' to train"):
+        check_training(config)
