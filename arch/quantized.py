@@ -13,12 +13,15 @@ quantization.
     W ≈ Ŵ = q ⊙ s,   q ∈ Z^{I×O} in [−2^{b−1}, 2^{b−1} − 1],   s ∈ R^{(I/g)×O}
     (one scale per output channel and group of g input rows; g = I: per channel), and
     y = x · Ŵ (+ b), with Ŵ dequantized on the fly in the compute dtype (`qwix.dequantize`).
-    qwix's PTQ provider intercepts dot_general/einsum of NNX modules to run quantized matmuls,
-    but it rewrites parameters at their nnx.Param sites and cannot see through this model's
-    split-and-merge of stacked parameters inside `jax.lax.scan` (and `Dense` contracts with
-    tensordot over multi-axis kernels), so the weights are quantized into qwix's QArray storage
-    and dequantized in the forward instead: memory and disk hold b-bit values (int8, int4; the
-    3-bit values in int4 containers), the matmul itself runs in floating point.
+    qwix's PTQ provider (`qwix.quantize_model(model, PtqProvider(rules), tokens)`) intercepts the
+    dot_general of `Dense`'s tensordot, but inside the layer scan it sees a per-layer slice of a
+    stacked kernel whose sharding names still carry the `layers` axis, and it stops on
+    `AssertionError: shape=(32, 4, 8) spec=('layers', 'embed', 'heads', 'head_dim')` (a tests' tiny
+    model; qwix 0.1.8,
+    flax_util.update_sharding) when it creates the quantized parameter. So the weights are
+    quantized into qwix's QArray storage and dequantized in the forward instead: memory and disk
+    hold b-bit values (int8, int4; the 3-bit values in int4 containers), the matmul itself runs
+    in floating point.
     Cost: one dequantization (I·O multiplies) per layer per call on top of the matmul.
 
 `LLMInt8Dense` (method llm_int8; Dettmers et al. 2022, "LLM.int8(): 8-bit Matrix Multiplication
