@@ -16,9 +16,9 @@ quantization.
     qwix's PTQ provider (`qwix.quantize_model(model, PtqProvider(rules), tokens)`) intercepts the
     dot_general of `Dense`'s tensordot, but inside the layer scan it sees a per-layer slice of a
     stacked kernel whose sharding names still carry the `layers` axis, and it stops on
-    `AssertionError: shape=(32, 4, 8) spec=('layers', 'embed', 'heads', 'head_dim')` (a tests' tiny
-    model; qwix 0.1.8,
-    flax_util.update_sharding) when it creates the quantized parameter. So the weights are
+    `AssertionError: shape=(32, 4, 8) spec=('layers', 'embed', 'heads', 'head_dim')` (a tests'
+    tiny model; qwix 0.1.8, flax_util.update_sharding) when it creates the quantized parameter.
+    So the weights are
     quantized into qwix's QArray storage and dequantized in the forward instead: memory and disk
     hold b-bit values (int8, int4; the 3-bit values in int4 containers), the matmul itself runs
     in floating point.
