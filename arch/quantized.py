@@ -18,10 +18,9 @@ quantization.
     stacked kernel whose sharding names still carry the `layers` axis, and it stops on
     `AssertionError: shape=(32, 4, 8) spec=('layers', 'embed', 'heads', 'head_dim')` (a tests'
     tiny model; qwix 0.1.8, flax_util.update_sharding) when it creates the quantized parameter.
-    So the weights are
-    quantized into qwix's QArray storage and dequantized in the forward instead: memory and disk
-    hold b-bit values (int8, int4; the 3-bit values in int4 containers), the matmul itself runs
-    in floating point.
+    So the weights are quantized into qwix's QArray storage and dequantized in the forward
+    instead: memory and disk hold b-bit values (int8, int4; the 3-bit values in int4
+    containers), the matmul itself runs in floating point.
     Cost: one dequantization (I·O multiplies) per layer per call on top of the matmul.
 
 `LLMInt8Dense` (method llm_int8; Dettmers et al. 2022, "LLM.int8(): 8-bit Matrix Multiplication
