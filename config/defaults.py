@@ -182,6 +182,24 @@ def execution_config() -> ml_collections.ConfigDict:
     ))
 
 
+def quantization_config() -> ml_collections.ConfigDict:
+    """A post-training quantized run (written by scripts/quantize.py; arch/quantized.py): which
+    method quantized the attention and FFN projections of the layer stack, and the shapes of its
+    stored arrays. method "none": a float32 run."""
+    return ml_collections.ConfigDict(dict(
+        method="none",            # "none", "int8"/"int4"/"int3" (round-to-nearest), "llm_int8"
+                                  # (vector-wise int8 + float32 outlier features), "gptq4", "gptq3"
+        bits=32,                  # bits per quantized weight (written with the method)
+        group_size=0,             # int8/gptq: input rows sharing a scale; 0: one per output column
+        threshold=6.0,            # llm_int8: calibration |activation| above which a feature is
+                                  # multiplied in float32
+        outliers="",              # llm_int8: float32 feature rows each quantized layer holds
+                                  # (the most of any stacked layer), "attention/query=2,…"
+                                  # (written by scripts/quantize.py)
+        calibration_batches=0,    # batches of the training split the calibration read
+    ))
+
+
 def base_config() -> ml_collections.ConfigDict:
     """Every training field with its default."""
     return ml_collections.ConfigDict(dict(
@@ -206,6 +224,7 @@ def base_config() -> ml_collections.ConfigDict:
         top_k=40,
         model=model_config(),
         execution=execution_config(),
+        quantization=quantization_config(),
         optimizer=dict(
             name="adamw",         # "adamw", or "muon": Muon on the hidden matrices (train.optim)
             learning_rate=3e-3,

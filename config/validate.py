@@ -67,6 +67,10 @@ def check_training(config) -> None:
     part of `train.config.validate`, which also serves runs that are only restored (e.g. an
     imported checkpoint with its own vocabulary, or a run whose text files have moved)."""
     model = config.model
+    method = config.get("quantization", {}).get("method", "none")
+    check(method == "none", "quantization.method", method,
+          "must be 'none' to train: a quantized run (scripts/quantize.py) is for generation and "
+          "analysis; train its float32 run")
     # Whether it covers the tokenizer is `train.tokenizer.check_vocab`'s (it fills 0), run first.
     check(_is_int(model.vocab_size) and model.vocab_size >= 0, "model.vocab_size",
           model.vocab_size, "must be 0 (the tokenizer's size) or an integer covering it")

@@ -45,6 +45,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from arch import dropout
 from arch.model import TransformerLM
 from arch.moe import AuxLoss, DroppedFraction
+from arch.quantized import quantized_structure
+from config.defaults import quantization_config
 from sharding.mesh import make_mesh, maybe_initialize_distributed, slice_count
 from sharding.rules import constrain, named_sharding
 from sharding.sequence import stripe_batch, stripe_order
@@ -130,8 +132,7 @@ class TrainProgram:
         self.sequence_shards = mesh.shape["sequence"]
         self.model_cfg = ml_collections.FrozenConfigDict(config.model)
         self.execution = ml_collections.FrozenConfigDict(config.execution)
-        abstract = nnx.eval_shape(lambda: TransformerLM(self.model_cfg, execution=self.execution,
-                                                        rngs=nnx.Rngs(0)))
+        abstract = nnx.eval_shape(lambda: self._model(nnx.Rngs(0)))
         self.graphdef, abstract_params, abstract_model_state = nnx.split(abstract, nnx.Param, ...)
         self.optimizer = make_optimizer(config.optimizer, config.steps)
         self.ema_decay = float(config.optimizer.get("ema_decay", 0.0))
@@ -171,9 +172,14 @@ class TrainProgram:
         logits in the same order as the targets."""
         return stripe_batch(tokens_BxT1, self.sequence_shards)
 
+    def _model(self, rngs: nnx.Rngs) -> TransformerLM:
+        """The model; a quantized run's (config `quantization`) holds the quantized layers of
+        `arch.quantized`, whose values come from its checkpoint (scripts/quantize.py)."""
+        model = TransformerLM(self.model_cfg, execution=self.execution, rngs=rngs)
+        return quantized_structure(model, self.config.get("quantization", quantization_config()))
+
     def _init_state(self, seed):
-        model = TransformerLM(self.model_cfg, execution=self.execution,
-                              rngs=nnx.Rngs(jax.random.key(seed)))
+        model = self._model(nnx.Rngs(jax.random.key(seed)))
         _, params, model_state = nnx.split(model, nnx.Param, ...)
         state = {"step": jnp.zeros((), jnp.int32), "params": params, "model_state": model_state,
                  "opt_state": self.optimizer.init(params)}

@@ -73,7 +73,9 @@ def measure(workdir: str, batch: int, seq_len: int | None, prune: int,
     log("accounting")
     report["accounting"] = accounting.books(cfg, length)
     log("compiled train-step memory")
-    report["memory"] = probes.train_step_memory(program.config)
+    training_config = program.config.copy_and_resolve_references()
+    training_config.quantization.method = "none"  # a quantized run's float32 model: it trains
+    report["memory"] = probes.train_step_memory(training_config)
     with jax.set_mesh(program.mesh):
         if cfg.reversible:
             report["depth_skipped"] = ("model.reversible=True: the per-depth probes walk the "

@@ -457,8 +457,11 @@ def _loss_with_heads(graphdef, state, tokens_BxT1, keep_LxH):
     keep_GxKxH = keep_LxH.reshape(cfg.num_layers // len(members), len(members),
                                   cfg.attention.num_heads)
     for j, block in enumerate(members):  # kernel: stacked × H × P × D (P = V for mla)
-        kernel = block.attention.output.kernel
-        kernel[...] = kernel[...] * keep_GxKxH[:, j, :, None, None]
+        output = block.attention.output
+        if not isinstance(output, Dense):  # a quantized run's (arch/quantized.py)
+            output.keep_input_blocks(keep_GxKxH[:, j])
+            continue
+        output.kernel[...] = output.kernel[...] * keep_GxKxH[:, j, :, None, None]
     inputs_BxT, targets_BxT = _split_tokens(tokens_BxT1)
     return next_token_loss(model(inputs_BxT), targets_BxT)
 
