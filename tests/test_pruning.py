@@ -78,3 +78,35 @@ def test_healing_moves_only_the_adapters():
     refolded = pruning.fold_adapters(model, info["adapters"], 2.0)
     np.testing.assert_array_equal(logits(healed, tokens[:, :-1]), logits(refolded, tokens[:, :-1]))
     assert not np.allclose(logits(healed, tokens[:, :-1]), logits(model, tokens[:, :-1]))
+
+
+def test_prune_heal_command_line(tmp_path, capsys):
+    """The study on a 2-block run: both selections, the shared dropped block healed once, the
+    numbers equal to the library's, and an impossible fraction refused in one line."""
+    import json
+
+    from tests.helpers import tiny_config, write_run
+    from train import data
+    from train.instruments import probes, pruning_report
+    from train.restore import restore_for_analysis
+
+    config = tiny_config()
+    config.mesh.data = -1
+    write_run(config, tmp_path / "run", step=1)
+    data.load(config.data, "validation")
+    out = tmp_path / "out"
+    args = ["--workdir", str(tmp_path / "run"), "--out", str(out), "--heal_steps", "1",
+            "--batch", "8", "--eval_batches", "1"]
+    assert pruning_report.main_blocks([*args, "--fractions", "0.5"]) == 0
+    report = json.loads((out / "blocks.json").read_text())
+    assert (out / "blocks.png").read_bytes()[:4] == b"\x89PNG"
+    assert [r["selection"] for r in report["rows"]] == ["influence", "angular"]
+    _, _, model, tokens_BxT1 = restore_for_analysis(tmp_path / "run", 8)
+    for row in report["rows"]:
+        _, pruned = probes.prune_blocks(model, row["dropped"])
+        assert row["loss_pruned"] == pytest.approx(probes.batch_loss(pruned, tokens_BxT1),
+                                                   rel=1e-6)
+    capsys.readouterr()
+    assert pruning_report.main_blocks([*args, "--fractions", "1.0"]) == 2
+    assert capsys.readouterr().err == ("error: --fractions=1.0 is invalid: it drops 2 of 2 "
+                                       "blocks; expected 1 ≤ round(f·L) < L\n")

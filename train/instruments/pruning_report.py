@@ -91,6 +91,11 @@ def measure_blocks(workdir: str, fractions: list[float], selections: list[str], 
                    rank: int, learning_rate: float, batch: int, eval_batches: int) -> dict:
     program, step, model, evaluation, train_batch = _data(workdir, batch, eval_batches)
     layers = model.cfg.num_layers
+    for fraction in fractions:
+        if not 1 <= round(fraction * layers) < layers:
+            raise ConfigError(f"--fractions={fraction} is invalid: it drops "
+                              f"{round(fraction * layers)} of {layers} blocks; expected "
+                              "1 ≤ round(f·L) < L")
     calibration = train_batch(0, 1)
     intact = _mean_loss(model, evaluation)
     log(f"intact model: {layers} blocks, loss {intact:.4f}")
@@ -98,9 +103,6 @@ def measure_blocks(workdir: str, fractions: list[float], selections: list[str], 
     for selection in selections:
         for fraction in fractions:
             num_drop = round(fraction * layers)
-            if not 1 <= num_drop < layers:
-                raise ConfigError(f"--fractions={fraction} is invalid: it drops {num_drop} of "
-                                  f"{layers} blocks; expected 1 ≤ round(f·L) < L")
             if selection == "influence":
                 chosen = prune_by_influence(model, calibration, num_drop)
                 dropped, score = chosen["dropped"], chosen["block_influence"]
