@@ -101,6 +101,7 @@ def test_prune_heal_command_line(tmp_path, capsys):
     report = json.loads((out / "blocks.json").read_text())
     assert (out / "blocks.png").read_bytes()[:4] == b"\x89PNG"
     assert [r["selection"] for r in report["rows"]] == ["influence", "angular"]
+    assert report["loss_intact_healed"] < report["loss_intact"]  # the control: one Adam step
     _, _, model, tokens_BxT1 = restore_for_analysis(tmp_path / "run", 8)
     for row in report["rows"]:
         _, pruned = probes.prune_blocks(model, row["dropped"])
