@@ -96,3 +96,26 @@ def test_structured_rounds_stay_physically_removable():
                                                      structure=structure)
         assert [p["fraction"] for p in points] == fractions
         head_pruning.prune_heads(model, points[-1]["keep"])  # does not raise
+
+
+def test_a_pruned_model_written_as_a_run_restores_and_generates(tmp_path):
+    from tests.helpers import write_run
+    from train.generate import generate_text
+    from train.instruments import pruning
+    from train.restore import restore_for_analysis, restore_run
+
+    config = tiny_config(linear_bias=True)
+    config.mesh.data = -1
+    write_run(config, tmp_path / "run", step=1)
+    program, _, model, tokens_BxT1 = restore_for_analysis(tmp_path / "run", 8)
+    pruned_cfg, pruned = head_pruning.prune_heads(model, WHOLE_GROUPS)
+    pruning.write_run(program.config, pruned, tmp_path / "pruned")
+    restored_program, step, state = restore_run(tmp_path / "pruned")
+    assert step == 0 and restored_program.config.model.attention.num_kv_heads == 1
+    restored = nnx.merge(restored_program.graphdef, state["params"], state["model_state"])
+    inputs_BxT = tokens_BxT1[:, :-1]
+    np.testing.assert_allclose(np.asarray(restored(inputs_BxT)), np.asarray(pruned(inputs_BxT)),
+                               rtol=1e-6, atol=1e-6)
+    assert len(generate_text(restored_program, state, "In the", 5)) >= len("In the") + 1
+    with pytest.raises(FileExistsError, match="already holds a run"):
+        pruning.write_run(program.config, pruned, tmp_path / "pruned")

@@ -36,17 +36,20 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import optax
 from flax import nnx
 
 from arch.layers import Dense
 from arch.model import TransformerLM, interleaves_moe
+from train.checkpoint import Checkpointer
 from train.instruments.probes import _split_tokens, require_probeable
-from train.step import next_token_loss
+from train.step import build_program, next_token_loss
 
 Adapters = dict[str, dict[str, jax.Array]]
 
@@ -215,3 +218,30 @@ def heal(model: TransformerLM, batches: Callable[[int], np.ndarray], steps: int,
         losses.append(float(loss))
     healed = fold_adapters(nnx.merge(graphdef, tree["base"], rest), tree["adapters"], alpha)
     return healed, {"losses": losses, "adapters": tree["adapters"], "base": tree["base"]}
+
+
+def write_run(config, model: TransformerLM, workdir) -> None:
+    """Write `model` (e.g. pruned by `probes.prune_blocks` or `head_pruning.prune_heads`, or
+    healed) as a run directory that `train.restore.restore_run`, `python -m train.generate` and
+    the instruments read: config.json (`config`, a full training config such as the source run's
+    `program.config`, with `model` replaced by the model's own config) and a step-0 checkpoint of
+    its parameters, model state and a fresh optimizer state. FileExistsError if `workdir` holds
+    a run."""
+    workdir = Path(workdir)
+    if (workdir / "config.json").exists() or (workdir / "checkpoints").exists():
+        raise FileExistsError(f"{workdir} already holds a run; write into a new directory")
+    config = ml_collections.ConfigDict(config.to_dict())
+    config.model = ml_collections.ConfigDict(model.cfg.to_dict())
+    program = build_program(config)  # validates the smaller shapes before anything is written
+    params, model_state = nnx.state(model, nnx.Param), nnx.state(model, nnx.Not(nnx.Param))
+
+    def initial_state(params, model_state):
+        return {"step": jnp.zeros((), jnp.int32), "params": params, "model_state": model_state,
+                "opt_state": program.optimizer.init(params)}
+
+    with jax.set_mesh(program.mesh):
+        state = jax.jit(initial_state, out_shardings=program.state_shardings)(params, model_state)
+    workdir.mkdir(parents=True, exist_ok=True)
+    with Checkpointer(workdir, config.keep_checkpoints) as checkpointer:
+        checkpointer.save(0, state, {"next_step": 0, "seed": config.seed}, force=True)
+    (workdir / "config.json").write_text(config.to_json_best_effort(indent=2) + "\n")
