@@ -76,6 +76,21 @@ def random_tokens(shape, seed: int = 1):
     return jax.random.randint(jax.random.key(seed), shape, 0, 256)
 
 
+class JittedDecoder:
+    """`model.decode` and `init_cache` for `prefill_then_decode`, compiled once per shape."""
+
+    def __init__(self, model):
+        self.model = model
+        self._decode = nnx.jit(lambda model, tokens, positions, cache:
+                               model.decode(tokens, positions, cache))
+
+    def init_cache(self, batch, length):
+        return self.model.init_cache(batch, length)
+
+    def decode(self, tokens, positions, cache):
+        return self._decode(self.model, tokens, positions, cache)
+
+
 def prefill_then_decode(model, tokens_BxT, prefill: int, cache_length: int):
     """Logits from a KV-cache run: the first `prefill` tokens at once, then one token at a time.
 

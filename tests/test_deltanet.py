@@ -12,23 +12,14 @@ from flax import nnx
 from arch.deltanet import GatedDeltaNet, gated_delta_chunked, gated_delta_recurrence
 from arch.model import BlockGroup
 from config import ConfigError
-from tests.helpers import prefill_then_decode, random_tokens, tiny_config, tiny_model
+from tests.helpers import (
+    JittedDecoder,
+    prefill_then_decode,
+    random_tokens,
+    tiny_config,
+    tiny_model,
+)
 from train.config import validate
-
-
-class JittedDecoder:
-    """`model.decode` and `init_cache` for `prefill_then_decode`, compiled once per shape."""
-
-    def __init__(self, model):
-        self.model = model
-        self._decode = nnx.jit(lambda model, tokens, positions, cache:
-                               model.decode(tokens, positions, cache))
-
-    def init_cache(self, batch, length):
-        return self.model.init_cache(batch, length)
-
-    def decode(self, tokens, positions, cache):
-        return self._decode(self.model, tokens, positions, cache)
 
 
 def naive_gated_delta(q, k, v, g, beta, state=None):

@@ -18,7 +18,13 @@ from arch.gated_residual import (
     store_fp8,
 )
 from config import ConfigError
-from tests.helpers import prefill_then_decode, random_tokens, tiny_config, tiny_model
+from tests.helpers import (
+    JittedDecoder,
+    prefill_then_decode,
+    random_tokens,
+    tiny_config,
+    tiny_model,
+)
 from train.config import validate
 
 N = 4  # branches (the default model.residual.streams)
@@ -182,21 +188,6 @@ def test_equal_write_strengths_reduce_to_the_prenorm_model():
     # The graded initialization differs from Pre-Norm (the branches are not copies).
     assert not np.allclose(forward(tiny_model(seed=2, **GATED)[1], tokens)[0], expected,
                            atol=1e-2)
-
-
-class JittedDecoder:
-    """`model.decode` and `init_cache` for `prefill_then_decode`, compiled once per shape."""
-
-    def __init__(self, model):
-        self.model = model
-        self._decode = nnx.jit(lambda model, tokens, positions, cache:
-                               model.decode(tokens, positions, cache))
-
-    def init_cache(self, batch, length):
-        return self.model.init_cache(batch, length)
-
-    def decode(self, tokens, positions, cache):
-        return self._decode(self.model, tokens, positions, cache)
 
 
 def test_composes_with_mla_moe_interleaving_gatednorm_and_decoding():
