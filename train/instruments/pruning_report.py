@@ -164,6 +164,15 @@ def blocks_markdown(report: dict) -> str:
         f"Commit {report['commit']}, {report['machine']}; command: `{report['command']}`", ""])
 
 
+def _write(report: dict, out: Path, name: str, markdown, plot) -> None:
+    """OUT/<name>.md, .json and .png of a report, and a line saying so."""
+    out.mkdir(parents=True, exist_ok=True)
+    plot(report, out / f"{name}.png")
+    (out / f"{name}.md").write_text(markdown(report))
+    (out / f"{name}.json").write_text(json.dumps(_plain(report), indent=1) + "\n")
+    print(f"wrote {out / f'{name}.md'}, {out / f'{name}.json'}, {out / f'{name}.png'}")
+
+
 def plot_blocks(report: dict, path: Path) -> None:
     plt = _pyplot()
     figure, axes = plt.subplots(figsize=(6, 4))
@@ -228,12 +237,7 @@ def main_blocks(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ConfigError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    plot_blocks(report, out / "blocks.png")
-    (out / "blocks.md").write_text(blocks_markdown(report))
-    (out / "blocks.json").write_text(json.dumps(_plain(report), indent=1) + "\n")
-    print(f"wrote {out / 'blocks.md'}, {out / 'blocks.json'}, {out / 'blocks.png'}")
+    _write(report, Path(args.out), "blocks", blocks_markdown, plot_blocks)
     return 0
 
 
@@ -337,10 +341,5 @@ def main_heads(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ConfigError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    plot_heads(report, out / "heads.png")
-    (out / "heads.md").write_text(heads_markdown(report))
-    (out / "heads.json").write_text(json.dumps(_plain(report), indent=1) + "\n")
-    print(f"wrote {out / 'heads.md'}, {out / 'heads.json'}, {out / 'heads.png'}")
+    _write(report, Path(args.out), "heads", heads_markdown, plot_heads)
     return 0
