@@ -358,6 +358,19 @@ def test_a_local_sweep_reports_a_failing_arm_and_runs_the_others(swept):
         assert "finished already" in line and line.endswith(": skipped"), line
     assert rerun[6] == "4 of 6 runs finished"
 
+    # The study file changed under its finished runs: they are reported, not reused.
+    study = Path(json.loads((root / "study.json").read_text())["study"])
+    study.write_text(study.read_text().replace('"low": 1e-3', '"low": 2e-3'))
+    changed = sweep("--study", str(study), "--root", str(root), "--arms", "low,high")
+    assert changed.returncode == 1
+    lines = changed.stdout.splitlines()
+    for line in lines[:2]:
+        assert "failed: finished with another config" in line, line
+        assert "optimizer.learning_rate: 0.001 → 0.002" in line, line
+    for line in lines[2:4]:
+        assert line.endswith(": skipped"), line
+    assert lines[4] == "2 of 4 runs finished"
+
 
 @pytest.mark.slow
 def test_the_report_of_a_sweep_and_of_one_with_a_missing_run(swept, tmp_path):

@@ -37,8 +37,9 @@ import sys
 import time
 from pathlib import Path
 
-from config import cli
+from config import ConfigError, cli
 from config.cli import ArgumentParser, UsageError
+from train import rundir
 from train import study as studies
 
 LAUNCHES = ("local", "print", "slurm", "tpu")
@@ -139,27 +140,36 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[Run]]:
     return args, plan(study, args.root, scale, cells, seeds, overrides)
 
 
-def expected_steps(run: Run) -> int:
-    """The `steps` the run trains to: its config with the overrides (no JAX)."""
+def run_config(run: Run):
+    """The config the run trains with: its study's config with its seed and the overrides (no
+    JAX)."""
     config = cli.load_experiment(run.config)
-    cli.apply_overrides(config, cli.split_overrides(list(run.overrides))[1])
-    return int(config.steps)
+    cli.apply_overrides(config, cli.split_overrides(run.flags())[1])
+    return config
 
 
 def run_local(runs: list[Run]) -> int:
     """Run each of `runs` in turn as `python -m train` (output in WORKDIR/train.log), skipping
-    finished ones; print one line per run and a summary. Returns 0, or 1 if any failed."""
+    those finished with the same config (one finished with another, e.g. after the study file
+    changed, is reported as failed and kept); print one line per run and a summary. Returns 0,
+    or 1 if any failed."""
     failures = []
     for index, run in enumerate(runs, 1):
         print(f"[{index}/{len(runs)}] {run.label()} ", end="", flush=True)
         try:
-            steps = expected_steps(run)
+            config = run_config(run)
         except UsageError as error:
             failures.append((run, f"bad config: {error}"))
             print(f"failed: {error}", flush=True)
             continue
-        state, loss = studies.run_state(run.workdir, steps)
+        state, loss = studies.run_state(run.workdir, int(config.steps))
         if state == "finished":
+            try:
+                rundir.check_resume(run.workdir, config, resolved=False)
+            except ConfigError as error:
+                failures.append((run, f"stale: {error}"))
+                print(f"failed: finished with another config: {error}", flush=True)
+                continue
             print(f"finished already (eval_loss {loss:.4f}): skipped", flush=True)
             continue
         run.workdir.mkdir(parents=True, exist_ok=True)
@@ -170,7 +180,7 @@ def run_local(runs: list[Run]) -> int:
                                     stdout=output, stderr=subprocess.STDOUT,
                                     env=os.environ).returncode
         elapsed = time.monotonic() - start
-        state, loss = studies.run_state(run.workdir, steps)
+        state, loss = studies.run_state(run.workdir, int(config.steps))
         if status == 0 and state == "finished":
             print(f"done in {elapsed:.0f} s, eval_loss {loss:.4f}", flush=True)
         else:
