@@ -18,9 +18,8 @@ from arch.residual import (  # noqa: F401  (ResidualTraffic: re-exported with Re
     ResidualIO,
     ResidualMechanism,
     ResidualTraffic,
-    sublayer_count,
 )
-from config.derived import layer_attentions
+from config.derived import layer_attentions, sublayer_count
 
 
 def abstract_model(model_cfg) -> TransformerLM:

@@ -25,8 +25,6 @@ import functools
 import jax
 import jax.numpy as jnp
 
-IMPLEMENTATIONS = ("auto", "xla", "blocked", "cudnn", "splash")
-
 # `auto` off GPU/TPU kernels: `blocked` once queries and keys both reach this length, `xla`
 # below (decoding, T = 1, stays explicit). Chosen by measurement on CPU with 128-position tiles:
 # docs/performance.md, "Attention implementations".

@@ -109,13 +109,9 @@ from arch.residual import (
     constrain_state,
     is_capturing,
     record,
-    sublayer_count,
     sublayers_per_block,
 )
-from config import check
-
-WEIGHTS = ("softmax", "sigmoid", "static")
-QUERIES = ("static", "input")
+from config.derived import sublayer_count
 
 
 @dataclasses.dataclass(frozen=True)
@@ -922,29 +918,6 @@ class AttentionResidual(ResidualMechanism):
         sublayers = [b * per_block + j for b in kept for j in range(per_block)]
         return ([sublayer // size for sublayer in sublayers],
                 [sublayer // size for sublayer in range(len(sublayers))])
-
-    @staticmethod
-    def resolve(cfg) -> None:
-        block = cfg.attnres.block_size
-        check(isinstance(block, int) and not isinstance(block, bool) and block >= 1,
-              "model.attnres.block_size", block, "must be an integer ≥ 1 (sublayers per block)")
-        check(cfg.attnres.weights in WEIGHTS, "model.attnres.weights", cfg.attnres.weights,
-              f"valid: {', '.join(WEIGHTS)}")
-        check(cfg.attnres.query in QUERIES, "model.attnres.query", cfg.attnres.query,
-              f"valid: {', '.join(QUERIES)}")
-        check(cfg.attnres.query == "static" or cfg.attnres.weights != "static",
-              "model.attnres.query", cfg.attnres.query,
-              "static (input-independent) weights use no query; set model.attnres.query='static'"
-              " or model.attnres.weights='softmax'/'sigmoid'")
-        heads, d = cfg.attnres.heads, cfg.d_model
-        check(isinstance(heads, int) and heads >= 1 and d % heads == 0, "model.attnres.heads",
-              heads, f"must divide model.d_model={d}; valid: "
-              f"{[k for k in range(1, d + 1) if d % k == 0]}")
-        check(isinstance(cfg.attnres.key_norm, bool), "model.attnres.key_norm",
-              cfg.attnres.key_norm, "must be True or False")
-        window = cfg.attnres.window
-        check(isinstance(window, int) and not isinstance(window, bool) and window >= 0,
-              "model.attnres.window", window, "must be an integer ≥ 0 (0: every source)")
 
     def read(self, state: dict) -> jax.Array:
         if "phase" in state:  # only this read's inputs: the remat saves them

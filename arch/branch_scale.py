@@ -24,26 +24,11 @@ per sublayer; LayerScale adds d parameters per sublayer.
 
 from __future__ import annotations
 
-import math
-
 import jax
 from flax import nnx
 
 from arch.layers import param
-from arch.residual import MixingParam, sublayer_count
-
-BRANCH_SCALES = ("none", "layerscale", "fixed")
-
-
-def layerscale_init(num_layers: int) -> float:
-    """CaiT's initial γ by depth (Touvron et al. 2021, §2): 0.1 up to 18 blocks, 1e-5 up to 24,
-    1e-6 beyond."""
-    return 0.1 if num_layers <= 18 else 1e-5 if num_layers <= 24 else 1e-6
-
-
-def default_multiplier(cfg) -> float:
-    """c = 1/√(number of residual sublayers): 1/√(2L) with FFNs, 1/√L without."""
-    return 1.0 / math.sqrt(sublayer_count(cfg))
+from arch.residual import MixingParam
 
 
 class BranchScale(nnx.Module):

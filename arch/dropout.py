@@ -46,7 +46,8 @@ from collections.abc import Iterator
 import jax
 import jax.numpy as jnp
 
-SITES = ("embedding", "attention_probs", "attention_output", "ffn_hidden", "residual")
+from config.model import DROPOUT_SITES as SITES
+
 # The stream a model's keys are drawn from, folded into jax.random.key(seed): far from the small
 # counters nnx.Rngs folds in for initialization, so masks and initial weights are unrelated.
 _DROPOUT_STREAM = 0x44524F50  # "DROP"

@@ -47,8 +47,6 @@ ACTIVATIONS.register("tanh")(jnp.tanh)
 # hard tanh (Collobert 2004): clip(x, −1, 1)
 ACTIVATIONS.register("hardtanh")(jax.nn.hard_tanh)
 
-FFN_WIDTHS = ("ratio", "match_mlp")
-
 _HIDDEN = ("act_batch", "act_seq", "act_mlp")
 
 

@@ -126,12 +126,9 @@ from arch.residual import (
     ResidualTraffic,
     record,
 )
-from config import check
 
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = float(jnp.finfo(FP8).max)  # 448
-STATE_DTYPES = ("float32", "bfloat16", "float8_e4m3fn")
-INITS = ("graded", "random")
 
 
 def power_of_two_scale(x: jax.Array) -> jax.Array:
@@ -312,38 +309,6 @@ class GatedResidual(ResidualMechanism):
     @classmethod
     def stream(cls, cfg, *, rngs: nnx.Rngs) -> nnx.Module:
         return GatedResidualStream(cfg)
-
-    @staticmethod
-    def resolve(cfg) -> None:
-        check(isinstance(cfg.residual.streams, int) and cfg.residual.streams >= 2,
-              "model.residual.streams", cfg.residual.streams,
-              "gated_residual needs an integer n ≥ 2 branches (one branch: use "
-              "residual='prenorm' with norm='gatednorm')")
-        gr = cfg.gated_residual
-        check(isinstance(gr.rank, int) and gr.rank > 0, "model.gated_residual.rank", gr.rank,
-              "must be a positive integer (rank of the gate predictor)")
-        check(gr.state_dtype in STATE_DTYPES, "model.gated_residual.state_dtype", gr.state_dtype,
-              f"valid: {', '.join(STATE_DTYPES)}")
-        check(isinstance(cfg.residual.dynamic, bool), "model.residual.dynamic",
-              cfg.residual.dynamic, "must be a bool")
-        for field in ("channelwise", "mixing", "static"):
-            check(isinstance(gr[field], bool), f"model.gated_residual.{field}", gr[field],
-                  "must be a bool")
-        for field in ("channelwise_read", "channelwise_write"):
-            check(gr[field] is None or isinstance(gr[field], bool),
-                  f"model.gated_residual.{field}", gr[field],
-                  "must be a bool, or None: follow model.gated_residual.channelwise")
-        check(gr.static or cfg.residual.dynamic, "model.gated_residual.static", gr.static,
-              "removing the static gate term needs model.residual.dynamic=True (with "
-              "residual.dynamic=False the gates have no other term)")
-        check(gr.init in INITS, "model.gated_residual.init", gr.init, f"valid: {', '.join(INITS)}")
-        check(gr.init == "graded" or gr.static, "model.gated_residual.init", gr.init,
-              "initializes the static write logits, which model.gated_residual.static=False "
-              "removes")
-        n, k = cfg.residual.streams, gr.read_top_k
-        check(isinstance(k, int) and not isinstance(k, bool) and 0 <= k <= n,
-              "model.gated_residual.read_top_k", k,
-              f"must be an integer in [0, model.residual.streams={n}] (0: read all branches)")
 
     def _gates_input(self, state: dict):
         """Loaded branches (float32), their inverse rms (n×B×T×1), normalized branches n̂ and the

@@ -46,7 +46,6 @@ from arch.residual import (
     record,
     sublayers_per_block,
 )
-from config import check
 
 # mhc: the logit that makes a sigmoid read ≈ one-hot and Sinkhorn's mixing ≈ identity at
 # initialization: σ(4) = 0.982, σ(−4) = 0.018; diagonal of Sinkhorn(exp(4·I)) = e⁴/(e⁴ + n − 1).
@@ -58,22 +57,6 @@ class StreamState(NamedTuple):
 
     streams_NxBxTxD: jax.Array
     sublayer: jax.Array  # int32 scalar: index of the next sublayer to run
-
-
-def _resolve_streams(cfg) -> None:
-    check(isinstance(cfg.residual.streams, int) and cfg.residual.streams >= 1,
-          "model.residual.streams", cfg.residual.streams,
-          "must be a positive integer (the number of residual streams n)")
-
-
-def _resolve_hyper(cfg) -> None:
-    _resolve_streams(cfg)
-    check(isinstance(cfg.residual.dynamic, bool), "model.residual.dynamic", cfg.residual.dynamic,
-          "must be True (static + input-dependent weights) or False (static only)")
-    if cfg.residual.dynamic:
-        check(cfg.hyper.dynamic_scale > 0, "model.hyper.dynamic_scale", cfg.hyper.dynamic_scale,
-              "must be positive: with the zero-initialized projections a scale of 0 keeps the "
-              "dynamic part at 0 forever; set model.residual.dynamic=False for static weights")
 
 
 def _hyper_io(cfg) -> ResidualIO:
@@ -241,10 +224,6 @@ class HyperConnection(_CopiedStreamsMechanism):
             self.width_scale = param(rngs, scale, (1,), (None,), MixingParam)
             self.depth_scale = param(rngs, scale, (1,), (None,), MixingParam)
 
-    @staticmethod
-    def resolve(cfg) -> None:
-        _resolve_hyper(cfg)
-
     @classmethod
     def prune(cls, cfg, state, kept) -> None:
         _shift_read_offsets(cfg, state["blocks"], kept, "static_read", 1.0)
@@ -351,13 +330,6 @@ class ManifoldHyperConnection(_CopiedStreamsMechanism):
             self.write_scale = param(rngs, scale, (1,), (None,), MixingParam)
             self.mixing_scale = param(rngs, scale, (1,), (None,), MixingParam)
 
-    @staticmethod
-    def resolve(cfg) -> None:
-        _resolve_hyper(cfg)
-        check(isinstance(cfg.hyper.sinkhorn_iters, int) and cfg.hyper.sinkhorn_iters >= 1,
-              "model.hyper.sinkhorn_iters", cfg.hyper.sinkhorn_iters,
-              "must be a positive integer (Sinkhorn-Knopp iterations; the paper uses 20)")
-
     @classmethod
     def prune(cls, cfg, state, kept) -> None:
         _shift_read_offsets(cfg, state["blocks"], kept, "read_bias", 2.0 * MHC_INIT_LOGIT)
@@ -428,10 +400,6 @@ class WidthBaseline(ResidualMechanism):
         self.norm = make_norm(cfg, rngs=rngs)  # the sublayer's Pre-Norm
         self.branch_weights = param(rngs, nnx.initializers.ones, (self.streams,), (None,),
                                     MixingParam)
-
-    @staticmethod
-    def resolve(cfg) -> None:
-        _resolve_streams(cfg)
 
     @classmethod
     def stream(cls, cfg, *, rngs: nnx.Rngs) -> nnx.Module:

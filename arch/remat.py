@@ -13,27 +13,11 @@ from collections.abc import Callable
 
 import jax
 
+from config.model import REMAT_POLICIES
+
 ATTENTION_OUTPUT = "attention_output"
 FFN_OUTPUT = "ffn_output"
 
-# name -> what a checkpointed block keeps for its backward pass.
-REMAT_POLICIES: dict[str, str] = {
-    # Everything autodiff keeps; no recomputation. Most memory, no extra compute.
-    "none": "no checkpoint: every residual of the forward pass is kept",
-    # Only the block's inputs; the whole block is recomputed. Least memory, ~one extra forward.
-    "full": "only the block's inputs (jax.checkpoint with no policy)",
-    # Every matmul output (projections, FFN, and the batched attention scores and mixes);
-    # elementwise ops, softmax and norms are recomputed. Between full and none; cheap recompute.
-    "dots_saveable": "every matmul output (jax.checkpoint_policies.dots_saveable)",
-    # The two sublayer outputs; the sublayers' insides are recomputed. About two B×T×D per block
-    # beyond `full`; about `full`'s recompute.
-    "save_attention_and_ffn_outputs": "the attention and FFN sublayer outputs "
-                                      "(save_only_these_names)",
-    # As save_attention_and_ffn_outputs, but the two outputs go to pinned host memory and come
-    # back for the backward pass. Device memory as `full`; host transfers instead of recompute.
-    "offload": "the attention and FFN sublayer outputs, offloaded to pinned host memory "
-               "(save_and_offload_only_these_names)",
-}
 
 
 def host_offload_supported() -> bool:

@@ -20,8 +20,9 @@ through the same calls; by convention its leaves are x_BxTxD-shaped, stacked n×
 Everything else the framework asks of a mechanism is a hook with a documented default, so that
 accounting, probes, pruning, the pipeline and the optimizer name no mechanism:
 
-    config       `resolve(cfg)`: validate the mechanism's own fields (default: nothing to check);
-                 their defaults live in the schema, `config/defaults.py`
+    config       its options are a section of the schema, `config/defaults.py`, and their rules
+                 a function in `config.model.RESIDUAL_RULES` (both JAX-free, so a bad value fails
+                 before JAX loads); a mechanism without options declares neither
     accounting   `residual_io(cfg)`, `residual_history(cfg)` (default: not modelled, ValueError),
                  `state_itemsize(cfg)` (default: the compute dtype's); added parameters are
                  measured from the built model, with one `model.norm` per sublayer as zero point
@@ -90,11 +91,6 @@ class PathTerm(nnx.Intermediate):
     heatmaps (`nnx.Intermediate`) do not plot them (`train.instruments.gr_paths` reads them).
     Capturing both kinds at once, name PathTerm first: `nnx.capture` splits what it collected by
     isinstance, in the order given, and a PathTerm is an `nnx.Intermediate`."""
-
-
-def sublayer_count(cfg) -> int:
-    """L: residual sublayers in the network (attention and FFN per block, or attention only)."""
-    return cfg.num_layers * (2 if cfg.use_ffn else 1)
 
 
 def sublayers_per_block(cfg) -> int:
@@ -227,11 +223,6 @@ class ResidualMechanism(nnx.Module):
     def stream(cls, cfg, *, rngs: nnx.Rngs) -> ResidualStream:
         """The model-level module. Default `SumStream` (the state is the embedding itself)."""
         return SumStream()
-
-    @staticmethod
-    def resolve(cfg) -> None:
-        """Validate the mechanism's own fields of the model config (`config.check`: one-line
-        ConfigErrors); called by `arch.config.resolve_model`. Default: nothing to check."""
 
     @classmethod
     def residual_io(cls, cfg) -> ResidualIO:

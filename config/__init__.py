@@ -16,6 +16,11 @@ def lookup(config, path: str):
     return config
 
 
+def is_int(value) -> bool:
+    """Whether `value` is an int and not a bool."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def check(condition: bool, field: str, value, valid: str) -> None:
     """Raise `ConfigError` "`field`=`value` is invalid: `valid`" unless `condition`."""
     if not condition:

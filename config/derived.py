@@ -7,6 +7,11 @@ from __future__ import annotations
 import math
 
 
+def sublayer_count(model_cfg) -> int:
+    """L: residual sublayers in the network (attention and FFN per block, or attention only)."""
+    return model_cfg.num_layers * (2 if model_cfg.use_ffn else 1)
+
+
 def interleaves_moe(model_cfg) -> bool:
     """Whether MoE FFNs alternate with dense ones (`model.moe.every` = k > 1): the layer scan then
     runs groups of k blocks (`arch.model.BlockGroup`) instead of single blocks."""

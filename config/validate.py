@@ -14,7 +14,7 @@ import glob
 import math
 import os
 
-from config import ConfigError, check
+from config import ConfigError, check, is_int
 
 SCHEDULES = ("cosine", "wsd")
 OPTIMIZERS = ("adamw", "muon")
@@ -28,10 +28,6 @@ POSITIVE_INTEGER_FIELDS = ("steps", "batch_size", "seq_len", "log_every", "eval_
                            "accumulation_steps")
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _is_number(value) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
@@ -40,12 +36,12 @@ def check_fields(config) -> None:
     """Check every field that needs neither JAX nor the devices (a `base_config()`-shaped
     ConfigDict, model fields not yet resolved). Raises `ConfigError` in one line."""
     for field in POSITIVE_INTEGER_FIELDS:
-        check(_is_int(config[field]) and config[field] > 0, field, config[field],
+        check(is_int(config[field]) and config[field] > 0, field, config[field],
               "must be a positive integer")
     check(config.batch_size % config.accumulation_steps == 0, "accumulation_steps",
           config.accumulation_steps, f"must divide batch_size={config.batch_size}: each "
           "microbatch has batch_size / accumulation_steps sequences")
-    check(_is_int(config.seed), "seed", config.seed, "must be an integer")
+    check(is_int(config.seed), "seed", config.seed, "must be an integer")
     model = config.model
     if model.max_seq_len is not None:
         check(model.max_seq_len >= config.seq_len, "model.max_seq_len", model.max_seq_len,
@@ -72,10 +68,10 @@ def check_training(config) -> None:
           "must be 'none' to train: a quantized run (scripts/quantize.py) is for generation and "
           "analysis; train its float32 run")
     # Whether it covers the tokenizer is `train.tokenizer.check_vocab`'s (it fills 0), run first.
-    check(_is_int(model.vocab_size) and model.vocab_size >= 0, "model.vocab_size",
+    check(is_int(model.vocab_size) and model.vocab_size >= 0, "model.vocab_size",
           model.vocab_size, "must be 0 (the tokenizer's size) or an integer covering it")
     _check_data(config.data, config.seq_len)
-    check(_is_int(config.sample_tokens) and config.sample_tokens >= 0, "sample_tokens",
+    check(is_int(config.sample_tokens) and config.sample_tokens >= 0, "sample_tokens",
           config.sample_tokens, "must be a non-negative integer (0 skips the final sample)")
     if config.sample_tokens and model.vocab_size:  # vocab_size=0: checked once it is filled
         # The prompt's length in bytes: exact for the byte tokenizer, an upper bound for a
@@ -100,7 +96,7 @@ def _check_optimizer(opt, steps: int) -> None:
     check(_is_number(opt.learning_rate) and math.isfinite(opt.learning_rate)
           and opt.learning_rate > 0, "optimizer.learning_rate", opt.learning_rate,
           "must be a finite number > 0")
-    check(_is_int(opt.warmup_steps) and 0 <= opt.warmup_steps < steps, "optimizer.warmup_steps",
+    check(is_int(opt.warmup_steps) and 0 <= opt.warmup_steps < steps, "optimizer.warmup_steps",
           opt.warmup_steps, f"must be in [0, steps={steps}): the schedule needs steps after "
           "warmup; raise steps or lower warmup_steps")
     check(_is_number(opt.decay_fraction) and 0 < opt.decay_fraction <= 1,
@@ -163,11 +159,11 @@ def check_generation(vocab_size: int, position: str, context: int, prompt_tokens
     (beyond it only for positions that extrapolate, with `allow_extrapolation`), `temperature`
     ≥ 0, `top_k` in [0, vocab_size]. `names` are the fields or flags named in errors."""
     tokens_name, temperature_name, top_k_name = names
-    check(_is_int(num_tokens) and num_tokens >= 0, tokens_name, num_tokens,
+    check(is_int(num_tokens) and num_tokens >= 0, tokens_name, num_tokens,
           "must be a non-negative integer")
     check(_is_number(temperature) and math.isfinite(temperature) and temperature >= 0,
           temperature_name, temperature, "must be a finite number ≥ 0 (0: greedy)")
-    check(_is_int(top_k) and 0 <= top_k <= vocab_size, top_k_name, top_k,
+    check(is_int(top_k) and 0 <= top_k <= vocab_size, top_k_name, top_k,
           f"must be in [0, model.vocab_size={vocab_size}] (0: no top-k cut)")
     if prompt_tokens + num_tokens <= context:
         return

@@ -43,7 +43,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-SEQUENCE_ATTENTIONS = ("all_gather", "ring")
 AXIS = "sequence"
 
 

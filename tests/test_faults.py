@@ -242,16 +242,27 @@ def test_a_read_only_workdir_is_one_line(tmp_path, monkeypatch):
         rundir.check_workdir(tmp_path / "w")
 
 
-def test_the_cli_reaches_a_config_error_without_importing_jax(tmp_path):
+@pytest.mark.parametrize("overrides,message", [
+    (["--config.optimizer.learning_rate=-1"], "optimizer.learning_rate=-1.0 is invalid"),
+    (["--config.model.attention.num_heads=5"], "model.attention.num_kv_heads=2 is invalid: must "
+     "divide model.attention.num_heads=5"),
+    (["--config.model.residual.name=attnres", "--config.model.attnres.heads=5"],
+     "model.attnres.heads=5 is invalid: must divide model.d_model=192"),
+    (["--config.model.reversible=True", "--config.model.residual.name=postnorm"],
+     "model.reversible=True is invalid: reversible blocks need model.residual.name='prenorm'"),
+    (["--config.execution.remat=some"], "execution.remat='some' is invalid"),
+], ids=["optimizer", "heads", "mechanism", "reversible", "execution"])
+def test_the_cli_reaches_a_config_error_without_importing_jax(tmp_path, overrides, message):
     script = (
         "import sys\n"
         "import config.validate, train.rundir, train.__main__ as cli\n"
         f"code = cli.main(['train', '--config', 'experiments/quickstart.py', '--workdir', "
-        f"{str(tmp_path)!r}, '--config.optimizer.learning_rate=-1'])\n"
+        f"{str(tmp_path)!r}, *{overrides!r}])\n"
         f"print(code, sorted(m for m in {HEAVY_MODULES!r} if m in sys.modules))\n")
     run = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=one_device_env(),
                          capture_output=True, text=True, timeout=60)
     assert run.stdout.split() == ["2", "[]"], run.stdout + run.stderr
+    assert run.stderr.startswith(f"error: {message}") and run.stderr.count("\n") == 1, run.stderr
 
 
 @pytest.mark.parametrize("arguments,message", [

@@ -10,8 +10,9 @@ import pytest
 from flax import nnx
 
 from arch.config import resolve_model
-from arch.ffn import ACTIVATIONS, FFN_WIDTHS, FFNS, activation
+from arch.ffn import ACTIVATIONS, FFNS, activation
 from config import ConfigError
+from config.model import FFN_WIDTHS
 from experiments.common import model_config
 from tests.helpers import override, random_tokens, tiny_config, tiny_model
 from train.config import validate

@@ -7,8 +7,8 @@ preempted (SIGTERM; a checkpoint was saved). The run directory is described in d
 
 Everything that can be checked without JAX is checked before JAX is imported: the config file,
 the override names and types, every field (`config.validate`), the component names
-(`config.registered`), the workdir, its lock and, when resuming, the config's identity with the
-run's (`train.rundir`).
+(`config.registered`), the model's and the execution's rules (`config.model`), the workdir, its
+lock and, when resuming, the config's identity with the run's (`train.rundir`).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import ml_collections
 from absl import logging as absl_logging
 
 from config import ConfigError
+from config import model as rules
 from config.cli import ArgumentParser, parse_with_config
 from config.registered import check_names
 from config.validate import check_fields, check_training
@@ -39,6 +40,9 @@ def parse(argv: list[str]) -> tuple[ml_collections.ConfigDict, str]:
         parser.error("--workdir is required, e.g. --workdir runs/quickstart")
     check_fields(config)
     check_names(config.model)  # against arch/'s registrations, read without importing it
+    resolved = config.copy_and_resolve_references()  # the run keeps its derived fields unset
+    rules.resolve_model(resolved.model)  # every rule that needs no registry nor device
+    rules.check_execution(resolved.execution)
     check_vocab(config.model, tokenizer_of(config.data))  # vocab_size=0: the tokenizer's
     check_training(config)
     rundir.check_workdir(args.workdir)
