@@ -14,7 +14,13 @@ from arch.attention import ATTENTION
 from config import ConfigError
 from sharding.mesh import make_mesh
 from sharding.sequence import stripe_order
-from tests.helpers import prefill_then_decode, random_tokens, tiny_config, tiny_model
+from tests.helpers import (
+    JittedDecoder,
+    prefill_then_decode,
+    random_tokens,
+    tiny_config,
+    tiny_model,
+)
 from train.config import validate
 from train.step import TrainProgram, multi_token_batch, next_token_loss
 
@@ -106,8 +112,9 @@ def test_depth_zero_is_the_plain_model_and_the_forward_pass_ignores_the_modules(
     nnx.update(mtp_model.mtp, jax.tree.map(lambda x: x + 1.0, mtp_params))
     tokens_BxT = tokens_BxT1[:, :-1]
     np.testing.assert_array_equal(mtp_model(tokens_BxT), plain_model(tokens_BxT))
-    np.testing.assert_allclose(prefill_then_decode(mtp_model, tokens_BxT, 8, T),
-                               prefill_then_decode(plain_model, tokens_BxT, 8, T), atol=1e-6)
+    np.testing.assert_allclose(prefill_then_decode(JittedDecoder(mtp_model), tokens_BxT, 8, T),
+                               prefill_then_decode(JittedDecoder(plain_model), tokens_BxT, 8, T),
+                               atol=1e-6)
 
 
 def test_mtp_logits_see_no_token_beyond_their_input():
