@@ -53,8 +53,11 @@ COMPARE = ("step_time_s", "step_time_vs_config", "temp_bytes", "temp_bytes_vs_co
            "decode_time_s", "decode_time_vs_config")
 
 
-@pytest.mark.slow
-def test_bench_json_with_baseline_compare_decode_and_depth_memory():
+@pytest.fixture(scope="module")
+def quickstart_bench() -> subprocess.CompletedProcess:
+    """One bench run of the (tiny) quickstart with every option but --vs_unrolled: the JSON test
+    and the --vs_torch refusal test read it (the quickstart is a config the PyTorch model does
+    not implement), so the program compiles once."""
     env = one_device_env()
     env["JAX_PLATFORMS"] = "cpu"
     command = [sys.executable, str(ROOT / "scripts" / "bench.py"),
@@ -65,9 +68,14 @@ def test_bench_json_with_baseline_compare_decode_and_depth_memory():
                "--baseline", "model.ffn.name=mlp", "--depth_memory", "1,2",
                "--compare", "model.attention.num_kv_heads=1;model.attention.window=4", "--decode",
                "--decode_steps", "4",
-               "--data", "--data_batches", "3"]
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
+               "--data", "--data_batches", "3", "--vs_torch"]
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=300)
+
+
+@pytest.mark.slow
+def test_bench_json_with_baseline_compare_decode_and_depth_memory(quickstart_bench):
+    done = quickstart_bench
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout)  # exactly one JSON object on stdout
     for key in REQUIRED + BASELINE + ("decode_time_s", "decode_time_vs_baseline",
@@ -199,9 +207,9 @@ def test_bench_json_vs_torch_and_vs_unrolled():
 
 
 @pytest.mark.slow
-def test_bench_vs_torch_refuses_an_unsupported_config_in_one_line():
+def test_bench_vs_torch_refuses_an_unsupported_config_in_one_line(quickstart_bench):
     pytest.importorskip("torch")
-    done = run_bench("--steps", "1", "--vs_torch")  # the quickstart: RMSNorm, RoPE, SwiGLU, GQA
+    done = quickstart_bench  # the quickstart: RMSNorm, RoPE, SwiGLU, GQA
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout)
     assert result["torch_step_time_s"] is None and result["vs_torch"] is None

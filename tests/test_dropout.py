@@ -18,7 +18,13 @@ from arch.dropout import SITES, Dropout, dropout, train_key
 from arch.reversible import branches, couple
 from config import ConfigError
 from sharding.mesh import make_mesh
-from tests.helpers import prefill_then_decode, random_tokens, tiny_config, tiny_model
+from tests.helpers import (
+    JittedDecoder,
+    prefill_then_decode,
+    random_tokens,
+    tiny_config,
+    tiny_model,
+)
 from train import data
 from train.config import validate
 from train.loop import train
@@ -83,8 +89,8 @@ def test_each_site_drops_only_in_training(site):
     np.testing.assert_array_equal(model(tokens), plain(tokens))
     assert not np.allclose(model(tokens, dropout_key=train_key(0, 0)), plain(tokens), atol=1e-3)
     if site == "residual":
-        np.testing.assert_allclose(prefill_then_decode(model, tokens, 5, 16), plain(tokens),
-                                   rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(prefill_then_decode(JittedDecoder(model), tokens, 5, 16),
+                                   plain(tokens), rtol=1e-5, atol=1e-5)
 
 
 def test_train_step_masks_depend_on_seed_and_step_only():

@@ -19,7 +19,13 @@ from arch.accounting import (
 from arch.attention import ATTENTION
 from arch.moe import AuxLoss, DroppedFraction
 from config import ConfigError
-from tests.helpers import prefill_then_decode, random_tokens, tiny_config, tiny_model
+from tests.helpers import (
+    JittedDecoder,
+    prefill_then_decode,
+    random_tokens,
+    tiny_config,
+    tiny_model,
+)
 from train.config import validate
 from train.instruments.early_exit import early_exit_losses
 from train.step import next_token_loss
@@ -90,8 +96,8 @@ def test_decoding_keeps_one_cache_per_loop_and_layer_and_equals_the_forward_pass
     _, model = tiny_model(loop_count=LOOPS, loop_inject=True, **fields)
     assert {shape[:2] for shape in init_cache_shape(model).values()} == {(LOOPS, 2)}
     tokens = random_tokens((2, T))
-    np.testing.assert_allclose(prefill_then_decode(model, tokens, 8, T), model(tokens),
-                               atol=2e-5, rtol=1e-5)
+    np.testing.assert_allclose(prefill_then_decode(JittedDecoder(model), tokens, 8, T),
+                               model(tokens), atol=2e-5, rtol=1e-5)
 
 
 def test_books_keep_the_parameters_and_multiply_the_stack():

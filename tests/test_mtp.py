@@ -14,7 +14,13 @@ from arch.attention import ATTENTION
 from config import ConfigError
 from sharding.mesh import make_mesh
 from sharding.sequence import stripe_order
-from tests.helpers import prefill_then_decode, random_tokens, tiny_config, tiny_model
+from tests.helpers import (
+    JittedDecoder,
+    prefill_then_decode,
+    random_tokens,
+    tiny_config,
+    tiny_model,
+)
 from train.config import validate
 from train.step import TrainProgram, multi_token_batch, next_token_loss
 
@@ -74,10 +80,12 @@ def test_modules_follow_the_equation_and_the_loss_decomposes():
 def test_sequence_parallelism_changes_no_loss():
     """Under mesh.sequence = 2 the batch is striped: the future tokens, targets and masks are
     permuted with it, so every loss equals one device's."""
-    tokens_BxT1 = random_tokens((8, T + 1))
-    _, loss, metrics = loss_and_metrics(program(head__mtp_depth=2), tokens_BxT1)
-    _, striped_loss, striped = loss_and_metrics(
-        program(2, dict(data=1, sequence=2), head__mtp_depth=2), tokens_BxT1)
+    # The program and batch of the equation test above: its one-device compile is shared.
+    tokens_BxT1 = random_tokens((2, T + 1))
+    mtp = dict(head__mtp_depth=2, head__mtp_weight=0.5)
+    _, loss, metrics = loss_and_metrics(program(**mtp), tokens_BxT1)
+    _, striped_loss, striped = loss_and_metrics(program(2, dict(data=1, sequence=2), **mtp),
+                                                tokens_BxT1)
     np.testing.assert_allclose(striped_loss, loss, rtol=1e-5)
     for name in ("next_token_loss", "mtp_loss_1", "mtp_loss_2"):
         np.testing.assert_allclose(striped[name], metrics[name], rtol=1e-5)
@@ -104,8 +112,9 @@ def test_depth_zero_is_the_plain_model_and_the_forward_pass_ignores_the_modules(
     nnx.update(mtp_model.mtp, jax.tree.map(lambda x: x + 1.0, mtp_params))
     tokens_BxT = tokens_BxT1[:, :-1]
     np.testing.assert_array_equal(mtp_model(tokens_BxT), plain_model(tokens_BxT))
-    np.testing.assert_allclose(prefill_then_decode(mtp_model, tokens_BxT, 8, T),
-                               prefill_then_decode(plain_model, tokens_BxT, 8, T), atol=1e-6)
+    np.testing.assert_allclose(prefill_then_decode(JittedDecoder(mtp_model), tokens_BxT, 8, T),
+                               prefill_then_decode(JittedDecoder(plain_model), tokens_BxT, 8, T),
+                               atol=1e-6)
 
 
 def test_mtp_logits_see_no_token_beyond_their_input():

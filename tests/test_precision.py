@@ -71,7 +71,8 @@ def test_each_op_class_runs_in_its_policy_dtype(overrides):
         assert by_primitive.get(primitive, {"float32"}) == {"float32"}, primitive
     assert "exp" in by_primitive and "rsqrt" in by_primitive  # the check is not vacuous
     assert model(tokens).dtype == jnp.float32  # logits, and so the loss
-    state, metrics = train.train_step(state, train.put_batch(np.zeros((8, 17), np.int32)))
+    # The 100-step test's batch shape (8 × 33): the bfloat16 step below compiles once for both.
+    state, metrics = train.train_step(state, train.put_batch(np.zeros((8, 33), np.int32)))
     for leaf in jax.tree.leaves((state["params"], state["opt_state"])):
         assert leaf.dtype in (jnp.float32, jnp.int32), leaf.dtype  # master weights, moments
     assert metrics["loss"].dtype == jnp.float32

@@ -323,7 +323,7 @@ def test_layer_gradient_norms_equal_the_hand_written_reference_and_vanish_behind
     tokens_BxT1 = random_tokens((2, 17))
     norms = probes.layer_gradient_norms(model, tokens_BxT1)
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    grads = jax.grad(lambda p: reference.loss(cfg, p, tokens_BxT1))(params)["blocks"]
+    grads = jax.jit(jax.grad(lambda p: reference.loss(cfg, p, tokens_BxT1)))(params)["blocks"]
     expected = {".".join(str(k.key) for k in path): np.sqrt(np.sum(
                     np.asarray(g, np.float64).reshape(3, -1) ** 2, axis=1))
                 for path, g in jax.tree_util.tree_leaves_with_path(grads)}
