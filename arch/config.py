@@ -35,6 +35,8 @@ def resolve_model(cfg) -> None:
         if group != "default" and cfg.init[group] is None:
             continue
         check_choice(f"model.init.{group}", cfg.init[group], INITS)
+    check(isinstance(cfg.vocab_size, int) and cfg.vocab_size > 0, "model.vocab_size",
+          cfg.vocab_size, "must be a positive integer")
     rules.resolve_model(cfg)
     if cfg.ffn.d_ff is None:
         cfg.ffn.d_ff = hidden_width(cfg)  # ffn.ratio·d, or matched to the two-projection FFN

@@ -92,7 +92,7 @@ def resolve_model(cfg) -> None:
           f"{cfg.head.name!r})")
     check(cfg.fixnorm_scale is None or cfg.fixnorm_scale > 0, "model.fixnorm_scale",
           cfg.fixnorm_scale, "must be positive (or None: unit-length rows)")
-    for field in ("vocab_size", "d_model", "num_layers"):
+    for field in ("d_model", "num_layers"):  # vocab_size 0 is the tokenizer's, filled later
         check(_positive_int(cfg[field]), f"model.{field}", cfg[field], "must be a positive integer")
     _resolve_attention(cfg)
     if cfg.position.name == "rope":
