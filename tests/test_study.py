@@ -4,6 +4,8 @@ a rerun that skips finished runs, the report with a missing run)."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import fcntl
 import json
 import math
 import os
@@ -11,6 +13,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -468,6 +471,33 @@ def test_a_scaling_report_fits_each_arm_and_recovers_a_known_multiplier(tmp_path
     (root / "study.json").unlink()  # the study's own defaults: the same cells and seeds
     write_report(root, describe(root, study.path))
     assert (root / "report.md").read_text() == report
+
+
+def test_sweeps_recording_into_one_root_at_once_take_turns_and_lose_nothing(tmp_path):
+    """Two sweeps started together into one root (one per core) once raced on study.json's
+    temporary file. The merge now waits for ROOT/study.json.lock, and every cell and seed that
+    concurrent sweeps asked for ends up in the record."""
+    study = studies.load_study(str(write_study(tmp_path)))
+    root = tmp_path / "root"
+    root.mkdir()
+    with open(root / "study.json.lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        waiting = threading.Thread(target=studies.record,
+                                   args=(root, study, "cpu", ["high"], [1], []))
+        waiting.start()
+        waiting.join(0.5)
+        assert waiting.is_alive() and not (root / "study.json").exists()
+        fcntl.flock(held, fcntl.LOCK_UN)
+        waiting.join(10)
+    assert not waiting.is_alive()
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda seed: studies.record(root, study, "cpu", [study.cells()[seed % 3]],
+                                                  [seed], []), range(2, 10)))
+    recorded = studies.read_record(root)
+    assert recorded["cells"] == ["low", "broken", "high"]
+    assert recorded["seeds"] == list(range(1, 10))
+    assert sorted(path.name for path in root.iterdir()) == ["study.json", "study.json.lock"]
 
 
 def test_the_report_refuses_a_root_without_a_record_in_one_line(tmp_path):

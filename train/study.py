@@ -20,7 +20,9 @@ A sweep root holds one run directory per (cell, seed): `ROOT/<cell>/seed<k>`, an
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import json
 import math
 import os
@@ -206,11 +208,31 @@ def read_record(root: str | Path) -> dict | None:
     return record
 
 
+@contextlib.contextmanager
+def _locked(root: Path):
+    """Hold an exclusive `fcntl.flock` on ROOT/study.json.lock: sweeps started at once into one
+    root (one per core) take turns to merge their requests into study.json."""
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / (RECORD + ".lock"), "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def record(root: str | Path, study: Study, scale: str, cells: list[str], seeds: list[int],
            overrides: list[str]) -> dict:
     """Write `ROOT/study.json`: the study path, scale, baseline, paper numbers, the overrides
-    and the cells and seeds asked for, merged with what earlier sweeps into ROOT asked for.
-    A root holds one study at one scale: another is a UsageError. Returns the record."""
+    and the cells and seeds asked for, merged with what earlier sweeps into ROOT asked for
+    (under a lock, so concurrent sweeps into ROOT lose nothing). A root holds one study at one
+    scale: another is a UsageError. Returns the record."""
+    with _locked(Path(root)):
+        return _merge_record(Path(root), study, scale, cells, seeds, overrides)
+
+
+def _merge_record(root: Path, study: Study, scale: str, cells: list[str], seeds: list[int],
+                  overrides: list[str]) -> dict:
     previous = read_record(root) or {}
     for key, value in (("study", study.path), ("scale", scale)):
         same = os.path.normpath if key == "study" else str
@@ -226,9 +248,8 @@ def record(root: str | Path, study: Study, scale: str, cells: list[str], seeds: 
             "seeds": sorted(set(previous.get("seeds", [])) | set(seeds)),
             "overrides": list(overrides), "paper": study.paper,
             "paper_metric": study.paper_metric}
-    Path(root).mkdir(parents=True, exist_ok=True)
-    path = Path(root) / RECORD
-    temporary = path.with_name(RECORD + ".tmp")
+    path = root / RECORD
+    temporary = path.with_name(f"{RECORD}.{os.getpid()}.tmp")
     temporary.write_text(json.dumps(data, indent=2) + "\n")
     temporary.replace(path)
     return data
