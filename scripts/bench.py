@@ -2,7 +2,7 @@
 [--json] [--steps N] [--block K] [--depth_check] [--baseline FIELD=VALUE[,...]]
 [--depth_memory A,B] [--compare FIELD=VALUE[,...][;FIELD=VALUE[,...]...]] [--decode]
 [--decode_batch B] [--decode_steps N] [--data [--data_batches N]] [--remat_policies A,B,...]
-[--vs_torch] [--vs_unrolled]`
+[--vs_torch] [--vs_unrolled] [--profile N]`
 
 Runs on whatever devices exist (one CPU device normally) with random tokens of the config's
 batch_size × (seq_len + 1), and reports, in one run:
@@ -106,6 +106,12 @@ batch_size × (seq_len + 1), and reports, in one run:
                          policy → {temp_bytes, temp_bytes_vs_first, step_time_s,
                          step_time_vs_first}, ratios to policy A. Measured:
                          docs/performance.md#remat-policies.
+  profile                only with --profile N: after timing, N more steps each of the framework
+                         (and of the reference and unrolled reference where timed) under
+                         jax.profiler (`train.instruments.op_profile`): per program, op_s (the
+                         seconds per step of its XLA ops, exclusive, summed over threads),
+                         by_primitive (seconds per JAX primitive, the 12 largest) and ops (the
+                         12 costliest instructions: seconds, opcode, primitive, source line).
 Each ratio of two timed programs' step times (vs_reference, vs_torch, vs_unrolled, *_time_vs_*)
 is paired: the median, over the ABBA rounds, of the ratio of the two programs' median step times
 in that round. They ran back to back, so a change of machine speed between rounds (on a shared
@@ -215,6 +221,8 @@ def reference_runner(program, batch: jax.Array, unrolled: bool = False) -> Calla
         carry["params"], carry["opt_state"], loss = train_step(
             carry["params"], carry["opt_state"], batch)
         jax.block_until_ready((carry["params"], carry["opt_state"], loss))
+    step.hlo = lambda: train_step.lower(carry["params"], carry["opt_state"], batch).compile(
+        ).as_text()  # for --profile
     return step
 
 
@@ -326,9 +334,11 @@ def prepare(config, tokens: np.ndarray) -> dict:
 
     program = build_program(config)
     compile_time, compiled = compile_train_step(program)
+    runner = framework_runner(program, program.put_batch(tokens))
+    runner.hlo = compiled.as_text  # for --profile
     variant = {"program": program, "memory": compiled.memory_analysis(),
                "compile_time": compile_time,
-               "runner": framework_runner(program, program.put_batch(tokens))}
+               "runner": runner}
     if (stages := program.mesh.shape["stage"]) > 1:  # per device: V·M + P − 1 iterations
         per_step = iterations(stages, config.execution.pipeline.virtual_stages,
                               config.execution.pipeline.microbatches)
@@ -373,7 +383,8 @@ def depth_compile_ratio(config, repeats: int = 2) -> dict[str, float]:
 def bench(config, steps: int, block: int, depth_check: bool, baseline: str | None = None,
           depths: tuple[int, int] | None = None, compare: str | None = None,
           decode: bool = False, decode_batch: int = 1, decode_steps: int = 400,
-          data_batches: int = 0, vs_torch: bool = False, vs_unrolled: bool = False) -> dict:
+          data_batches: int = 0, vs_torch: bool = False, vs_unrolled: bool = False,
+          profile_steps: int = 0) -> dict:
     from arch import reference
     from arch.accounting import flops_per_token
     from train.metrics import measure_matmul_peak
@@ -474,6 +485,11 @@ def bench(config, steps: int, block: int, depth_check: bool, baseline: str | Non
                              decode_cache_bytes=decoders[label].cache_bytes,
                              decode_cache_positions=decoders[label].cache_positions)
             result["compare"][label] = entry
+    if profile_steps:
+        log(f"profiling {profile_steps} steps each of "
+            f"{', '.join(label for label, run in runners.items() if hasattr(run, 'hlo'))}...")
+        result["profile"] = {label: profiled(run, profile_steps)
+                             for label, run in runners.items() if hasattr(run, "hlo")}
     if data_batches:
         log(f"reading {data_batches} batches of the training data...")
         with contextlib.redirect_stdout(sys.stderr):  # tfds reports preparing on stdout
@@ -485,6 +501,17 @@ def bench(config, steps: int, block: int, depth_check: bool, baseline: str | Non
     if depth_check:
         result.update(depth_compile_ratio(config))
     return result
+
+
+def profiled(run: Callable[[], None], steps: int, top: int = 12) -> dict:
+    """--profile's entry for one runner: its op seconds per step, the largest primitives and
+    the costliest instructions."""
+    from train.instruments import op_profile
+
+    rows = op_profile.table(op_profile.profile(run, steps), op_profile.describe(run.hlo()))
+    return {"op_s": sum(row["seconds"] for row in rows),
+            "by_primitive": dict(list(op_profile.by_primitive(rows).items())[:top]),
+            "ops": rows[:top]}
 
 
 REMAT_VARIANT = "execution.remat={}"  # one --remat_policies variant
@@ -515,7 +542,7 @@ def remat_policy_ratios(result: dict, policies: list[str]) -> dict[str, dict[str
 def table(result: dict) -> str:
     rows = [f"{'metric':<24}{'value':>16}  target"]
     for name, value in result.items():
-        if name in ("compare", "remat_policies"):
+        if name in ("compare", "remat_policies", "profile"):
             continue
         text = (f"{value:,}" if isinstance(value, int) else "n/a" if value is None
                 else f"{value:.3%}" if name == "mfu" else f"{value:.4g}")
@@ -528,6 +555,12 @@ def table(result: dict) -> str:
     for policy, entry in result.get("remat_policies", {}).items():
         rows.append(f"remat_policy={policy}:")
         rows.extend(f"  {name:<22}{value:>16.4g}" for name, value in entry.items())
+    for label, entry in result.get("profile", {}).items():
+        rows.append(f"profile of {label}: {entry['op_s'] * 1e3:.1f} ms of ops per step")
+        rows.extend(f"  {name:<22}{seconds * 1e3:>13.1f} ms" for name, seconds
+                    in entry["by_primitive"].items())
+        rows.extend(f"  {op['op'][:40]:<40} {op['seconds'] * 1e3:>8.1f} ms  {op['primitive']:<20}"
+                    f" {op['source']}".rstrip() for op in entry["ops"])
     return "\n".join(rows)
 
 
@@ -563,6 +596,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="also time an eager PyTorch train step of the same model")
     parser.add_argument("--vs_unrolled", action="store_true",
                         help="also time the reference step with its layers unrolled")
+    parser.add_argument("--profile", type=positive_int, default=0, metavar="N",
+                        help="profile N more steps of each JAX program, per XLA op")
     parser.add_argument("--remat_policies", metavar="A,B,...", default=None,
                         help="execution.remat values to compare, as ratios to the first")
     config, args = parse_with_config(parser, argv)
@@ -585,7 +620,8 @@ def main(argv: list[str] | None = None) -> int:
                                                        for policy in policies[1:])]))
         result = bench(config, args.steps, args.block, args.depth_check, args.baseline, depths,
                        compare, args.decode, args.decode_batch, args.decode_steps,
-                       args.data_batches if args.data else 0, args.vs_torch, args.vs_unrolled)
+                       args.data_batches if args.data else 0, args.vs_torch, args.vs_unrolled,
+                       args.profile)
     except ConfigError as error:
         log(f"error: {error}")
         return 2
