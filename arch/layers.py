@@ -40,6 +40,13 @@ class Dense(nnx.Module):
     W has shape in_shape + out_shape and logical names in_axes + out_axes. Initialization:
     `init(fan_in, fan_out)` with fan_in = prod(in_shape), fan_out = prod(out_shape) (call sites
     pass their parameter group's `arch.init.group_init`), else variance 1/fan_in.
+
+    Several leading axes of x (batch and time) are merged into one for the contraction, so the
+    weight gradient contracts a single token axis. With two contracted axes XLA:CPU transposes the
+    output's cotangent into a copy before the product, and fuses that strided copy into the
+    elementwise backward pass before it (docs/performance.md, "The weight gradient's transposing
+    copy"). The merge is a reshape of contiguous axes: free, and GSPMD carries a sharded batch or
+    sequence axis through it.
     """
 
     def __init__(
@@ -67,7 +74,12 @@ class Dense(nnx.Module):
         self.dtype = dtype
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        lead = x.shape[:x.ndim - self.n_in]
+        if len(lead) > 1:  # one token axis (see the class docstring)
+            x = x.reshape((math.prod(lead),) + x.shape[len(lead):])
         y = jnp.tensordot(x.astype(self.dtype), self.kernel[...].astype(self.dtype), self.n_in)
+        if len(lead) > 1:
+            y = y.reshape(lead + y.shape[1:])
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
         return y

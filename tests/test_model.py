@@ -197,3 +197,32 @@ def test_flops_count_reused_head_weights_and_mla_widths():
                         mla__v_dim=12)
     attention = 2 * 4 * (6 + 8 + 12) * (16 + 1)  # layers · H · (N + R + V) · (T + 1)
     assert flops_per_token(cfg, 16) == 3 * (2 * matmul_parameter_count(cfg) + attention)
+
+
+def test_dense_contracts_one_token_axis_and_equals_tensordot():
+    """Dense merges batch and time before its product, so its weight gradient contracts a single
+    axis (XLA:CPU transposes the cotangent for two; arch/layers.py). Values and gradients equal
+    the plain tensordot over B×T×(H, P) inputs."""
+    from arch.layers import Dense
+
+    graphdef, state = nnx.split(Dense((2, 3), (4,), ("heads", "head_dim"), ("embed",),
+                                      rngs=nnx.Rngs(0)))
+    x = jax.random.normal(jax.random.key(1), (5, 7, 2, 3))
+
+    def framework(state, x):
+        return jnp.sum(jnp.sin(nnx.merge(graphdef, state)(x)))
+
+    def plain(kernel, x):
+        return jnp.sum(jnp.sin(jnp.tensordot(x, kernel, 2)))
+
+    kernel = state["kernel"][...]
+    np.testing.assert_allclose(framework(state, x), plain(kernel, x), rtol=1e-6)
+    got_state, got_x = jax.grad(framework, (0, 1))(state, x)
+    want_kernel, want_x = jax.grad(plain, (0, 1))(kernel, x)
+    np.testing.assert_allclose(got_state["kernel"][...], want_kernel, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got_x, want_x, rtol=1e-5, atol=1e-6)
+    jaxpr = jax.make_jaxpr(jax.grad(framework))(state, x)
+    [weight_gradient] = [eqn for eqn in jaxpr.eqns if eqn.primitive.name == "dot_general"
+                         and eqn.outvars[0].aval.size == kernel.size]  # [4, 2, 3] or [2, 3, 4]
+    (lhs_axes, rhs_axes), _ = weight_gradient.params["dimension_numbers"]
+    assert len(lhs_axes) == len(rhs_axes) == 1
