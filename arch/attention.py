@@ -119,21 +119,27 @@ def dot_product_attention(q_BxTxHxP, k_BxSxKxP, v_BxSxKxV, mask_BxTxS,
     """
     b, t, h, p = q_BxTxHxP.shape
     k = k_BxSxKxP.shape[2]
-    q_BxTxKxGxP = q_BxTxHxP.reshape(b, t, k, h // k, p)
+    # Without grouping (H = K) the group axis is left out rather than kept at size 1: XLA:CPU
+    # reduces an array with a size-1 axis many times slower (docs/performance.md, "Reductions
+    # with a size-1 axis"). `g` names the group axis in the einsums where there is one.
+    g, group = ("g", ("act_heads",)) if h != k else ("", ())
+    q_BxTxKxGxP = q_BxTxHxP.reshape(b, t, k, h // k, p) if g else q_BxTxHxP
     scores_BxKxGxTxS = jnp.einsum(
-        "btkgp,bskp->bkgts", q_BxTxKxGxP, k_BxSxKxP, preferred_element_type=jnp.float32)
+        f"btk{g}p,bskp->bk{g}ts", q_BxTxKxGxP, k_BxSxKxP, preferred_element_type=jnp.float32)
     scores_BxKxGxTxS = (scores_BxKxGxTxS / jnp.sqrt(jnp.float32(p)) if scale is None
                         else scores_BxKxGxTxS * jnp.float32(scale))
     # Pinned so that sequence × tensor parallelism keeps queries and heads sharded in the backward
     # pass too (the G query heads of a KV head take `tensor` when K does not divide: MQA).
-    scores_BxKxGxTxS = constrain(scores_BxKxGxTxS + mask_BxTxS[:, None, None],
-                                 ("act_batch", "act_kv_heads", "act_heads", "act_seq", None))
+    mask = mask_BxTxS[:, None, None] if g else mask_BxTxS[:, None]
+    scores_BxKxGxTxS = constrain(scores_BxKxGxTxS + mask,
+                                 ("act_batch", "act_kv_heads", *group, "act_seq", None))
     weights = jax.nn.softmax(scores_BxKxGxTxS, axis=-1).astype(v_BxSxKxV.dtype)
     if recorder is not None:  # a no-op outside nnx.capture
-        record(recorder, "attention_weights", weights, AttentionWeights)
+        record(recorder, "attention_weights", weights if g else weights[:, :, None],
+               AttentionWeights)
     weights = dropout(weights, "attention_probs")  # identity outside training (arch/dropout.py)
-    out_BxTxKxGxV = constrain(jnp.einsum("bkgts,bskv->btkgv", weights, v_BxSxKxV),
-                              ("act_batch", "act_seq", "act_kv_heads", "act_heads", None))
+    out_BxTxKxGxV = constrain(jnp.einsum(f"bk{g}ts,bskv->btk{g}v", weights, v_BxSxKxV),
+                              ("act_batch", "act_seq", "act_kv_heads", *group, None))
     return out_BxTxKxGxV.reshape(b, t, h, v_BxSxKxV.shape[-1])
 
 

@@ -278,3 +278,32 @@ def test_blocked_under_data_sequence_and_tensor_parallelism_equals_one_device_xl
     np.testing.assert_allclose(got["decoded"], expected["logits"], atol=2e-5, rtol=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-6, rtol=1e-4),
                  got["grads"], expected["grads"])
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (4, 2)])
+def test_explicit_attention_equals_softmax_and_reduces_no_size_one_axis(heads, kv_heads):
+    """The explicit path equals softmax(QKᵀ/√P + M)V written out per head. Without grouping it
+    leaves the group axis out: XLA:CPU reduces an array with an inner size-1 axis many times
+    slower (docs/performance.md), so no reduction may see one (a trailing kept axis of softmax's
+    own is another layout). Recorded probabilities keep the
+    B×K×G×T×S shape either way."""
+    q, k, v, _ = _inputs(2, 6, 6, heads, kv_heads, 8, 8)
+    positions = jnp.broadcast_to(jnp.arange(6), (2, 6))
+    mask = jnp.where(allowed_mask(positions, positions, 0), 0.0, -jnp.inf)
+    group = heads // kv_heads
+    scores = jnp.einsum("bthp,bshp->bhts", q, jnp.repeat(k, group, axis=2)) / jnp.sqrt(8.0)
+    want = jnp.einsum("bhts,bshv->bthv", jax.nn.softmax(scores + mask[:, None], axis=-1),
+                      jnp.repeat(v, group, axis=2))
+    np.testing.assert_allclose(dot_product_attention(q, k, v, mask), want, **TOL)
+    jaxpr = jax.make_jaxpr(jax.grad(lambda q: dot_product_attention(q, k, v, mask).sum()))(q)
+    reduced = [eqn.invars[0].aval.shape for eqn in jaxpr.jaxpr.eqns
+               if eqn.primitive.name in ("reduce_max", "reduce_sum")]
+    assert reduced and all(1 not in shape[:-1] for shape in reduced), reduced
+
+    class Recorder(nnx.Module):
+        pass
+
+    _, captured = nnx.capture(lambda recorder: dot_product_attention(q, k, v, mask,
+                                                                      recorder=recorder),
+                              AttentionWeights)(Recorder())
+    assert jax.tree.leaves(captured)[0].shape == (2, kv_heads, group, 6, 6)
