@@ -157,6 +157,11 @@ temporary buffer, experimental YNN dot fusions): docs/performance.md#xla-on-cpu.
 
 from __future__ import annotations
 
+from train import hugepages
+
+if __name__ == "__main__":  # first, as `python -m train` does: re-executing repeats the imports
+    hugepages.reexec()
+
 import contextlib
 import functools
 import json

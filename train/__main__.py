@@ -8,13 +8,19 @@ preempted (SIGTERM; a checkpoint was saved). The run directory is described in d
 Everything that can be checked without JAX is checked before JAX is imported: the config file,
 the override names and types, every field (`config.validate`), the component names
 (`config.registered`), the model's and the execution's rules (`config.model`), the workdir, its
-lock and, when resuming, the config's identity with the run's (`train.rundir`).
+lock and, when resuming, the config's identity with the run's (`train.rundir`). Before all that,
+on Linux, the process re-executes itself once with malloc's huge pages on (`train.hugepages`).
 """
 
 from __future__ import annotations
 
 import os
 import sys
+
+from train import hugepages
+
+if __name__ == "__main__":  # first: re-executing repeats the imports below
+    hugepages.reexec()  # XLA:CPU's step buffers in huge pages
 
 import ml_collections
 from absl import logging as absl_logging
