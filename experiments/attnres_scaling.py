@@ -21,11 +21,22 @@ Scales (the config argument is "ARM@SIZE" or "ARM@SIZE,SCALE"; SIZE is xs, s, m,
   budget (`ffn.width="match_mlp"`), RoPE, seq 8192
   with the blocked attention kernel, subword data
   (`data.name="prepared"` shards of `scripts/prepare_data.py` in data/prepared), bfloat16,
-  batch 128 (1M tokens per step) in 8 accumulation steps with whole-block rematerialization,
-  5,000 steps. Sized for 8 × 80 GB GPUs or a v5p-8 each: at xl, parameters 0.25 GB and AdamW
-  state 0.5 GB per device under FSDP on 8 (activations not compiled here); check
-  a size with `python scripts/dry_run.py --config experiments/attnres_scaling.py:block@xl,paper
-  --devices 8 --mesh data=1,fsdp=8 --config.model.vocab_size=32768 --no_compile`.
+  batch 128 (1M tokens per step) in 8 accumulation steps (16 for Full, which keeps all 2L + 1
+  sources) with whole-block rematerialization, 5,000 steps. Sized for 8 × 80 GB GPUs: the
+  compiled train step's peak bytes per device under FSDP on 8 (parameters 0.10–0.26 GB and
+  AdamW state 0.19–0.52 GB of it), from `python scripts/dry_run.py --config
+  experiments/attnres_scaling.py:ARM@SIZE,paper --devices 8 --mesh data=1,fsdp=8
+  --config.model.vocab_size=32768` (XLA:CPU's temporaries, an estimate of a GPU's):
+
+      size  parameters  baseline  block   full
+      xs    0.19B        7.4 GB   10.8 GB 13.6 GB
+      s     0.24B        7.8 GB   12.3 GB 24.4 GB
+      m     0.36B        8.5 GB   14.1 GB 30.6 GB
+      l     0.44B        9.1 GB   16.0 GB 48.2 GB
+      xl    0.52B        9.5 GB   17.1 GB 53.1 GB
+
+  With 8 accumulation steps Full needed 95 GB at l and 105 GB at xl, hence its 16 (the same
+  global batch, so the same training).
 
 Commands (results: docs/results/attnres_scaling/):
     python scripts/sweep.py --study experiments/attnres_scaling.py \\
@@ -68,8 +79,11 @@ def get_config(arg: str | None = None):
         model.ffn.update(name="mlp", activation="gelu")
         config.optimizer.update(learning_rate=3e-3, warmup_steps=40)
     else:
+        # Full AttnRes keeps all 2L + 1 sources per token: 16 microbatches, not 8, keep its l
+        # and xl sizes within 80 GB per device (the docstring's dry runs).
         config.update(steps=5_000, batch_size=128, seq_len=8192, eval_every=500,
-                      checkpoint_every=500, sample_tokens=0, accumulation_steps=8)
+                      checkpoint_every=500, sample_tokens=0,
+                      accumulation_steps=16 if arm == "full" else 8)
         config.data.update(name="prepared", path="data/prepared")
         model.update(vocab_size=0, dtype="bfloat16")
         model.head.name, model.ffn.width = "untied", "match_mlp"
