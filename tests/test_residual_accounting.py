@@ -233,7 +233,7 @@ def test_mixing_rows_follow_network_order_with_interleaved_moe():
         for offset, residual in ((0.0, block.attention_residual), (0.5, block.ffn_residual)):
             values = 10.0 * np.arange(2) + j + offset
             residual.branch_weights[...] = jnp.asarray(np.repeat(values[:, None], n, axis=1))
-    quantities = depth_mixing.capture_mixing(model, random_tokens((2, 5)))
+    quantities, _ = depth_mixing.capture_mixing(model, random_tokens((2, 5)))
     weights = quantities["read_weights"]
     assert weights["rows"] == [f"layer {b} {m}" for b in range(4) for m in ("attention", "ffn")]
     assert [float(v[0]) for v in weights["values"]] == [0, 0.5, 1, 1.5, 10, 10.5, 11, 11.5]
@@ -267,7 +267,25 @@ def test_depth_mixing_script_plots_and_writes_the_captured_numbers(tmp_path, cap
     kernel = state["params"]["blocks"]["ffn_residual"]["gate"]["kernel"][...]
     np.testing.assert_allclose(matrix["values"][1], np.eye(2) * float(kernel[0, 0, 0]),
                                rtol=1e-6)
-    assert "mixing_matrix, read_gates" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "mixing_matrix, read_gates" in printed
+    raw = captured["blocks"]["ffn_residual"]["mixing_matrix"].get_value()[0]  # layers × B×T×n×n
+    assert written["stochastic_error"]["row_max"] == pytest.approx(
+        float(np.abs(raw.sum(axis=-1) - 1).max()), rel=1e-6)
+    assert "distance from doubly stochastic over 8×16 tokens" in printed
+
+
+def test_the_stochastic_error_of_hand_built_and_of_mhc_mixing_matrices():
+    exact = np.full((2, 3, 3), 1 / 3)  # two tokens of a uniform doubly stochastic matrix
+    skewed = np.array([[0.5, 0.5, 0.0], [0.5, 0.25, 0.25], [0.25, 0.25, 0.5]])  # rows sum to 1
+    error = depth_mixing.stochastic_error([exact, skewed[None]])
+    assert error["column_max"] == pytest.approx(0.25)  # column 0 sums to 1.25
+    assert error["column_mean"] == pytest.approx(0.5 / 9)  # 0.25 + 0 + 0.25 over 9 columns
+    assert error["row_max"] == pytest.approx(0, abs=1e-12)
+    _, model = tiny_model(residual="mhc")
+    _, intermediates = depth_mixing.capture_mixing(model, random_tokens((2, 5)))
+    values = depth_mixing.recorded(intermediates)[0]["mixing_matrix"]["values"]
+    assert depth_mixing.stochastic_error(values)["row_max"] < 1e-5  # Sinkhorn ends on rows
 
 
 def test_depth_mixing_refuses_plain_sums_and_missing_runs(tmp_path, capsys):

@@ -18,7 +18,9 @@ mixing_matrix, read_gates, ...), one heatmap per quantity:
 The numbers are written as JSON beside the PNG (same name, .json): for each quantity its row
 labels, the per-row shape after averaging and the per-row values. For weights over depth
 sources (AttnRes's depth_weights) the JSON's "summary" and the printed lines state the AttnRes
-report's qualitative claims as figures (`depth_summary`). Plain sums record nothing: the
+report's qualitative claims as figures (`depth_summary`). For mixing matrices (mHC) the JSON's
+"stochastic_error" and a printed line give their distance from doubly stochastic over every
+token, before averaging (`stochastic_error`). Plain sums record nothing: the
 script then exits with status 1 and one line saying so. --seq_len defaults to the run's seq_len;
 --batch must be divisible by the mesh's data axis (all local devices, as in generation).
 """
@@ -119,12 +121,25 @@ def mixing_quantities(intermediates: nnx.State, *, batch: int, seq_len: int,
     return quantities
 
 
-def capture_mixing(model, tokens_BxT) -> dict[str, dict]:
-    """Run `model` on the tokens under `nnx.capture` and return `mixing_quantities`."""
+def capture_mixing(model, tokens_BxT) -> tuple[dict[str, dict], nnx.State]:
+    """Run `model` on the tokens under `nnx.capture`: (`mixing_quantities`, the captured
+    State, for figures of the unaveraged values such as `stochastic_error`)."""
     _, intermediates = nnx.capture(model, nnx.Intermediate)(tokens_BxT)
     batch, seq_len = tokens_BxT.shape
     return mixing_quantities(intermediates, batch=batch, seq_len=seq_len,
-                             d_model=model.cfg.d_model)
+                             d_model=model.cfg.d_model), intermediates
+
+
+def stochastic_error(values: list[np.ndarray]) -> dict[str, float]:
+    """How far mixing matrices are from doubly stochastic, over every sublayer and token
+    (`values`: per sublayer an array ...×n×n, M[i, j] the weight of old stream j in new stream
+    i, e.g. mHC's B×T×n×n): the largest and the mean |Σ_i M[i, j] − 1| over columns, and the
+    largest over rows. mHC's Sinkhorn projection ends on a row step, so its rows are exact up
+    to rounding and its columns are not (arch/hyper.py)."""
+    columns = np.concatenate([np.abs(v.sum(axis=-2) - 1).ravel() for v in values])
+    rows = np.concatenate([np.abs(v.sum(axis=-1) - 1).ravel() for v in values])
+    return {"column_max": float(columns.max()), "column_mean": float(columns.mean()),
+            "row_max": float(rows.max())}
 
 
 def depth_summary(rows: list[str], values: list[np.ndarray], sink_ratio: float = 2.0) -> dict:
@@ -239,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     config, seq_len = program.config, tokens_BxT1.shape[1] - 1
     with jax.set_mesh(program.mesh):
-        quantities = capture_mixing(model, tokens_BxT1[:, :-1])
+        quantities, intermediates = capture_mixing(model, tokens_BxT1[:, :-1])
     mechanism = config.model.residual.name
     if not quantities:
         print(f"model.residual.name={mechanism!r} records no mixing weights (a plain sum has "
@@ -255,6 +270,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"depth weights: embedding {summary['embedding_weight']:.3f}, newest source "
               f"{summary['recent_weight']:.3f}, mean distance {summary['mean_distance']:.2f} "
               f"sources, effective sources read ({breadth}), sinks {summary['sinks']}")
+    if "mixing_matrix" in quantities:
+        header["stochastic_error"] = error = stochastic_error(
+            recorded(intermediates)[0]["mixing_matrix"]["values"])
+        print(f"mixing matrices, distance from doubly stochastic over {args.batch}×{seq_len} "
+              f"tokens: columns max {error['column_max']:.2e}, mean {error['column_mean']:.2e}; "
+              f"rows max {error['row_max']:.2e}")
     json_path = png_path.with_suffix(".json")
     json_path.write_text(json.dumps(to_json(quantities, **header)) + "\n")
     print(f"wrote {png_path} and {json_path}: {', '.join(quantities)}")
