@@ -9,8 +9,8 @@ add up to thread time, not wall time. `describe(hlo_text)` reads the compiled mo
 `op_name`) and innermost source line outside JAX; `table` joins the two into rows, most costly
 first, and `by_primitive` sums them per primitive.
 
-Cost: the profiled steps run at about their usual speed; reading the profile takes about a
-second per thousand events.
+Cost: one profiler trace of the profiled steps, holding an event per executed op (a layer
+scan's body ops once per layer), read back whole.
 """
 
 from __future__ import annotations
