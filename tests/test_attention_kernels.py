@@ -285,8 +285,7 @@ def test_explicit_attention_equals_softmax_and_reduces_no_size_one_axis(heads, k
     """The explicit path equals softmax(QKᵀ/√P + M)V written out per head. Without grouping it
     leaves the group axis out: XLA:CPU reduces an array with an inner size-1 axis many times
     slower (docs/performance.md), so no reduction may see one (a trailing kept axis of softmax's
-    own is another layout). Recorded probabilities keep the
-    B×K×G×T×S shape either way."""
+    own is another layout). Recorded probabilities keep the B×K×G×T×S shape either way."""
     q, k, v, _ = _inputs(2, 6, 6, heads, kv_heads, 8, 8)
     positions = jnp.broadcast_to(jnp.arange(6), (2, 6))
     mask = jnp.where(allowed_mask(positions, positions, 0), 0.0, -jnp.inf)

@@ -249,7 +249,7 @@ def _merge_record(root: Path, study: Study, scale: str, cells: list[str], seeds:
             "overrides": list(overrides), "paper": study.paper,
             "paper_metric": study.paper_metric}
     path = root / RECORD
-    temporary = path.with_name(f"{RECORD}.{os.getpid()}.tmp")
+    temporary = path.with_name(RECORD + ".tmp")  # one writer at a time: the lock
     temporary.write_text(json.dumps(data, indent=2) + "\n")
     temporary.replace(path)
     return data
