@@ -2,13 +2,15 @@
 
 import os
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import ml_collections
 import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
-from train import data
+from train import data, rundir
 
 
 def _config(**fields) -> ml_collections.ConfigDict:
@@ -66,6 +68,23 @@ def test_kjv_prepares_offline_into_data_dir(kjv, kjv_dir):
     ]
     assert len(sources[0]) + len(sources[1]) == 1189
     assert sources[0][0]["text"].startswith(b"In the beginning God created the heaven")
+
+
+def test_kjv_prepared_once_by_runs_started_at_once(tmp_path, monkeypatch):
+    """Two sweeps started at once on a fresh cache both built KJV; the second's rename of its
+    incomplete directory failed (FileExistsError). Both callers now check, wait for the lock
+    held here, and only the first builds; the other finds it prepared."""
+    builds = []
+    build = data.KjvBible.download_and_prepare
+    monkeypatch.setattr(data.KjvBible, "download_and_prepare",
+                        lambda self, **kw: builds.append(1) or build(self, **kw))
+    with ThreadPoolExecutor(2) as pool:
+        with rundir.file_lock(tmp_path / "kjv_bible.lock"):
+            names = [pool.submit(data._prepare_kjv, str(tmp_path)) for _ in range(2)]
+            time.sleep(1.0)  # both have found it unprepared and wait for the lock
+            assert not any(name.done() for name in names)
+        assert [name.result() for name in names] == ["kjv_bible", "kjv_bible"]
+    assert builds == [1]
 
 
 def test_kjv_splits_are_disjoint_chapters_spanning_the_book(kjv):

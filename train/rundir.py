@@ -59,6 +59,19 @@ def check_workdir(workdir: str | Path) -> None:
                            "can write to")
 
 
+@contextlib.contextmanager
+def file_lock(path: str | Path):
+    """Hold an exclusive `fcntl.flock` on the file at ``path`` (created if absent), so processes
+    on this host that share the path take turns; released on exit, and by the kernel on a crash."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def checkpoint_steps(workdir: str | Path) -> list[int]:
     """The steps of `workdir/checkpoints/<step>` directories, ascending (a partial save
     included: the restore decides what is usable)."""

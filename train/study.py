@@ -20,9 +20,7 @@ A sweep root holds one run directory per (cell, seed): `ROOT/<cell>/seed<k>`, an
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import fcntl
 import json
 import math
 import os
@@ -30,6 +28,7 @@ import re
 from pathlib import Path
 
 from config.cli import UsageError, load_module
+from train.rundir import file_lock
 
 NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 RECORD = "study.json"
@@ -208,26 +207,13 @@ def read_record(root: str | Path) -> dict | None:
     return record
 
 
-@contextlib.contextmanager
-def _locked(root: Path):
-    """Hold an exclusive `fcntl.flock` on ROOT/study.json.lock: sweeps started at once into one
-    root (one per core) take turns to merge their requests into study.json."""
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / (RECORD + ".lock"), "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
 def record(root: str | Path, study: Study, scale: str, cells: list[str], seeds: list[int],
            overrides: list[str]) -> dict:
     """Write `ROOT/study.json`: the study path, scale, baseline, paper numbers, the overrides
     and the cells and seeds asked for, merged with what earlier sweeps into ROOT asked for
     (under a lock, so concurrent sweeps into ROOT lose nothing). A root holds one study at one
     scale: another is a UsageError. Returns the record."""
-    with _locked(Path(root)):
+    with file_lock(Path(root) / (RECORD + ".lock")):
         return _merge_record(Path(root), study, scale, cells, seeds, overrides)
 
 
