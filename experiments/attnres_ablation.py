@@ -52,6 +52,20 @@ SEEDS = (0, 1, 2)
 SCALES = ("cpu", "paper")
 PAPER = {"baseline": 1.766, "full": 1.737, "block": 1.746, "mhc": 1.747}
 PAPER_METRIC = "final validation loss (16-layer ablation table)"
+CLAIMS = (  # (arm, "<" lower loss / ">" higher loss, reference, the claim)
+    ("full", "<", "baseline", "Full AttnRes beats the Pre-Norm baseline (1.737 vs 1.766)"),
+    ("block", "<", "baseline", "Block AttnRes, S = 4, beats the baseline (1.746 vs 1.766)"),
+    ("mhc", "<", "baseline", "mHC beats the baseline (1.747 vs 1.766)"),
+    ("full", "<", "block", "Full beats Block (1.737 vs 1.746)"),
+    ("block2", "<", "block", "a finer block partition approaches Full"),
+    ("block16", ">", "block", "one block loses most of the gain"),
+    ("window", ">", "block", "a window of recent sources only is worse than distant summaries"),
+    ("input_query", "<", "block", "an input-dependent query helps a little"),
+    ("heads4", ">", "block", "more depth-attention heads do not help"),
+    ("sigmoid", ">", "block", "sigmoid weights are worse than softmax"),
+    ("no_key_norm", ">", "block", "removing the key norm is worse"),
+    ("static", ">", "block", "DenseFormer-style static weights are worse than AttnRes"),
+)
 
 # Arm → the model fields it changes, on top of Block AttnRes with S = 4 unless it says otherwise.
 def _block(**attnres) -> dict:

@@ -68,6 +68,19 @@ ARMS = ("prenorm", "width", "hc", "mhc_static", "mhc", "gr", "gr_no_channel_read
 BASELINE = "prenorm"
 SEEDS = (0, 1, 2)
 SCALES = ("cpu", "paper")
+CLAIMS = (  # (arm, "<" lower loss / ">" higher loss, reference, the claim), Tables 5 and 6
+    ("width", "<", "prenorm", "the width baseline beats plain Pre-Norm"),
+    ("hc", "<", "width", "Hyper-Connections are at least as good as the width baseline"),
+    ("mhc_static", "<", "hc", "static mHC is at least as good as HC"),
+    ("mhc", "<", "mhc_static", "dynamic mHC is at least as good as static mHC"),
+    ("gr", "<", "mhc", "the Gated Residual is at least as good as dynamic mHC"),
+    ("gr_no_channel_read", ">", "gr", "scalar reads do not beat channel-specific reads"),
+    ("gr_no_channel_write", ">", "gr", "scalar writes do not beat channel-specific writes"),
+    ("gr_mixing", ">", "gr", "adding the branch-mixing operator back does not help"),
+    ("gr_no_static", ">", "gr", "removing the static gate term does not help"),
+    ("gr_random_init", ">", "gr", "random initial write strengths do not beat graded ones"),
+    ("gr_top2", ">", "gr", "reading only the top-2 branches does not help"),
+)
 
 # Arm → the model fields it changes; the GR ablations start from the full Gated Residual.
 def _gr(**gated_residual) -> dict:

@@ -30,7 +30,14 @@ from train import study as studies
 from train.config import validate
 from train.instruments import study_probes
 from train.step import build_program
-from train.study_report import Result, describe, loss_table, training_flops, write_report
+from train.study_report import (
+    Result,
+    claims_table,
+    describe,
+    loss_table,
+    training_flops,
+    write_report,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -91,6 +98,11 @@ BROKEN = [
     ({"PAPER": "PAPER = {'z': 1.0}\nPAPER_METRIC = 'x'"}, "PAPER names 'z', not one of ARMS"),
     ({"SCALING": "SCALING = ('s',)"}, "has one size"),
     ({"ARMS": "ARMS = (1"}, "has a syntax error at line"),
+    ({"CLAIMS": "CLAIMS = (('b', '<', 'z', 'better'),)"}, "CLAIMS names 'z', not one of ARMS"),
+    ({"CLAIMS": "CLAIMS = (('b', '<=', 'a', 'better'),)"}, "needs a relation '<' or '>'"),
+    ({"CLAIMS": "CLAIMS = (('b', '<', 'a'),)"}, "a claim is (arm, relation, reference, text)"),
+    ({"CLAIMS": "CLAIMS = (('b', '<', 'a', 'x'),)", "SCALING": "SCALING = ('s', 'm')"},
+     "not in a scaling study"),
 ]
 
 
@@ -417,6 +429,39 @@ def test_the_loss_table_puts_the_papers_difference_beside_the_paired_one():
     assert table[2] == "| base (baseline) | 3 | 2.1333 ± 0.1528 | (baseline) | 1.766 | (baseline) |"
     assert table[3] == "| block | 2 | 1.9750 ± 0.1061 | -0.0750 ± 0.0354 (2) | 1.746 | -0.020 |"
     assert table[4] == "| other | 1 | 2.2000 ± — | 0.2000 ± — (1) | — | — |"
+
+
+def test_the_claims_table_checks_each_claim_on_the_paired_seeds():
+    """Hand-made losses: `low` beats the baseline in seeds 0 and 1 and loses in seed 2 (mean
+    −0.1); `high` has no seed shared with `low`."""
+    def runs(**losses):
+        return {int(seed[1:]): Result(loss, [], None) for seed, loss in losses.items()}
+
+    results = {"base": runs(s0=2.0, s1=2.0, s2=2.0), "low": runs(s0=1.7, s1=1.9, s2=2.1),
+               "high": runs(s3=2.5)}
+    table = claims_table(results, [["low", "<", "base", "low helps"],
+                                   ["low", ">", "base", "low hurts"],
+                                   ["high", ">", "low", "high is worse than low"]])
+    assert table[2] == ("| low helps | low < base | -0.1000 ± 0.2000 (3) | 2 of 3 | agrees |")
+    assert table[3] == ("| low hurts | low > base | -0.1000 ± 0.2000 (3) | 1 of 3 | disagrees |")
+    assert table[4] == ("| high is worse than low | high > low | — (0) | — | "
+                        "— (no shared seeds) |")
+
+
+def test_claims_reach_the_record_and_the_report(tmp_path):
+    path = write_study(tmp_path, study_text(CLAIMS="CLAIMS = (('b', '<', 'a', 'b helps'),)"))
+    study = studies.load_study(str(path))
+    assert study.claims == (("b", "<", "a", "b helps"),)
+    root = tmp_path / "root"
+    assert studies.record(root, study, "cpu", ["a", "b"], [0], [])["claims"] == [
+        ["b", "<", "a", "b helps"]]
+    for cell, loss in (("a", 2.0), ("b", 1.5)):
+        workdir = studies.run_dir(root, cell, 0)
+        workdir.mkdir(parents=True)
+        (workdir / "config.json").write_text(json.dumps({"steps": 10}))
+        (workdir / "metrics.jsonl").write_text(json.dumps({"step": 10, "eval_loss": loss}))
+    report = write_report(root, describe(root, None)).read_text()
+    assert "| b helps | b < a | -0.5000 ± — (1) | 1 of 1 | agrees |" in report
 
 
 SCALING_STUDY = '''"""A scaling study for the tests: a mechanism-free arm pair over three widths."""

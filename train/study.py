@@ -10,6 +10,10 @@ A study file `experiments/<study>.py` is an experiment file (`get_config(arg)`, 
 - `SEEDS`: the default seeds, distinct non-negative ints;
 - `SCALES`: the scales get_config knows, e.g. `("cpu", "paper")`; the first is the default;
 - optionally `PAPER` (dict arm → the paper's number) with `PAPER_METRIC` (str: what it is);
+- optionally `CLAIMS`: the paper's directional claims, a tuple of (arm, relation, reference,
+  text) with relation "<" (the arm ends at a lower loss than the reference: better) or ">"
+  (higher: worse) and text the claim in the paper's words; the report checks each on the
+  paired seeds (not in scaling studies);
 - optionally `SCALING`: a tuple of size names for a scaling study. Each arm then runs at each
   size, as the run cell `ARM@SIZE` (get_config gets `"ARM@SIZE,SCALE"`), and the report fits
   a power law of loss against training compute per arm.
@@ -46,6 +50,7 @@ class Study:
     paper: dict[str, float]
     paper_metric: str
     scaling: tuple[str, ...]
+    claims: tuple[tuple[str, str, str, str], ...] = ()
 
     def cells(self, arms: tuple[str, ...] | None = None,
               sizes: tuple[str, ...] | None = None) -> list[str]:
@@ -128,7 +133,34 @@ def load_study(path: str) -> Study:
     return Study(path=path, arms=arms, baseline=module.BASELINE,
                  seeds=tuple(int(s) for s in seeds), scales=scales,
                  paper={arm: float(number) for arm, number in paper.items()},
-                 paper_metric=str(metric), scaling=scaling)
+                 paper_metric=str(metric), scaling=scaling,
+                 claims=_claims(getattr(module, "CLAIMS", ()), arms, scaling, flag))
+
+
+RELATIONS = {"<": "lower loss than", ">": "higher loss than"}
+
+
+def _claims(claims, arms: tuple[str, ...], scaling: tuple[str, ...],
+            flag: str) -> tuple[tuple[str, str, str, str], ...]:
+    """`CLAIMS` checked: (arm, relation, reference, text) tuples over ARMS; one-line errors."""
+    if not isinstance(claims, tuple | list):
+        raise UsageError(f"{flag}: CLAIMS must be a tuple of (arm, relation, reference, text); "
+                         f"got {claims!r}")
+    if claims and scaling:
+        raise UsageError(f"{flag}: CLAIMS are checked per arm, not in a scaling study")
+    for claim in claims:
+        if not (isinstance(claim, tuple | list) and len(claim) == 4
+                and all(isinstance(part, str) for part in claim)):
+            raise UsageError(f"{flag}: a claim is (arm, relation, reference, text), four "
+                             f"strings; got {claim!r}")
+        arm, relation, reference, text = claim
+        for name in (arm, reference):
+            if name not in arms:
+                raise UsageError(f"{flag}: CLAIMS names {name!r}, not one of ARMS {arms}")
+        if relation not in RELATIONS or arm == reference or not text.strip():
+            raise UsageError(f"{flag}: claim {claim!r} needs a relation '<' or '>' between two "
+                             "different arms and the paper's words")
+    return tuple(tuple(claim) for claim in claims)
 
 
 def run_dir(root: str | Path, cell: str, seed: int) -> Path:
@@ -233,7 +265,7 @@ def _merge_record(root: Path, study: Study, scale: str, cells: list[str], seeds:
             "scaling": list(study.scaling), "cells": merged_cells,
             "seeds": sorted(set(previous.get("seeds", [])) | set(seeds)),
             "overrides": list(overrides), "paper": study.paper,
-            "paper_metric": study.paper_metric}
+            "paper_metric": study.paper_metric, "claims": [list(c) for c in study.claims]}
     path = root / RECORD
     temporary = path.with_name(RECORD + ".tmp")  # one writer at a time: the lock
     temporary.write_text(json.dumps(data, indent=2) + "\n")

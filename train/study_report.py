@@ -12,7 +12,8 @@ and paper numbers) and every run directory ROOT/<cell>/seed<k>, and writes:
   loss against training compute C (FLOPs: `arch.accounting.flops_per_token(model, seq_len,
   training=True)` × steps × batch_size × seq_len, from each run's config.json) and the
   compute multiplier at matched loss vs the baseline at the arm's largest compute, with a 95%
-  bootstrap interval over seeds (`train.study_stats`); and a section listing the runs that
+  bootstrap interval over seeds (`train.study_stats`); each of the study's CLAIMS checked on
+  the paired seeds (`claims_table`); and a section listing the runs that
   are missing, unfinished or without an eval_loss;
 - ROOT/loss_curves.png: eval_loss against step per cell, mean ± std over seeds;
 - ROOT/loss_vs_compute.png (scaling studies): final loss against compute, log-log, with fits.
@@ -139,6 +140,28 @@ def loss_table(results: dict[str, dict[int, Result]], description: dict) -> list
     return lines
 
 
+def claims_table(results: dict[str, dict[int, Result]], claims: list) -> list[str]:
+    """The Markdown table checking each (arm, relation, reference, text) claim on the paired
+    seeds: Δ = arm − reference, mean ± std (n), how many seeds have the claimed sign, and
+    whether the mean has it."""
+    lines = ["| Claim (the paper's words) | Check | Δ = arm − reference, paired (n) | "
+             "Seeds agreeing | Measured |", "|---|---|---|---|---|"]
+    for arm, relation, reference, text in claims:
+        losses = [{s: r.loss for s, r in results.get(cell, {}).items()}
+                  for cell in (arm, reference)]
+        mean, std, n = study_stats.paired_difference(*losses)
+        if n == 0:
+            measured, difference, agreeing = "— (no shared seeds)", "— (0)", "—"
+        else:
+            holds = mean < 0 if relation == "<" else mean > 0
+            measured = "agrees" if holds else "disagrees"
+            difference = f"{_value(mean, std, n)} ({n})"
+            agreeing = f"{study_stats.agreeing_seeds(*losses, relation)} of {n}"
+        lines.append(f"| {text} | {arm} {relation} {reference} | {difference} | {agreeing} | "
+                     f"{measured} |")
+    return lines
+
+
 def _points(results: dict[str, dict[int, Result]], arm: str) -> dict[float, list[float]]:
     """compute → final losses of the arm's finished runs, over its sizes."""
     points: dict[float, list[float]] = {}
@@ -256,7 +279,7 @@ def describe(root: str | Path, study_path: str | None) -> dict:
         raise UsageError(f"--root={root} has no {studies.RECORD} (scripts/sweep.py writes it); "
                          "pass --study experiments/STUDY.py")
     description = {"paper": {}, "paper_metric": "", "scaling": [], "overrides": [],
-                   **(recorded or {})}
+                   "claims": [], **(recorded or {})}
     if study_path is None:
         lacking = [key for key in ("study", "scale", "baseline", "cells", "seeds")
                    if key not in description]
@@ -266,7 +289,8 @@ def describe(root: str | Path, study_path: str | None) -> dict:
     else:
         study = studies.load_study(study_path)
         description.update(study=study.path, baseline=study.baseline, paper=study.paper,
-                           paper_metric=study.paper_metric, scaling=list(study.scaling))
+                           paper_metric=study.paper_metric, scaling=list(study.scaling),
+                           claims=[list(claim) for claim in study.claims])
         description.setdefault("scale", study.scales[0])
         description.setdefault("cells", study.cells())
         description.setdefault("seeds", list(study.seeds))
@@ -289,6 +313,13 @@ def write_report(root: str | Path, description: dict) -> Path:
     lines += loss_table(results, description)
     plot_curves(results, root / CURVES)
     lines += ["", f"![Validation loss curves]({CURVES})", ""]
+    if description["claims"]:
+        lines += ["## The paper's claims", "",
+                  "Each claim as a check on final eval loss: `<` the arm ends lower (better) "
+                  "than the reference, `>` higher (worse). Δ is paired by seed; *agrees* when "
+                  "its mean has the claimed sign, whatever its spread: read it beside n and "
+                  "the seeds that agree one by one.", ""]
+        lines += claims_table(results, description["claims"]) + [""]
     if description["scaling"]:
         table, fits = scaling_table(results, description, arms)
         lines += ["## Scaling", "",

@@ -36,6 +36,15 @@ def paired_difference(arm: Mapping[int, float],
     return mean_std([arm[seed] - baseline[seed] for seed in shared])
 
 
+def agreeing_seeds(arm: Mapping[int, float], reference: Mapping[int, float],
+                   relation: str) -> int:
+    """How many of the seeds both have show arm − reference with the sign of `relation`
+    ("<": negative, the arm's loss lower; ">": positive)."""
+    sign = -1.0 if relation == "<" else 1.0
+    return sum(sign * (arm[seed] - reference[seed]) > 0
+               for seed in arm.keys() & reference.keys())
+
+
 @dataclasses.dataclass(frozen=True)
 class PowerLaw:
     """L(C) = a·C^(−b)."""
