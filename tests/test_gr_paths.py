@@ -101,6 +101,22 @@ def test_script_writes_json_and_png_and_refuses_other_mechanisms(tmp_path, capsy
     summary = [line for line in printed.splitlines() if line.startswith("layer 0 → layer 1: C = ")]
     assert len(summary) == 1 and "skip length per branch (layers): " in summary[0]
 
+    # --step reads an older checkpoint: a second one, at step 5, holds another initialization
+    config.seed = 1
+    write_run(config, tmp_path / "gr", step=5)
+    for step, expected in ((None, 5), (3, 3)):
+        flags = [] if step is None else ["--step", str(step)]
+        assert gr_paths.main(["--workdir", str(tmp_path / "gr"), "--out", str(out),
+                              "--batch", "8", *flags]) == 0
+        again = json.loads(out.with_suffix(".json").read_text())
+        assert again["step"] == expected
+        assert (again["contribution"] == written["contribution"]) == (expected == 3)
+    capsys.readouterr()
+    assert gr_paths.main(["--workdir", str(tmp_path / "gr"), "--step", "4"]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"error: --workdir={tmp_path / 'gr'} holds no restorable checkpoint at step 4 "
+                   "(its checkpoints: [3, 5])\n")
+
     prenorm = tiny_config(residual="prenorm")
     prenorm.mesh.data = -1
     write_run(prenorm, tmp_path / "prenorm", step=1)

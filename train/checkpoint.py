@@ -42,12 +42,13 @@ class Checkpointer:
         return self.manager.latest_step()
 
     def restore_latest(self, abstract_state, *, move_aside_corrupt: bool = False,
-                       partial: bool = False):
+                       partial: bool = False, only: int | None = None):
         """(step, state, data_position) of the newest checkpoint that restores, or None (the
         errors are in `restore_errors`). With `move_aside_corrupt`, the newer checkpoints that
         failed are moved to `corrupt-<step>-<time>/` when an older one restores (by process 0;
         every process then rescans the directory). With `partial`, `abstract_state` may name a
-        subset of the saved entries (e.g. no optimizer state), and only those are read."""
+        subset of the saved entries (e.g. no optimizer state), and only those are read. With
+        `only`, only the checkpoint of that step is tried."""
         self.manager.wait_until_finished()
         self.restore_errors = {}
         if partial:
@@ -56,7 +57,8 @@ class Checkpointer:
                                                 partial_restore=True)
         else:
             state_args = ocp.args.StandardRestore(abstract_state)
-        for step in sorted(self.manager.all_steps(), reverse=True):
+        steps = sorted(self.manager.all_steps(), reverse=True)
+        for step in steps if only is None else [only] if only in steps else []:
             try:
                 restored = self.manager.restore(step, args=ocp.args.Composite(
                     state=state_args, data=ocp.args.JsonRestore()))

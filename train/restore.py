@@ -36,12 +36,12 @@ ANALYSIS_MESH = dict(data=-1, fsdp=1, tensor=1, sequence=1, stage=1, expert=1)
 UNREAD_ENTRIES = ("opt_state",)
 
 
-def restore_run(workdir: str | Path):
-    """(program, step, state) of the newest restorable checkpoint of the training run in
-    `workdir`, rebuilt from its config.json (over `base_config()`'s defaults) onto all local
-    devices along the data axis (for generation and analysis). The state holds every entry of
-    the train state but the `UNREAD_ENTRIES`: the optimizer state is not read. Raises
-    FileNotFoundError with a one-line message when there is no config or checkpoint."""
+def restore_run(workdir: str | Path, step: int | None = None):
+    """(program, step, state) of the newest restorable checkpoint (or the one at `step`) of the
+    training run in `workdir`, rebuilt from its config.json (over `base_config()`'s defaults)
+    onto all local devices along the data axis (for generation and analysis). The state holds
+    every entry of the train state but the `UNREAD_ENTRIES`: the optimizer state is not read.
+    Raises FileNotFoundError with a one-line message when there is no config or checkpoint."""
     config = base_config()  # fields added since the run was saved keep their defaults
     saved = saved_config(workdir, json.loads(config.to_json_best_effort()))
     if saved is None:
@@ -54,7 +54,11 @@ def restore_run(workdir: str | Path):
         abstract_state = program.abstract_state()
         restored = checkpointer.restore_latest(
             {entry: value for entry, value in abstract_state.items()
-             if entry not in UNREAD_ENTRIES}, partial=True)
+             if entry not in UNREAD_ENTRIES}, partial=True, only=step)
+        saved = sorted(checkpointer.manager.all_steps())
+    if restored is None and step is not None:
+        raise FileNotFoundError(f"--workdir={workdir} holds no restorable checkpoint at step "
+                                f"{step} (its checkpoints: {saved or 'none'})")
     if restored is None:
         raise FileNotFoundError(f"--workdir={workdir} holds no restorable checkpoint")
     step, state, _ = restored
@@ -103,14 +107,15 @@ def bytes_per_token(tokens_BxT1, config) -> float:
 
 
 def restore_for_analysis(workdir: str | Path, batch: int, seq_len: int | None = None,
-                         text: str | Path | None = None, *, ema: bool = False):
+                         text: str | Path | None = None, *, ema: bool = False,
+                         step: int | None = None):
     """(program, step, model in evaluation mode, validation tokens B×(T+1)) for the scripts that
-    analyse a run: `restore_run`, then the first batch of `batch` rows of `seq_len` + 1 tokens
-    (default the run's seq_len) of `evaluation_split(config, text)`, the same batch for every
-    run of a config. With `ema`, the model has the run's EMA parameters. Raises
-    FileNotFoundError (no run) or ConfigError (a bad batch, length or text; no EMA) in one
-    line."""
-    program, step, state = restore_run(workdir)
+    analyse a run: `restore_run` (the newest checkpoint, or the one at `step`), then the first
+    batch of `batch` rows of `seq_len` + 1 tokens (default the run's seq_len) of
+    `evaluation_split(config, text)`, the same batch for every run of a config. With `ema`, the
+    model has the run's EMA parameters. Raises FileNotFoundError (no run) or ConfigError (a bad
+    batch, length or text; no EMA) in one line."""
+    program, step, state = restore_run(workdir, step)
     if ema:
         state = with_ema_params(state, workdir)
     return _for_analysis(program, step, state, batch, seq_len, text)

@@ -1,12 +1,13 @@
 """Depth-mixing heatmaps of a trained run: which sources each sublayer reads, how it writes.
 
     python scripts/depth_mixing.py --workdir runs/X [--out mixing.png] [--batch 4] [--seq_len 128]
+        [--step N]
 
-Restores the newest checkpoint of the run in --workdir (`train.restore.restore_run`, as
-`python -m train.generate` does), runs the model on the first batch of the run's validation data
-under `nnx.capture(model, nnx.Intermediate)`, and plots every quantity the residual mechanism
-recorded with `arch.residual.record` (depth_weights, read_weights, write_strengths,
-mixing_matrix, read_gates, ...), one heatmap per quantity:
+Restores the newest checkpoint of the run in --workdir, or the one at --step
+(`train.restore.restore_run`, as `python -m train.generate` does), runs the model on the first
+batch of the run's validation data under `nnx.capture(model, nnx.Intermediate)`, and plots
+every quantity the residual mechanism recorded with `arch.residual.record` (depth_weights,
+read_weights, write_strengths, mixing_matrix, read_gates, ...), one heatmap per quantity:
 
   rows     the sublayers in order (layer 0 attention, layer 0 ffn, layer 1 attention, ...), plus
            a last row "output" when the model-level stream records the same quantity for the
@@ -232,7 +233,7 @@ def to_json(quantities: dict[str, dict], **header) -> dict:
 
 def analysis_run(prog: str, doc: str, png_name: str, argv: list[str] | None):
     """The command line shared by the scripts that analyse a run (--workdir, --out, --batch,
-    --seq_len) and the run it names (`restore_for_analysis`): (args, program, step, model,
+    --seq_len, --step) and the run it names (`restore_for_analysis`): (args, program, step, model,
     tokens B×(T+1)), with args.out a Path (default WORKDIR/`png_name`). Raises
     FileNotFoundError or ConfigError in one line."""
     parser = ArgumentParser(prog, doc)
@@ -240,9 +241,11 @@ def analysis_run(prog: str, doc: str, png_name: str, argv: list[str] | None):
     parser.add_argument("--out", default=None, help=f"PNG path; default WORKDIR/{png_name}")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq_len", type=int, default=None, help="default: the run's seq_len")
+    parser.add_argument("--step", type=int, default=None,
+                        help="the checkpoint to read; default: the newest")
     args = parser.parse_args(argv)
     args.out = Path(args.out) if args.out else Path(args.workdir) / png_name
-    return (args, *restore_for_analysis(args.workdir, args.batch, args.seq_len))
+    return (args, *restore_for_analysis(args.workdir, args.batch, args.seq_len, step=args.step))
 
 
 def main(argv: list[str] | None = None) -> int:

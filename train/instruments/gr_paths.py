@@ -1,6 +1,7 @@
 """Path decomposition of Gated Residual reads: how much of each write reaches each later read.
 
     python scripts/gr_paths.py --workdir runs/X [--out gr_paths.png] [--batch 4] [--seq_len 128]
+        [--step N]
 
 The Gated Residual report's matched 20-layer probe decomposes each write into the later reads
 it reaches, through the gates the forward pass took, and reports the normalized contribution of
@@ -46,10 +47,11 @@ block (2 with attention and FFN).
 Per layer [ours]: C_layer[a, b] is the mean over layer b's reads j of Σ_{i in layer a} C[i, j].
 Source rows: embedding, layer 0, …; columns still sum to 1.
 
-The script restores the newest checkpoint in --workdir and runs the first batch of the run's
-validation data (`train.restore.restore_for_analysis`, as scripts/depth_mixing.py does) under
-`nnx.capture`. It reads kind `nnx.Intermediate` (read gates, write strengths, mixing) and kind
-`arch.residual.PathTerm` (the other terms above). Outputs:
+The script restores the newest checkpoint in --workdir (or the one at --step) and runs the
+first batch of the run's validation data (`train.restore.restore_for_analysis`, as
+scripts/depth_mixing.py does) under `nnx.capture`. It reads kind `nnx.Intermediate` (read
+gates, write strengths, mixing) and kind `arch.residual.PathTerm` (the other terms above).
+Outputs:
 - JSON, default WORKDIR/gr_paths.json: C, C^m, C_layer, the skip lengths, row labels and
   read_error;
 - a heatmap PNG of C and each C^m: rows the reads, column 0 the embedding, column i + 1
