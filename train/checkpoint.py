@@ -58,7 +58,9 @@ class Checkpointer:
         else:
             state_args = ocp.args.StandardRestore(abstract_state)
         steps = sorted(self.manager.all_steps(), reverse=True)
-        for step in steps if only is None else [only] if only in steps else []:
+        if only is not None:
+            steps = [only] if only in steps else []
+        for step in steps:
             try:
                 restored = self.manager.restore(step, args=ocp.args.Composite(
                     state=state_args, data=ocp.args.JsonRestore()))
