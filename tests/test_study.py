@@ -440,12 +440,23 @@ def test_the_claims_table_checks_each_claim_on_the_paired_seeds():
     results = {"base": runs(s0=2.0, s1=2.0, s2=2.0), "low": runs(s0=1.7, s1=1.9, s2=2.1),
                "high": runs(s3=2.5)}
     table = claims_table(results, [["low", "<", "base", "low helps"],
-                                   ["low", ">", "base", "low hurts"],
                                    ["high", ">", "low", "high is worse than low"]])
-    assert table[2] == ("| low helps | low < base | -0.1000 ± 0.2000 (3) | 2 of 3 | agrees |")
-    assert table[3] == ("| low hurts | low > base | -0.1000 ± 0.2000 (3) | 1 of 3 | disagrees |")
-    assert table[4] == ("| high is worse than low | high > low | — (0) | — | "
-                        "— (no shared seeds) |")
+    assert table[2] == ("| low helps | low < base | -0.1000 ± 0.2000 (3) | 2 of 3 | "
+                        "unresolved, leans agree |")
+    assert table[3] == "| high is worse than low | high > low | — (0) | — | no shared seeds |"
+
+
+@pytest.mark.parametrize("mean, std, n, relation, verdict", [
+    (-0.1, 0.08, 3, "<", "agrees"),  # 0.1 ≥ 2 · 0.08/√3 = 0.092
+    (-0.1, 0.09, 3, "<", "unresolved, leans agree"),  # 2 · 0.09/√3 = 0.104
+    (-0.1, 0.08, 3, ">", "disagrees"),
+    (0.02, 0.5, 2, "<", "unresolved, leans disagree"),
+    (0.3, math.nan, 1, ">", "one seed, leans agree"),
+    (math.nan, math.nan, 0, "<", "no shared seeds"),
+])
+def test_a_claim_agrees_when_its_mean_is_two_standard_errors_from_zero(mean, std, n, relation,
+                                                                       verdict):
+    assert study_stats.claim_verdict(mean, std, n, relation) == verdict
 
 
 def test_claims_reach_the_record_and_the_report(tmp_path):
@@ -461,7 +472,7 @@ def test_claims_reach_the_record_and_the_report(tmp_path):
         (workdir / "config.json").write_text(json.dumps({"steps": 10}))
         (workdir / "metrics.jsonl").write_text(json.dumps({"step": 10, "eval_loss": loss}))
     report = write_report(root, describe(root, None)).read_text()
-    assert "| b helps | b < a | -0.5000 ± — (1) | 1 of 1 | agrees |" in report
+    assert "| b helps | b < a | -0.5000 ± — (1) | 1 of 1 | one seed, leans agree |" in report
 
 
 SCALING_STUDY = '''"""A scaling study for the tests: a mechanism-free arm pair over three widths."""

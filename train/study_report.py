@@ -142,23 +142,18 @@ def loss_table(results: dict[str, dict[int, Result]], description: dict) -> list
 
 def claims_table(results: dict[str, dict[int, Result]], claims: list) -> list[str]:
     """The Markdown table checking each (arm, relation, reference, text) claim on the paired
-    seeds: Δ = arm − reference, mean ± std (n), how many seeds have the claimed sign, and
-    whether the mean has it."""
+    seeds: Δ = arm − reference, mean ± std (n), how many seeds have the claimed sign, and the
+    verdict of `study_stats.claim_verdict`."""
     lines = ["| Claim (the paper's words) | Check | Δ = arm − reference, paired (n) | "
              "Seeds agreeing | Measured |", "|---|---|---|---|---|"]
     for arm, relation, reference, text in claims:
         losses = [{s: r.loss for s, r in results.get(cell, {}).items()}
                   for cell in (arm, reference)]
         mean, std, n = study_stats.paired_difference(*losses)
-        if n == 0:
-            measured, difference, agreeing = "— (no shared seeds)", "— (0)", "—"
-        else:
-            holds = mean < 0 if relation == "<" else mean > 0
-            measured = "agrees" if holds else "disagrees"
-            difference = f"{_value(mean, std, n)} ({n})"
-            agreeing = f"{study_stats.agreeing_seeds(*losses, relation)} of {n}"
+        difference = f"{_value(mean, std, n)} ({n})" if n else "— (0)"
+        agreeing = f"{study_stats.agreeing_seeds(*losses, relation)} of {n}" if n else "—"
         lines.append(f"| {text} | {arm} {relation} {reference} | {difference} | {agreeing} | "
-                     f"{measured} |")
+                     f"{study_stats.claim_verdict(mean, std, n, relation)} |")
     return lines
 
 
@@ -316,9 +311,10 @@ def write_report(root: str | Path, description: dict) -> Path:
     if description["claims"]:
         lines += ["## The paper's claims", "",
                   "Each claim as a check on final eval loss: `<` the arm ends lower (better) "
-                  "than the reference, `>` higher (worse). Δ is paired by seed; *agrees* when "
-                  "its mean has the claimed sign, whatever its spread: read it beside n and "
-                  "the seeds that agree one by one.", ""]
+                  "than the reference, `>` higher (worse). Δ is paired by seed. *agrees* "
+                  "(*disagrees*): its mean is on the claimed (other) side of zero by at least "
+                  "two standard errors, std/√n; *unresolved* otherwise, with the side the "
+                  "mean leans to.", ""]
         lines += claims_table(results, description["claims"]) + [""]
     if description["scaling"]:
         table, fits = scaling_table(results, description, arms)

@@ -45,6 +45,23 @@ def agreeing_seeds(arm: Mapping[int, float], reference: Mapping[int, float],
                for seed in arm.keys() & reference.keys())
 
 
+def claim_verdict(mean: float, std: float, n: int, relation: str) -> str:
+    """The reading of a paired difference (mean, std, n) of arm − reference against a claimed
+    sign ("<" negative, ">" positive): "agrees" or "disagrees" when the mean is at least two
+    standard errors (std/√n) from zero, on the claimed side or the other; otherwise
+    "unresolved, leans agree" (or "disagree") by the side of the mean; one seed "one seed,
+    leans ..."; no seeds "no shared seeds"."""
+    if n == 0:
+        return "no shared seeds"
+    agree = mean < 0 if relation == "<" else mean > 0
+    lean = "leans agree" if agree else "leans disagree"
+    if n == 1:
+        return f"one seed, {lean}"
+    if abs(mean) >= 2 * std / math.sqrt(n):
+        return "agrees" if agree else "disagrees"
+    return f"unresolved, {lean}"
+
+
 @dataclasses.dataclass(frozen=True)
 class PowerLaw:
     """L(C) = a·C^(−b)."""
