@@ -425,10 +425,12 @@ def test_the_loss_table_puts_the_papers_difference_beside_the_paired_one():
                    "paper": {"base": 1.766, "block": 1.746}}
     table = loss_table({"base": runs(2.0, 2.1, 2.3), "block": runs(1.9, 2.05),
                         "other": runs(2.2)}, description)
-    assert table[0].endswith("| Paper (final loss) | Paper Δ |")
-    assert table[2] == "| base (baseline) | 3 | 2.1333 ± 0.1528 | (baseline) | 1.766 | (baseline) |"
-    assert table[3] == "| block | 2 | 1.9750 ± 0.1061 | -0.0750 ± 0.0354 (2) | 1.746 | -0.020 |"
-    assert table[4] == "| other | 1 | 2.2000 ± — | 0.2000 ± — (1) | — | — |"
+    assert table[0].endswith("| Paper (final loss) | Paper Δ | Per seed |")
+    assert table[2] == ("| base (baseline) | 3 | 2.1333 ± 0.1528 | (baseline) | 1.766 | "
+                        "(baseline) | 0: 2.0000, 1: 2.1000, 2: 2.3000 |")
+    assert table[3] == ("| block | 2 | 1.9750 ± 0.1061 | -0.0750 ± 0.0354 (2) | 1.746 | -0.020 | "
+                        "0: 1.9000, 1: 2.0500 |")
+    assert table[4] == "| other | 1 | 2.2000 ± — | 0.2000 ± — (1) | — | — | 0: 2.2000 |"
 
 
 def test_the_claims_table_checks_each_claim_on_the_paired_seeds():

@@ -102,7 +102,7 @@ def _baseline_cell(cell: str, baseline: str) -> str:
 
 
 def loss_table(results: dict[str, dict[int, Result]], description: dict) -> list[str]:
-    """The Markdown table of final losses per cell."""
+    """The Markdown table of final losses per cell, with each seed's loss in the last column."""
     baseline, paper = description["baseline"], description["paper"]
     show_paper = bool(paper) and not description["scaling"]
     paper_difference = show_paper and baseline in paper  # the paper's Δ beside ours
@@ -114,6 +114,7 @@ def loss_table(results: dict[str, dict[int, Result]], description: dict) -> list
         header, rule = header + f" Paper ({description['paper_metric']}) |", rule + "---|"
     if paper_difference:
         header, rule = header + " Paper Δ |", rule + "---|"
+    header, rule = header + " Per seed |", rule + "---|"
     lines = [header, rule]
     for cell, runs in results.items():
         arm, _ = studies.split_cell(cell)
@@ -136,6 +137,8 @@ def loss_table(results: dict[str, dict[int, Result]], description: dict) -> list
         if paper_difference:
             row += (" (baseline) |" if arm == baseline else
                     f" {paper[arm] - paper[baseline]:+.3f} |" if arm in paper else " — |")
+        row += " " + (", ".join(f"{seed}: {runs[seed].loss:.4f}" for seed in sorted(runs))
+                      or "—") + " |"
         lines.append(row)
     return lines
 
