@@ -240,7 +240,7 @@ def _prepare_kjv(data_dir: str) -> str:
     builds it, the others find it prepared. Returns the TFDS name ("kjv_bible")."""
     builder = KjvBible(data_dir=data_dir, file_format="array_record")
     if not builder.is_prepared():
-        with file_lock(Path(builder.data_dir).parent.parent / f"{builder.name}.lock"):
+        with file_lock(Path(data_dir) / f"{builder.name}.lock"):
             builder = KjvBible(data_dir=data_dir, file_format="array_record")
             if not builder.is_prepared():
                 config = tfds.download.DownloadConfig(try_download_gcs=False)

@@ -137,7 +137,7 @@ def load_study(path: str) -> Study:
                  claims=_claims(getattr(module, "CLAIMS", ()), arms, scaling, flag))
 
 
-RELATIONS = {"<": "lower loss than", ">": "higher loss than"}
+RELATIONS = ("<", ">")  # the arm ends at a lower / higher loss than the reference
 
 
 def _claims(claims, arms: tuple[str, ...], scaling: tuple[str, ...],
