@@ -45,9 +45,13 @@ its S reads as one reduction over the slot axis (`_phase_one_forward`). Each sca
 the scan's unit-major buffers. Measured: docs/performance.md#block-attnres.
 
 Variants (config fields):
-- `attnres.query="input"`: w_l + W_l k̂_cur, with W_l ∈ R^{d×d} zero-initialized and the
+- `attnres.query="input"`: w_l + c·W_l k̂_cur, with W_l ∈ R^{d×d} zero-initialized, the
   "current state" k̂_cur the most recent source (slot ⌈l/S⌉: the previous sublayer's output for
-  Full AttnRes, the current partial sum or the last summary for Block), normalized like a key.
+  Full AttnRes, the current partial sum or the last summary for Block), normalized like a key,
+  and c = `attnres.query_scale` (default 1). Under Adam a step changes each entry of W_l and of
+  w_l by about the learning rate, so with c = 1 the scores' input-dependent part can move up to d
+  times as far per step as the static part (a rank-one step of W_l meets k̂_cur and k̂_j, whose
+  entries are of order 1, in d² products; a step of w_l meets k̂_j in d); c = 1/d equalizes them.
 - `attnres.heads=H`: d split into H chunks of d/H features; each chunk has its own query chunk,
   per-chunk key normalization and its own softmax over the sources.
 - `attnres.weights="sigmoid"`: α_j = σ(w_l · k̂_j), unnormalized over the sources.
@@ -123,6 +127,7 @@ class DepthLayout:
     heads: int           # H depth-attention heads
     weights: str         # softmax | sigmoid | static
     query: str           # static | input
+    query_scale: float   # c in w_l + c·W_l k̂_cur (query="input")
     key_norm: bool
     window: int          # 0: every source
     eps: float
@@ -474,7 +479,8 @@ def _read(layout: DepthLayout, state: dict, query_projection, module: nnx.Module
         current = _split_heads(sources[:, :, newest].astype(jnp.float32), layout.heads)
         if inverse is not None:
             current = current * inverse[:, :, newest, :, None]
-        query = query + query_projection(current.reshape(*current.shape[:-2], -1))
+        projected = query_projection(current.reshape(*current.shape[:-2], -1))
+        query = query + (projected if layout.query_scale == 1 else layout.query_scale * projected)
     if layout.heads == 1 and layout.weights == "softmax" and not is_capturing(module):
         ones = jnp.ones(sources.shape[:3], jnp.float32)
         return softmax_read(query, sources, ones if inverse is None else inverse[..., 0], valid)
@@ -851,6 +857,7 @@ class AttentionResidual(ResidualMechanism):
         return DepthLayout(sublayers=cfg.num_layers * (2 if cfg.use_ffn else 1),
                            block_size=cls.block_size(cfg), heads=cfg.attnres.heads,
                            weights=cfg.attnres.weights, query=cfg.attnres.query,
+                           query_scale=cfg.attnres.query_scale,
                            key_norm=cfg.attnres.key_norm, window=cfg.attnres.window,
                            eps=cfg.norm.eps)
 

@@ -90,8 +90,8 @@ def _depth_read(cfg, sources, index, stream, projection):
     else:
         query = split(stream["pseudo_queries"][index][None, None])   # 1×1×H×K
         if projection is not None:  # the newest source, as a key, through W
-            query = query + split(key(sources[-1]).reshape(sources[-1].shape)
-                                  @ projection["kernel"])
+            query = query + cfg.attnres.query_scale * split(
+                key(sources[-1]).reshape(sources[-1].shape) @ projection["kernel"])
         scores = jnp.stack([(key(sources[j]) * query).sum(-1) for j in slots])  # n×B×T×H
         weights = (jax.nn.softmax(scores, 0) if cfg.attnres.weights == "softmax"
                    else jax.nn.sigmoid(scores))

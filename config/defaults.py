@@ -103,7 +103,8 @@ def model_config() -> ml_collections.ConfigDict:
         ),
         attnres=dict(             # residual.name="attnres"/"block_attnres" (arch.attnres)
             block_size=4,         # block_attnres: sublayers per block S (1: Full AttnRes)
-            query="static",       # "static" pseudo-query, or "input": + W·(current state)
+            query="static",       # "static" pseudo-query, or "input": + c·W·(current state)
+            query_scale=1.0,      # query="input": c (1/d: as fast under Adam as the static part)
             heads=1,              # depth-attention heads (divides d)
             weights="softmax",    # softmax | sigmoid | static (DenseFormer-style)
             key_norm=True,        # RMS-normalized keys (False: raw sources)

@@ -298,6 +298,10 @@ def _attnres(cfg) -> None:
           section.query,
           "static (input-independent) weights use no query; set model.attnres.query='static'"
           " or model.attnres.weights='softmax'/'sigmoid'")
+    scale = section.query_scale
+    check(scale > 0, "model.attnres.query_scale", scale, "must be positive")
+    check(section.query == "input" or scale == 1, "model.attnres.query_scale", scale,
+          "scales the input-dependent query only; set model.attnres.query='input'")
     heads, d = section.heads, cfg.d_model
     check(_positive_int(heads) and d % heads == 0, "model.attnres.heads", heads,
           f"must divide model.d_model={d}; valid: {_divisors(d)}")

@@ -18,6 +18,10 @@ Arms (the config argument is "ARM" or "ARM,SCALE"):
                 block, the embedding beside one running sum)
     window      Block S = 4 reading only its 2 most recent sources (no distant summaries)
     input_query Block S = 4 with the input-dependent query w_l + W_l k̂_cur
+    input_query_scaled
+                the same with w_l + W_l k̂_cur / d (`attnres.query_scale`; ours, not the
+                report's: under Adam the unscaled W_l moves the scores up to d times as fast as
+                w_l, see arch/attnres.py)
     heads4      Block S = 4 with 4 depth-attention heads
     sigmoid     Block S = 4 with sigmoid weights
     no_key_norm Block S = 4 with raw keys
@@ -46,7 +50,7 @@ Commands (results: docs/results/attnres_ablation/):
 from experiments.common import arm_and_scale, base_config
 
 ARMS = ("baseline", "full", "block", "block2", "block8", "block16", "window", "input_query",
-        "heads4", "sigmoid", "no_key_norm", "static", "mhc")
+        "input_query_scaled", "heads4", "sigmoid", "no_key_norm", "static", "mhc")
 BASELINE = "baseline"
 SEEDS = (0, 1, 2)
 SCALES = ("cpu", "paper")
@@ -61,6 +65,7 @@ CLAIMS = (  # (arm, "<" lower loss / ">" higher loss, reference, the claim)
     ("block16", ">", "block", "one block loses most of the gain"),
     ("window", ">", "block", "a window of recent sources only is worse than distant summaries"),
     ("input_query", "<", "block", "an input-dependent query helps a little"),
+    ("input_query_scaled", "<", "block", "an input-dependent query helps a little (W·k̂ / d)"),
     ("heads4", ">", "block", "more depth-attention heads do not help"),
     ("sigmoid", ">", "block", "sigmoid weights are worse than softmax"),
     ("no_key_norm", ">", "block", "removing the key norm is worse"),
@@ -81,6 +86,7 @@ _ARMS = {
     "block16": _block(block_size=16),
     "window": _block(window=2),
     "input_query": _block(query="input"),
+    "input_query_scaled": _block(query="input"),  # query_scale = 1/d: in get_config
     "heads4": _block(heads=4),
     "sigmoid": _block(weights="sigmoid"),
     "no_key_norm": _block(key_norm=False),
@@ -112,4 +118,6 @@ def get_config(arg: str | None = None):
     config.optimizer.update(learning_rate=scale_lr[0], warmup_steps=scale_lr[1],
                             schedule="cosine")
     model.update(_ARMS[arm])
+    if arm == "input_query_scaled":
+        model.attnres.query_scale = 1 / model.d_model
     return config

@@ -43,7 +43,7 @@ ORACLE_CASES = {  # Block S=1: test_block_of_one_sublayer_is_full_attnres_exactl
     "block-S2": dict(residual="block_attnres", attnres__block_size=2),
     "block-S3-ragged-input-query-heads": dict(  # blocks of 3 and 1 sublayers
         residual="block_attnres", attnres__block_size=3, attnres__query="input", attnres__heads=4,
-        norm="layernorm"),
+        attnres__query_scale=0.5, norm="layernorm"),
     "block-N1-static-window-heads": dict(  # S ≥ n = 4 sublayers: one block
         residual="block_attnres", attnres__block_size=5, attnres__weights="static",
         attnres__window=2, attnres__heads=2),
@@ -285,6 +285,9 @@ def test_pseudo_query_gradients_one_source_has_none():
                                 "sigmoid, static"),
     ("attnres__window", -1, "model.attnres.window=-1 is invalid: must be an integer ≥ 0 "
                            "(0: every source)"),
+    ("attnres__query_scale", 0.0, "model.attnres.query_scale=0.0 is invalid: must be positive"),
+    ("attnres__query_scale", 0.5, "model.attnres.query_scale=0.5 is invalid: scales the "
+                                 "input-dependent query only; set model.attnres.query='input'"),
 ])
 def test_config_errors_name_the_field_and_the_fix(field, value, message):
     config = tiny_config(residual="block_attnres", **{field: value})
@@ -298,3 +301,23 @@ def test_input_query_needs_scores():
     with pytest.raises(ConfigError, match="model.attnres.query='input' is invalid: static"):
         validate(config, 1)
     assert AttentionResidual.block_size(config.model) == 1
+
+
+@pytest.mark.parametrize("residual", ["attnres", "block_attnres"])
+def test_query_scale_multiplies_the_input_dependent_term(residual):
+    """c·W k̂ with W is W' k̂ with W' = c·W: the scale is the projection's output multiplier, in
+    every read including the final one (and the term matters: with c = 1 the output differs)."""
+    case = dict(residual=residual, attnres__query="input", attnres__block_size=2)
+    _, scaled = tiny_model(**case, attnres__query_scale=0.125)
+    _, plain = tiny_model(**case)
+    perturb_parameters(scaled, scale=0.5)
+    params = nnx.state(scaled, nnx.Param)
+    forward = nnx.jit(lambda model, tokens: model(tokens))
+    tokens = random_tokens((2, 8))
+    nnx.update(plain, params)
+    unscaled = forward(plain, tokens)
+    nnx.update(plain, jax.tree.map_with_path(
+        lambda path, leaf: 0.125 * leaf if "query_projection" in jax.tree_util.keystr(path)
+        else leaf, params))
+    np.testing.assert_allclose(forward(scaled, tokens), forward(plain, tokens), atol=1e-5)
+    assert np.abs(forward(scaled, tokens) - unscaled).max() > 1e-2
