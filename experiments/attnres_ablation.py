@@ -31,7 +31,7 @@ Arms (the config argument is "ARM" or "ARM,SCALE"):
 Scales:
 - `cpu` (default) is the issue's CPU acceptance point: d = 128, 8 layers (16 sublayers), MHA with
   4 heads, learned positions, GELU MLP, untied head, batch 32 × 128 bytes of the embedded corpus,
-  AdamW 3e-3 with 100 warmup steps and cosine decay, 800 steps. One run takes 33–62 minutes on
+  AdamW 3e-3 with 100 warmup steps and cosine decay, 800 steps. One run takes 16–42 minutes on
   one core (docs/results/attnres_ablation).
 - `paper`: the table's 16 layers; the width (d = 1024, 16 heads), SwiGLU, RoPE and the budget
   (batch 256 × 8192 tokens, 20,000 steps, AdamW 1e-3 with 1,000 warmup steps) are our choice,
