@@ -479,8 +479,8 @@ def _read(layout: DepthLayout, state: dict, query_projection, module: nnx.Module
         current = _split_heads(sources[:, :, newest].astype(jnp.float32), layout.heads)
         if inverse is not None:
             current = current * inverse[:, :, newest, :, None]
-        projected = query_projection(current.reshape(*current.shape[:-2], -1))
-        query = query + (projected if layout.query_scale == 1 else layout.query_scale * projected)
+        query = query + layout.query_scale * query_projection(
+            current.reshape(*current.shape[:-2], -1))
     if layout.heads == 1 and layout.weights == "softmax" and not is_capturing(module):
         ones = jnp.ones(sources.shape[:3], jnp.float32)
         return softmax_read(query, sources, ones if inverse is None else inverse[..., 0], valid)
