@@ -443,22 +443,34 @@ def test_the_claims_table_checks_each_claim_on_the_paired_seeds():
                "high": runs(s3=2.5)}
     table = claims_table(results, [["low", "<", "base", "low helps"],
                                    ["high", ">", "low", "high is worse than low"]])
-    assert table[2] == ("| low helps | low < base | -0.1000 ± 0.2000 (3) | 2 of 3 | "
+    # the differences −0.3, −0.1, 0.1: t = 0.1 / (0.2/√3) on 2 degrees of freedom, p = 0.478
+    assert table[2] == ("| low helps | low < base | -0.1000 ± 0.2000 (3) | 2 of 3 | 0.478 | "
                         "unresolved, leans agree |")
-    assert table[3] == "| high is worse than low | high > low | — (0) | — | no shared seeds |"
+    assert table[3] == ("| high is worse than low | high > low | — (0) | — | — | "
+                        "no shared seeds |")
 
 
 @pytest.mark.parametrize("mean, std, n, relation, verdict", [
-    (-0.1, 0.08, 3, "<", "agrees"),  # 0.1 ≥ 2 · 0.08/√3 = 0.092
-    (-0.1, 0.09, 3, "<", "unresolved, leans agree"),  # 2 · 0.09/√3 = 0.104
-    (-0.1, 0.08, 3, ">", "disagrees"),
+    (-0.1, 0.03, 3, "<", "agrees"),  # t = 5.77 on 2 degrees of freedom: p = 0.029
+    (-0.1, 0.05, 3, "<", "unresolved, leans agree"),  # t = 3.46, more than 2 s.e.: p = 0.074
+    (-0.1, 0.03, 3, ">", "disagrees"),
+    (0.1, 0.0, 2, ">", "agrees"),  # no spread at all: p = 0
     (0.02, 0.5, 2, "<", "unresolved, leans disagree"),
     (0.3, math.nan, 1, ">", "one seed, leans agree"),
     (math.nan, math.nan, 0, "<", "no shared seeds"),
 ])
-def test_a_claim_agrees_when_its_mean_is_two_standard_errors_from_zero(mean, std, n, relation,
-                                                                       verdict):
+def test_a_claim_agrees_when_a_paired_t_test_rejects_a_zero_mean(mean, std, n, relation,
+                                                                 verdict):
     assert study_stats.claim_verdict(mean, std, n, relation) == verdict
+
+
+def test_the_paired_p_value_is_the_t_distributions_tail():
+    # one degree of freedom: t is Cauchy, two-sided p = 1 − (2/π)·atan(|t|)
+    mean, std = 0.3, 0.1 * math.sqrt(2)  # t = 0.3 / (std/√2) = 3
+    assert study_stats.paired_p(mean, std, 2) == pytest.approx(1 - 2 / math.pi * math.atan(3.0),
+                                                               rel=1e-12)
+    assert study_stats.paired_p(-mean, std, 2) == study_stats.paired_p(mean, std, 2)
+    assert math.isnan(study_stats.paired_p(0.3, math.nan, 1))
 
 
 def test_claims_reach_the_record_and_the_report(tmp_path):
@@ -474,7 +486,7 @@ def test_claims_reach_the_record_and_the_report(tmp_path):
         (workdir / "config.json").write_text(json.dumps({"steps": 10}))
         (workdir / "metrics.jsonl").write_text(json.dumps({"step": 10, "eval_loss": loss}))
     report = write_report(root, describe(root, None)).read_text()
-    assert "| b helps | b < a | -0.5000 ± — (1) | 1 of 1 | one seed, leans agree |" in report
+    assert "| b helps | b < a | -0.5000 ± — (1) | 1 of 1 | — | one seed, leans agree |" in report
 
 
 SCALING_STUDY = '''"""A scaling study for the tests: a mechanism-free arm pair over three widths."""

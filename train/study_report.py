@@ -145,17 +145,19 @@ def loss_table(results: dict[str, dict[int, Result]], description: dict) -> list
 
 def claims_table(results: dict[str, dict[int, Result]], claims: list) -> list[str]:
     """The Markdown table checking each (arm, relation, reference, text) claim on the paired
-    seeds: Δ = arm − reference, mean ± std (n), how many seeds have the claimed sign, and the
-    verdict of `study_stats.claim_verdict`."""
+    seeds: Δ = arm − reference, mean ± std (n), how many seeds have the claimed sign, the
+    paired t-test's p and the verdict of `study_stats.claim_verdict`."""
     lines = ["| Claim (the paper's words) | Check | Δ = arm − reference, paired (n) | "
-             "Seeds agreeing | Measured |", "|---|---|---|---|---|"]
+             "Seeds agreeing | p | Measured |", "|---|---|---|---|---|---|"]
     for arm, relation, reference, text in claims:
         losses = [{s: r.loss for s, r in results.get(cell, {}).items()}
                   for cell in (arm, reference)]
         mean, std, n = study_stats.paired_difference(*losses)
         difference = f"{_value(mean, std, n)} ({n})" if n else "— (0)"
         agreeing = f"{study_stats.agreeing_seeds(*losses, relation)} of {n}" if n else "—"
+        p = study_stats.paired_p(mean, std, n)
         lines.append(f"| {text} | {arm} {relation} {reference} | {difference} | {agreeing} | "
+                     f"{'—' if math.isnan(p) else f'{p:.3f}'} | "
                      f"{study_stats.claim_verdict(mean, std, n, relation)} |")
     return lines
 
@@ -314,10 +316,10 @@ def write_report(root: str | Path, description: dict) -> Path:
     if description["claims"]:
         lines += ["## The paper's claims", "",
                   "Each claim as a check on final eval loss: `<` the arm ends lower (better) "
-                  "than the reference, `>` higher (worse). Δ is paired by seed. *agrees* "
-                  "(*disagrees*): its mean is on the claimed (other) side of zero by at least "
-                  "two standard errors, std/√n; *unresolved* otherwise, with the side the "
-                  "mean leans to.", ""]
+                  "than the reference, `>` higher (worse). Δ is paired by seed; p is the two-sided "
+                  "p-value of a paired t-test of a zero mean (n − 1 degrees of freedom). "
+                  "*agrees* (*disagrees*): p < 0.05 with the mean on the claimed (other) side "
+                  "of zero; *unresolved* otherwise, with the side the mean leans to.", ""]
         lines += claims_table(results, description["claims"]) + [""]
     if description["scaling"]:
         table, fits = scaling_table(results, description, arms)

@@ -1,6 +1,7 @@
-"""The statistics of a study report, in numpy alone: mean ± sample std over seeds, paired
-differences to the baseline over shared seeds, a power law of loss against compute, and the
-compute multiplier at matched loss with a bootstrap interval over seeds.
+"""The statistics of a study report, in numpy (and scipy's t distribution): mean ± sample std
+over seeds, paired differences to the baseline over shared seeds with a paired t-test, a power
+law of loss against compute, and the compute multiplier at matched loss with a bootstrap
+interval over seeds.
 
 The power law is the plain L = a·C^(−b), fitted by least squares on log L against log C (no
 irreducible term: over the one or two decades of compute a study spans, it is a straight line
@@ -16,6 +17,7 @@ import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
+from scipy import stats
 
 
 def mean_std(values: Sequence[float]) -> tuple[float, float, int]:
@@ -45,10 +47,20 @@ def agreeing_seeds(arm: Mapping[int, float], reference: Mapping[int, float],
                for seed in arm.keys() & reference.keys())
 
 
+def paired_p(mean: float, std: float, n: int) -> float:
+    """Two-sided p-value of a paired t-test that the differences (mean, sample std, n) have mean
+    zero: t = mean / (std/√n) on n − 1 degrees of freedom (nan for n < 2). With three seeds the
+    mean must be 4.30 standard errors from zero for p < 0.05 (12.7 with two)."""
+    if n < 2 or math.isnan(std) or (mean == 0 and std == 0):
+        return math.nan
+    t = math.inf if std == 0 else abs(mean) / (std / math.sqrt(n))
+    return float(2 * stats.t.sf(t, n - 1))
+
+
 def claim_verdict(mean: float, std: float, n: int, relation: str) -> str:
     """The reading of a paired difference (mean, std, n) of arm − reference against a claimed
-    sign ("<" negative, ">" positive): "agrees" or "disagrees" when the mean is at least two
-    standard errors (std/√n) from zero, on the claimed side or the other; otherwise
+    sign ("<" negative, ">" positive): "agrees" or "disagrees" when the paired t-test rejects a
+    zero mean at the 5% level (`paired_p` < 0.05), on the claimed side or the other; otherwise
     "unresolved, leans agree" (or "disagree") by the side of the mean; one seed "one seed,
     leans ..."; no seeds "no shared seeds"."""
     if n == 0:
@@ -57,7 +69,7 @@ def claim_verdict(mean: float, std: float, n: int, relation: str) -> str:
     lean = "leans agree" if agree else "leans disagree"
     if n == 1:
         return f"one seed, {lean}"
-    if abs(mean) >= 2 * std / math.sqrt(n):
+    if paired_p(mean, std, n) < 0.05:
         return "agrees" if agree else "disagrees"
     return f"unresolved, {lean}"
 
