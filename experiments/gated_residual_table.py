@@ -44,9 +44,8 @@ Scales (both are our choice, not the report's: its model sizes and budgets are n
 summary we have):
 - `cpu` (default): d = 128, 8 layers (16 sublayers), 4 heads, RoPE, SwiGLU, tied head, batch
   16 × 128 bytes of the embedded corpus, AdamW 3e-3 with 60 warmup steps and cosine decay, 600
-  steps, evaluated every 100 on 16 batches. About ten minutes per run on a 2-core CPU (not
-  measured for this file: experiments/residuals.py trains this size and budget in about that;
-  the 4-branch arms are the slower ones).
+  steps, evaluated every 100 on 16 batches. 7–18 minutes per run on one CPU core, the
+  4-branch arms the slower (docs/results/gated_residual_table).
 - `paper`: d = 1024, 24 layers, 16 heads (≈ 0.3B parameters besides the embedding), seq 4096,
   batch 256 (≈ 1M tokens per step), 10 000 steps (≈ 10B tokens), subword data
   (`data.name="prepared"` shards of `scripts/prepare_data.py` in data/prepared, with its
