@@ -70,8 +70,9 @@ def assert_trees_equal(a, b) -> None:
 
 def test_stop_gradient_keeps_the_forward_value_and_cuts_the_teacher_path():
     """Distillation of a student θ_s from a teacher θ_t (another model): detaching the teacher's
-    logits leaves the loss identical and the student's gradient unchanged, and zeroes the
-    teacher's gradient, which without the detach is not zero."""
+    logits leaves the loss and the student's gradient unchanged (to float32 rounding: the two
+    programs are compiled apart), and zeroes the teacher's gradient, which without the detach is
+    not zero."""
     student, logits = logits_function(seed=0)
     teacher, _ = logits_function(seed=1)
     tokens = random_tokens((2, 8))
@@ -87,7 +88,7 @@ def test_stop_gradient_keeps_the_forward_value_and_cuts_the_teacher_path():
     attached, (student_grad_attached, teacher_grad_attached) = value_and_grads(student, teacher,
                                                                                False)
     assert float(detached) > 1e-3
-    np.testing.assert_array_equal(detached, attached)  # the forward value is unchanged
+    np.testing.assert_allclose(detached, attached, rtol=1e-6)  # the forward value is unchanged
     for leaf in jax.tree.leaves(teacher_grad):
         np.testing.assert_array_equal(leaf, np.zeros_like(leaf))  # the teacher path is cut
     assert tree_norm(teacher_grad_attached) > 1e-3  # ... and it would not be without the detach
@@ -154,9 +155,9 @@ def test_the_ema_teacher_changes_only_by_its_update_rule():
 
 def test_without_ema_the_state_and_numbers_are_unchanged():
     """ema_decay=0 (the default): no "ema" in the state, its shardings or a checkpoint. An EMA
-    without distillation is a passenger: the losses are bit-identical and the parameters equal
-    to float32 rounding (the two programs are compiled apart, and XLA may sum a weight gradient
-    in another order in each: one ulp in some elements)."""
+    without distillation is a passenger: the losses and the parameters are equal to float32
+    rounding (the two programs are compiled apart, and XLA may fuse or sum a weight gradient in
+    another order in each: one ulp in some elements)."""
     runs = {}
     for decay in (0.0, 0.5):
         config = tiny_config()
@@ -174,7 +175,7 @@ def test_without_ema_the_state_and_numbers_are_unchanged():
     assert set(state) == set(program.state_shardings) == set(program.abstract_state()) \
         == STATE_KEYS
     assert set(runs[0.5][1]) == STATE_KEYS | {"ema"}
-    np.testing.assert_array_equal(losses, runs[0.5][2])
+    np.testing.assert_allclose(losses, runs[0.5][2], rtol=1e-5)
     jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-7),
                  jax.device_get(state["params"]), jax.device_get(runs[0.5][1]["params"]))
 
