@@ -13,16 +13,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from arch.attention_kernels import (
+from arch.dropout import active_rate
+from arch.dropout import apply as dropout
+from arch.init import group_init
+from arch.kernels.attention_implementations import (
     allowed_mask,
     blocked_attention,
     choose_implementation,
     cudnn_attention,
     splash_attention,
 )
-from arch.dropout import active_rate
-from arch.dropout import apply as dropout
-from arch.init import group_init
 from arch.layers import Dense
 from arch.norms import RMSNorm
 from arch.registry import Registry
@@ -148,12 +148,13 @@ def attend(q_BxTxHxP, k_BxSxKxP, v_BxSxKxV, query_positions_BxT, key_positions_B
            window: int = 0, in_order: bool = False,
            recorder: nnx.Module | None = None) -> jax.Array:
     """Causal attention softmax(QKᵀ·scale + M)V by `implementation`
-    (`execution.attention_implementation`; `arch.attention_kernels`): `xla` (explicit scores,
-    `dot_product_attention`), `blocked` (online softmax over `chunk`-position tiles, O(T·chunk)
-    memory), `cudnn`, `splash`, or `auto` (`choose_implementation`: the fastest exact path for
-    the backend and shape). All are the same function; tests/test_attention_kernels.py checks it.
+    (`execution.attention_implementation`; `arch.kernels.attention_implementations`): `xla`
+    (explicit scores, `dot_product_attention`), `blocked` (online softmax over `chunk`-position
+    tiles, O(T·chunk) memory), `cudnn`, `splash`, or `auto` (`choose_implementation`: the
+    fastest exact path for the backend and shape). All are the same function;
+    tests/test_attention_implementations.py checks it.
     `window` W > 0: sliding-window attention, M also hides keys W or more positions back
-    (`attention_kernels.allowed_mask`).
+    (`arch.kernels.attention_implementations.allowed_mask`).
 
     `in_order`: query i and key i are at position i (no KV cache, no sequence shards: the train
     step's positions are then 0..T−1). `cudnn` then uses its built-in causal mask and `splash`

@@ -1,5 +1,5 @@
 """Hugging Face config.json ↔ our model config: the architecture half of the checkpoint importer
-and exporter (`train/instruments/hf.py` converts the weights). Pure functions of a dict, so the
+and exporter (`train/interop/hf.py` converts the weights). Pure functions of a dict, so the
 accounting of public models (`arch.reference_shapes`) reads them without the importer.
 `hf_config_from_model` is the inverse of `model_config_from_hf` below, refusing what the table
 cannot express.
@@ -99,7 +99,8 @@ def _llama_fields(hf: Mapping) -> dict:
                                    "(model.linear_bias puts them on attention and FFN together)")
     max_positions = int(_required(hf, "max_position_embeddings"))
     # Mistral's band: key s visible to query t iff t − W < s ≤ t (transformers'
-    # `sliding_window_overlay`), which is attention.window=W (`attention_kernels.allowed_mask`).
+    # `sliding_window_overlay`), which is attention.window=W
+    # (`arch.kernels.attention_implementations.allowed_mask`).
     window = hf.get("sliding_window") if model_type == "mistral" else None
     window = int(window) if window is not None and window < max_positions else 0
     hidden_act = hf.get("hidden_act", "silu")

@@ -163,7 +163,7 @@ def execution_config() -> ml_collections.ConfigDict:
     """How the model runs, apart from what it computes: kernels, rematerialization, the layer
     loop and the pipeline schedule. A run may resume with different execution settings."""
     return ml_collections.ConfigDict(dict(
-        attention_implementation="auto",  # auto, xla, blocked, cudnn, splash (attention_kernels)
+        attention_implementation="auto",  # auto, xla, blocked, cudnn, splash (arch/kernels/)
         attention_chunk=128,      # blocked: query/key tile length (memory O(T·chunk)); splash block
         sequence_attention="all_gather",  # mesh.sequence > 1: "all_gather" keys/values, or
                                   # "ring" (ppermute around the sequence axis; mha only)

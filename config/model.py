@@ -35,7 +35,8 @@ ATTNRES_WEIGHTS = ("softmax", "sigmoid", "static")  # arch.attnres
 ATTNRES_QUERIES = ("static", "input")
 GR_STATE_DTYPES = ("float32", "bfloat16", "float8_e4m3fn")  # arch.gated_residual
 GR_INITS = ("graded", "random")
-ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "blocked", "cudnn", "splash")  # arch.attention_kernels
+# arch.kernels.attention_implementations
+ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "blocked", "cudnn", "splash")
 SEQUENCE_ATTENTIONS = ("all_gather", "ring")  # sharding.sequence
 # What a block keeps for its backward pass (arch.remat binds each name to a jax.checkpoint policy).
 REMAT_POLICIES: dict[str, str] = {

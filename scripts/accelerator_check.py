@@ -6,7 +6,8 @@ Parts (each a key of the JSON object; a skipped part is {"skipped": reason}):
 
   attention      max |difference| of values and gradients against the explicit `xla` path, per
                  implementation: `blocked` everywhere, `cudnn` on NVIDIA GPUs (bf16), `splash`
-                 on TPUs (arch/attention_kernels.py), relative to the largest |value| of each
+                 on TPUs (arch/kernels/attention_implementations.py), relative to the largest
+                 |value| of each
                  output. `ok` within 1e-5 in f32 (splash 2e-3), both paths' products at full f32
                  precision (GPUs otherwise multiply f32 in TF32, 10-bit mantissas); 1.6e-2 in
                  bf16 (two units in the last place of the largest value).
@@ -56,7 +57,7 @@ def _max_diff(got, want) -> tuple[float, float]:
 
 def attention_part(backend: str) -> dict:
     from arch.attention import dot_product_attention
-    from arch.attention_kernels import (
+    from arch.kernels.attention_implementations import (
         allowed_mask,
         blocked_attention,
         cudnn_attention,

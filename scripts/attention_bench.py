@@ -1,4 +1,5 @@
-"""Attention implementations against each other (arch/attention_kernels.py), in one run:
+"""Attention implementations against each other (arch/kernels/attention_implementations.py), in
+one run:
 
   python scripts/attention_bench.py --config experiments/quickstart.py
       [--memory 1024,4096,16384] [--speed 256,512,1024,2048,4096] [--tokens 8192]

@@ -11,15 +11,8 @@ import pytest
 from flax import nnx
 
 from arch import reference
-from arch.attnres import (
-    AttentionResidual,
-    AttnResStream,
-    BlockAttentionResidual,
-    depth_read,
-    inverse_rms,
-    softmax_read,
-    two_phase_reads,
-)
+from arch.attnres import AttentionResidual, AttnResStream, BlockAttentionResidual
+from arch.kernels.depth_read import depth_read, inverse_rms, softmax_read, two_phase_reads
 from config import ConfigError
 from sharding.mesh import make_mesh
 from tests.helpers import prefill_then_decode, random_tokens, tiny_config, tiny_model

@@ -12,7 +12,7 @@ from flax import nnx
 
 from arch.accounting import books, kv_cache_bytes_per_token
 from arch.attention import EMPTY_SLOT, attend, mean_visible_keys
-from arch.attention_kernels import blocked_attention
+from arch.kernels.attention_implementations import blocked_attention
 from config import ConfigError
 from sharding.sequence import ring_attention, stripe_order
 from tests.helpers import prefill_then_decode, random_tokens, tiny_config, tiny_model

@@ -1,7 +1,7 @@
-"""Attention implementations (arch/attention_kernels.py): `blocked` equals the explicit `xla`
-path in values and gradients (causal, GQA/MQA, MLA widths, windows, any position order, KV-cache
-decoding), skips fully masked tiles, and keeps its memory linear in T; `auto`'s rule; the
-accelerator kernels against the explicit path."""
+"""Attention implementations (arch/kernels/attention_implementations.py): `blocked` equals the
+explicit `xla` path in values and gradients (causal, GQA/MQA, MLA widths, windows, any position
+order, KV-cache decoding), skips fully masked tiles, and keeps its memory linear in T; `auto`'s
+rule; the accelerator kernels against the explicit path."""
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +15,7 @@ from arch.attention import (
     attend,
     dot_product_attention,
 )
-from arch.attention_kernels import (
+from arch.kernels.attention_implementations import (
     BLOCKED_FROM_LENGTH,
     allowed_mask,
     blocked_attention,
