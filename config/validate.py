@@ -58,7 +58,7 @@ def check_fields(config) -> None:
 
 
 def check_training(config) -> None:
-    """Check what only training needs (after `check_fields` and `train.tokenizer.check_vocab`):
+    """Check what only training needs (after `check_fields` and `train.data.tokenizer.check_vocab`):
     data that can be split into windows, and the final sample's arguments. Not
     part of `train.config.validate`, which also serves runs that are only restored (e.g. an
     imported checkpoint with its own vocabulary, or a run whose text files have moved)."""
@@ -67,7 +67,8 @@ def check_training(config) -> None:
     check(method == "none", "quantization.method", method,
           "must be 'none' to train: a quantized run (scripts/quantize.py) is for generation and "
           "analysis; train its float32 run")
-    # Whether it covers the tokenizer is `train.tokenizer.check_vocab`'s (it fills 0), run first.
+    # Whether it covers the tokenizer is `train.data.tokenizer.check_vocab`'s (it fills 0), run
+    # first.
     check(is_int(model.vocab_size) and model.vocab_size >= 0, "model.vocab_size",
           model.vocab_size, "must be 0 (the tokenizer's size) or an integer covering it")
     _check_data(config.data, config.seq_len)

@@ -22,7 +22,7 @@ batch_size × (seq_len + 1), and reports, in one run:
                          (ABBA order), so machine noise hits both alike. null (and not timed) for
                          variants the reference does not implement.
   torch_step_time_s      only with --vs_torch: median step time of an eager PyTorch train step of
-                         the same model (`train/instruments/torch_model.py`: torch's
+                         the same model (`train/interop/torch_model.py`: torch's
                          scaled_dot_product_attention, fused AdamW with the config's schedule,
                          betas, eps, weight decay and decay mask, global-norm clipping) from the
                          same initial parameters, on the same batch, timed interleaved with the
@@ -75,7 +75,7 @@ batch_size × (seq_len + 1), and reports, in one run:
                          and --baseline (baseline_decode_cache_bytes) too.
   loader_tokens_per_sec  only with --data: tokens/s the config's training data (config.data, e.g. a
                          prepared directory) delivers at batch_size × seq_len through the stream
-                         the training loop reads (prefetching, `train.shards.loader_throughput`),
+                         the training loop reads (prefetching, `shards.loader_throughput`),
                          over --data_batches batches; loader_sync_tokens_per_sec one batch at a
                          time; loader_vs_step = loader_tokens_per_sec / tokens_per_sec, the
                          loader's margin over what the train step consumes: target ≥ 5.
@@ -178,11 +178,11 @@ from flax import nnx
 
 from config.cli import ArgumentParser, UsageError, apply_override, parse_with_config, positive_int
 from sharding.pipeline import bubble_fraction, iterations, stage_transfer_bytes
+from train.data.shards import loader_throughput
+from train.data.tokenizer import check_vocab, tokenizer_of
 from train.instruments.timing import paired_ratio, time_interleaved
 from train.optim import decay_mask, make_optimizer
-from train.shards import loader_throughput
 from train.step import compile_train_step
-from train.tokenizer import check_vocab, tokenizer_of
 
 TARGETS = {"vs_reference": "<= 1.05", "compile_24_over_4": "<= 1.5",
            "step_time_vs_baseline": "<= 1.5 (reversible vs ordinary)",
@@ -232,11 +232,11 @@ def reference_runner(program, batch: jax.Array, unrolled: bool = False) -> Calla
 
 
 def torch_runner(program, tokens: np.ndarray) -> Callable[[], None] | None:
-    """One eager PyTorch train step per call (`train.instruments.torch_model`) of the same model
+    """One eager PyTorch train step per call (`train.interop.torch_model`) of the same model
     from the same initial parameters, on the same tokens; None, with one line on stderr, when
     torch is not importable or the config is not one the PyTorch model implements."""
     try:
-        from train.instruments import torch_model
+        from train.interop import torch_model
     except ModuleNotFoundError as error:
         if error.name != "torch":
             raise

@@ -2,12 +2,12 @@
 
     python scripts/data_memory.py --out runs/data_memory [--scales 1,10,100] [--steps 20]
 
-A thin command line over `train/data_memory.py`, whose docstring says what it runs and prints.
+A thin command line over `train/data/memory.py`, whose docstring says what it runs and prints.
 """
 
 import sys
 
-from train.data_memory import main
+from train.data.memory import main
 
 if __name__ == "__main__":
     sys.exit(main())

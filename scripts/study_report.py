@@ -3,13 +3,13 @@ the baseline, loss curves, and for scaling studies power-law fits and compute mu
 
     python scripts/study_report.py --root runs/STUDY [--study experiments/STUDY.py]
 
-A thin command line over `train/study_report.py`, whose docstring says what it reads and writes
+A thin command line over `train/studies/report.py`, whose docstring says what it reads and writes
 (docs/studies.md).
 """
 
 import sys
 
-from train.study_report import main
+from train.studies.report import main
 
 if __name__ == "__main__":
     sys.exit(main())

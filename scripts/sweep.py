@@ -4,13 +4,13 @@
         [--seeds 0,1,2] [--arms A,B] [--sizes S,M] [--launch local|print|slurm|tpu]
         [-- --config.FIELD=VALUE ...]
 
-A thin command line over `train/sweep.py`, whose docstring says what it runs and writes
+A thin command line over `train/studies/sweep.py`, whose docstring says what it runs and writes
 (docs/studies.md).
 """
 
 import sys
 
-from train.sweep import main
+from train.studies.sweep import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,7 +1,8 @@
-"""The import graph runs one way: config (leaf) → sharding → arch → train → train.instruments,
-and no library package imports experiments/ (the import-linter contracts in pyproject.toml). A
-back-edge breaks the contract it crosses; no function-local import hides one; the config leaf
-loads without JAX."""
+"""The import graph runs one way: config (leaf) → sharding → arch → train, inside train the run
+directory → data → the trainer's core → instruments → interop → studies, and no library package
+imports experiments/ (the import-linter contracts in pyproject.toml). A back-edge breaks the
+contract it crosses; every module of train is in a layer; no function-local import hides one;
+the config leaf loads without JAX; no two modules share a name."""
 
 import ast
 import os
@@ -16,8 +17,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("config", "sharding", "arch", "train", "experiments")
 LIBRARY = ("config", "sharding", "arch", "train")  # the packages the contracts order
-CONTRACTS = {contract["id"]: contract["name"] for contract in tomllib.loads(
-    (ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]}
+TOML = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+CONTRACTS = {contract["id"]: contract["name"] for contract in TOML}
 
 
 def lint_imports(root: Path) -> tuple[int, str]:
@@ -31,7 +32,7 @@ def lint_imports(root: Path) -> tuple[int, str]:
 
 
 def test_the_repository_keeps_every_contract():
-    assert set(CONTRACTS) == {"layers", "instruments", "experiments"}
+    assert set(CONTRACTS) == {"layers", "train", "experiments"}
     status, output = lint_imports(ROOT)
     assert status == 0, output
     for name in CONTRACTS.values():
@@ -43,7 +44,11 @@ BACK_EDGES = [
     ("sharding/rules.py", "import train.loop", "layers"),
     ("arch/model.py", "import train.step", "layers"),
     ("config/derived.py", "import arch.model", "layers"),
-    ("train/loop.py", "from train.instruments import probes", "instruments"),
+    ("train/loop.py", "from train.instruments import probes", "train"),
+    ("train/step.py", "from train.studies import stats", "train"),
+    ("train/data/in_memory.py", "import train.loop", "train"),
+    ("train/instruments/probes.py", "import train.interop.hf", "train"),
+    ("train/interop/hf.py", "import train.studies.sweep", "train"),
     ("arch/norms.py", "import experiments.common", "experiments"),
 ]
 
@@ -62,6 +67,26 @@ def test_a_back_edge_breaks_its_contract(tmp_path, path, line, broken):
     assert f"{CONTRACTS[broken]} BROKEN" in output, output
     for kept in set(CONTRACTS) - {broken}:
         assert f"{CONTRACTS[kept]} KEPT" in output, output
+
+
+def test_every_module_of_train_is_in_a_layer():
+    """A module the train contract does not name would be free of it."""
+    layers = next(contract for contract in TOML if contract["id"] == "train")["layers"]
+    named = {name.strip() for layer in layers for name in layer.replace(":", "|").split("|")}
+    present = {path.stem if path.suffix == ".py" else path.name
+               for path in (ROOT / "train").iterdir()
+               if (path.suffix == ".py" and path.stem != "__init__")
+               or (path / "__init__.py").exists()}
+    assert present == named
+
+
+def test_no_two_modules_share_a_name():
+    names = {}
+    for package in LIBRARY:
+        for path in (ROOT / package).rglob("*.py"):
+            if path.stem not in ("__init__", "__main__"):
+                names.setdefault(path.stem, []).append(str(path.relative_to(ROOT)))
+    assert not {name: paths for name, paths in names.items() if len(paths) > 1}
 
 
 def _imports_in_functions(tree: ast.Module):

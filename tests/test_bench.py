@@ -28,7 +28,7 @@ BASELINE = ("baseline_step_time_s", "step_time_vs_baseline", "temp_bytes_vs_base
             "temp_bytes_layers_1", "temp_bytes_layers_2", "temp_bytes_depth_ratio")
 
 
-# The family of configs the PyTorch model implements (train/instruments/torch_model.py).
+# The family of configs the PyTorch model implements (train/interop/torch_model.py).
 TORCH_MODEL_FIELDS = dict(norm__name="layernorm", position__name="learned", ffn__name="mlp",
                           ffn__activation="gelu", head__name="untied", attention__num_kv_heads=4)
 TORCH_MODEL = {field.removesuffix("__name"): value for field, value in TORCH_MODEL_FIELDS.items()}
@@ -137,8 +137,7 @@ def test_remat_policies_become_compare_variants_reported_as_ratios_to_the_first(
                                             "norm__final": False}])
 def test_torch_model_trains_like_the_framework_from_its_parameters(overrides):
     pytest.importorskip("torch")
-    from train.instruments import torch_model
-
+    from train.interop import torch_model
     config = tiny_config(**{**TORCH_MODEL, **overrides})
     config.batch_size, config.optimizer.warmup_steps = 4, 1  # learning rates 0, then 3e-3
     program = one_device_program(config)
@@ -162,8 +161,7 @@ def test_torch_model_trains_like_the_framework_from_its_parameters(overrides):
 
 def test_torch_model_refuses_what_it_does_not_implement_in_one_line():
     pytest.importorskip("torch")
-    from train.instruments import torch_model
-
+    from train.interop import torch_model
     config = tiny_config(**{**TORCH_MODEL, "ffn": "swiglu"})
     reason = torch_model.unsupported(config)
     assert reason.startswith("the PyTorch model has no model.ffn.name='swiglu'; it models Pre-LN")

@@ -234,9 +234,9 @@ def test_apply_overrides_in_order(experiment):
 ENTRY_POINTS = ["train.__main__", "train.generate", "scripts.dry_run", "scripts.accounting",
                 "scripts.bench", "scripts.attention_bench", "train.instruments.probe_report",
                 "train.instruments.depth_mixing", "train.instruments.gr_paths",
-                "train.instruments.import_hf",
-                "train.shards:train_tokenizer_main", "train.shards:prepare_main",
-                "train.data_memory"]
+                "train.interop.import_hf",
+                "train.data.shards:train_tokenizer_main", "train.data.shards:prepare_main",
+                "train.data.memory"]
 
 
 @pytest.mark.parametrize("module", ENTRY_POINTS)

@@ -1,4 +1,4 @@
-"""Tests for train/data.py: tokenizer, sources (kjv, local text, tfds) and batching."""
+"""Tests for train/data/in_memory.py: tokenizer, sources (kjv, local text, tfds) and batching."""
 
 import os
 import sys
@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
-from train import data, rundir
+from train import rundir
+from train.data import in_memory
 
 
 def _config(**fields) -> ml_collections.ConfigDict:
@@ -18,12 +19,12 @@ def _config(**fields) -> ml_collections.ConfigDict:
     return ml_collections.ConfigDict({**base, **fields})
 
 
-def _random_dataset(num_tokens: int, seed: int = 0) -> data.Dataset:
+def _random_dataset(num_tokens: int, seed: int = 0) -> in_memory.Dataset:
     tokens = np.random.default_rng(seed).integers(0, 256, num_tokens, dtype=np.uint8)
-    return data.Dataset(tokens=tokens, name="random", split="train")
+    return in_memory.Dataset(tokens=tokens, name="random", split="train")
 
 
-def _window_ids(ds: data.Dataset, batch: np.ndarray, seq_len: int) -> list[int]:
+def _window_ids(ds: in_memory.Dataset, batch: np.ndarray, seq_len: int) -> list[int]:
     """Index of the contiguous window ``tokens[w * seq_len : w * seq_len + seq_len + 1]``
     equal to each row (random tokens make windows unique); fails if a row is not one."""
     windows = {
@@ -39,19 +40,20 @@ def kjv_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def kjv(kjv_dir) -> dict[str, data.Dataset]:
+def kjv(kjv_dir) -> dict[str, in_memory.Dataset]:
     cfg = _config(data_dir=kjv_dir)
-    return {split: data.load(cfg, split) for split in ("train", "validation")}
+    return {split: in_memory.load(cfg, split) for split in ("train", "validation")}
 
 
 def test_encode_decode_round_trip():
     for text in ["In the beginning", "héllo wörld — 世界 🙂", ""]:
-        tokens = data.encode(text)
+        tokens = in_memory.encode(text)
         assert tokens.dtype == np.int32
-        assert np.all((tokens >= 0) & (tokens < data.VOCAB_SIZE))
+        assert np.all((tokens >= 0) & (tokens < in_memory.VOCAB_SIZE))
         assert len(tokens) == len(text.encode("utf-8"))
-        assert data.decode(tokens) == text
-    assert data.decode(data.encode("é")[:1]) == "\ufffd"  # cut multi-byte char is replaced
+        assert in_memory.decode(tokens) == text
+    # a cut multi-byte character is replaced
+    assert in_memory.decode(in_memory.encode("é")[:1]) == "\ufffd"
 
 
 def test_kjv_prepares_offline_into_data_dir(kjv, kjv_dir):
@@ -75,12 +77,12 @@ def test_kjv_prepared_once_by_runs_started_at_once(tmp_path, monkeypatch):
     incomplete directory failed (FileExistsError). Both callers now check, wait for the lock
     held here, and only the first builds; the other finds it prepared."""
     builds = []
-    build = data.KjvBible.download_and_prepare
-    monkeypatch.setattr(data.KjvBible, "download_and_prepare",
+    build = in_memory.KjvBible.download_and_prepare
+    monkeypatch.setattr(in_memory.KjvBible, "download_and_prepare",
                         lambda self, **kw: builds.append(1) or build(self, **kw))
     with ThreadPoolExecutor(2) as pool:
         with rundir.file_lock(tmp_path / "kjv_bible.lock"):
-            names = [pool.submit(data._prepare_kjv, str(tmp_path)) for _ in range(2)]
+            names = [pool.submit(in_memory._prepare_kjv, str(tmp_path)) for _ in range(2)]
             time.sleep(1.0)  # both have found it unprepared and wait for the lock
             assert not any(name.done() for name in names)
         assert [name.result() for name in names] == ["kjv_bible", "kjv_bible"]
@@ -88,7 +90,7 @@ def test_kjv_prepared_once_by_runs_started_at_once(tmp_path, monkeypatch):
 
 
 def test_kjv_splits_are_disjoint_chapters_spanning_the_book(kjv):
-    train, val = data.decode(kjv["train"].tokens), data.decode(kjv["validation"].tokens)
+    train, val = in_memory.decode(kjv["train"].tokens), in_memory.decode(kjv["validation"].tokens)
     assert train.startswith("In the beginning God created the heaven and the earth.")
     assert train.endswith("The grace of our Lord Jesus Christ be with you all. Amen.")
     assert "In the beginning God created" not in val
@@ -101,7 +103,7 @@ def test_kjv_splits_are_disjoint_chapters_spanning_the_book(kjv):
 
 def test_kjv_second_load_uses_cache_and_env_data_dir(kjv, kjv_dir, monkeypatch):
     monkeypatch.setenv("BLOCKBENCH_DATA_DIR", kjv_dir)
-    again = data.load(_config(), "validation")
+    again = in_memory.load(_config(), "validation")
     np.testing.assert_array_equal(again.tokens, kjv["validation"].tokens)
     assert os.path.exists(
         os.path.join(kjv_dir, "kjv_bible", "1.0.0", "blockbench-validation-text.npy")
@@ -151,7 +153,7 @@ def test_each_epoch_visits_every_window_once_in_a_new_order():
 
 
 def test_too_small_split_names_seq_len():
-    ds = data.Dataset(tokens=np.zeros(64, np.uint8), name="tiny", split="validation")
+    ds = in_memory.Dataset(tokens=np.zeros(64, np.uint8), name="tiny", split="validation")
     with pytest.raises(ValueError, match="seq_len"):
         ds.batch(0, 2, seq_len=64, seed=0)
 
@@ -161,7 +163,7 @@ def test_local_text_files(tmp_path):
     (tmp_path / "b.txt").write_text("second — ünïcode document")
     (tmp_path / "c.md").write_text("third")
     cfg = _config(name="text", path=f"{tmp_path}/*.txt, {tmp_path}/*.md", validation_fraction=0.25)
-    train, val = data.load(cfg, "train"), data.load(cfg, "validation")
+    train, val = in_memory.load(cfg, "train"), in_memory.load(cfg, "validation")
     corpus = "first document\n\nsecond — ünïcode document\nthird".encode()
     np.testing.assert_array_equal(np.concatenate([train.tokens, val.tokens]), list(corpus))
     assert len(val.tokens) == int(len(corpus) * 0.25) and train.tokens.dtype == np.uint8
@@ -169,13 +171,13 @@ def test_local_text_files(tmp_path):
 
 def test_local_text_no_match_names_data_path(tmp_path):
     with pytest.raises(ValueError, match="data.path"):
-        data.load(_config(name="text", path=str(tmp_path / "missing*.txt")), "train")
+        in_memory.load(_config(name="text", path=str(tmp_path / "missing*.txt")), "train")
 
 
 def test_unknown_or_unprepared_tfds_name_is_one_line_error(tmp_path):
     for name in ("no_such_dataset_xyz", "tiny_shakespeare"):
         with pytest.raises(ValueError, match="data.name") as err:
-            data.load(_config(name=name, data_dir=str(tmp_path)), "train")
+            in_memory.load(_config(name=name, data_dir=str(tmp_path)), "train")
         assert name in str(err.value) and "\n" not in str(err.value)
 
 
@@ -183,7 +185,7 @@ class ToyDocs(tfds.core.GeneratorBasedBuilder, skip_registration=True):
     """A tiny offline dataset with two text features, standing in for a catalog dataset."""
 
     VERSION = tfds.core.Version("1.0.0")
-    code_path = None  # as in data.KjvBible: avoids tfds's importlib_resources import
+    code_path = None  # as in in_memory.KjvBible: avoids tfds's importlib_resources import
 
     def _info(self):
         features = {"body": tfds.features.Text(), "title": tfds.features.Text()}
@@ -201,7 +203,8 @@ class ToyDocs(tfds.core.GeneratorBasedBuilder, skip_registration=True):
 
 def test_prepared_tfds_dataset_by_name(tmp_path):
     ToyDocs(data_dir=str(tmp_path), file_format="array_record").download_and_prepare()
-    train = data.load(_config(name="toy_docs", data_dir=str(tmp_path)), "train")
-    assert data.decode(train.tokens) == "body 0\nbody 1\nbody 2"  # first text feature by name
-    titles = data.load(_config(name="toy_docs", data_dir=str(tmp_path), text_key="title"), "train")
-    assert data.decode(titles.tokens) == "title 0\ntitle 1\ntitle 2"
+    train = in_memory.load(_config(name="toy_docs", data_dir=str(tmp_path)), "train")
+    assert in_memory.decode(train.tokens) == "body 0\nbody 1\nbody 2"  # first text feature by name
+    titles = in_memory.load(_config(name="toy_docs", data_dir=str(tmp_path), text_key="title"),
+                           "train")
+    assert in_memory.decode(titles.tokens) == "title 0\ntitle 1\ntitle 2"

@@ -25,8 +25,8 @@ from tests.helpers import (
     tiny_config,
     tiny_model,
 )
-from train import data
 from train.config import validate
+from train.data import in_memory
 from train.loop import train
 from train.step import TrainProgram, next_token_loss
 
@@ -239,16 +239,16 @@ def test_preempted_dropout_run_resumes_bit_identically(tmp_path, monkeypatch):
     """As tests/test_train.py's resume test, with every dropout site on: stopped by SIGTERM
     during step 3 and resumed, the run's losses are exactly the uninterrupted run's."""
     uninterrupted = train(dropout_config(), tmp_path / "a")
-    original_batch = data.Dataset.batch
+    original_batch = in_memory.Dataset.batch
 
     def batch_then_sigterm(self, step, *args, **kwargs):
         if self.split == "train" and step == 2:
             os.kill(os.getpid(), signal.SIGTERM)
         return original_batch(self, step, *args, **kwargs)
 
-    monkeypatch.setattr(data.Dataset, "batch", batch_then_sigterm)
+    monkeypatch.setattr(in_memory.Dataset, "batch", batch_then_sigterm)
     assert train(dropout_config(), tmp_path / "b")["preempted"]
-    monkeypatch.setattr(data.Dataset, "batch", original_batch)
+    monkeypatch.setattr(in_memory.Dataset, "batch", original_batch)
     resumed = train(dropout_config(), tmp_path / "b")
     assert resumed["step"] == uninterrupted["step"] == 5
     np.testing.assert_array_equal(train_losses(tmp_path / "b"), train_losses(tmp_path / "a"))

@@ -23,9 +23,9 @@ from config import ConfigError
 from config.validate import check_fields
 from sharding.mesh import make_mesh
 from tests.helpers import random_tokens, tiny_config, tiny_model, write_run
-from train import data
 from train.checkpoint import Checkpointer
 from train.config import validate
+from train.data import in_memory
 from train.generate import check_arguments, generate_text
 from train.generate import main as generate_main
 from train.loop import _start_state, evaluate, load_splits, train
@@ -258,16 +258,16 @@ def records(workdir: Path) -> list[dict]:
 
 def test_a_resumed_run_with_ema_is_bit_identical(ema_run, tmp_path, monkeypatch):
     workdir, _ = ema_run
-    original_batch = data.Dataset.batch
+    original_batch = in_memory.Dataset.batch
 
     def batch_then_sigterm(self, step, *args, **kwargs):
         if self.split == "train" and step == 2:  # preempted while the third step runs
             os.kill(os.getpid(), signal.SIGTERM)
         return original_batch(self, step, *args, **kwargs)
 
-    monkeypatch.setattr(data.Dataset, "batch", batch_then_sigterm)
+    monkeypatch.setattr(in_memory.Dataset, "batch", batch_then_sigterm)
     assert train(run_config(), tmp_path)["preempted"]
-    monkeypatch.setattr(data.Dataset, "batch", original_batch)
+    monkeypatch.setattr(in_memory.Dataset, "batch", original_batch)
     assert train(run_config(), tmp_path)["step"] == 4
     _, step, resumed = final_state(tmp_path)
     _, uninterrupted_step, uninterrupted = final_state(workdir)

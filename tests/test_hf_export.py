@@ -1,5 +1,5 @@
-"""Hugging Face export (arch/hf_config.py `hf_config_from_model`, train/instruments/hf.py
-`hf_tensors_from_params`, train/instruments/export_hf.py): tiny Llama- and GPT-2-layout runs with
+"""Hugging Face export (arch/hf_config.py `hf_config_from_model`, train/interop/hf.py
+`hf_tensors_from_params`, train/interop/export_hf.py): tiny Llama- and GPT-2-layout runs with
 randomized parameters are exported, loaded by `transformers`, whose float32 logits must equal
 ours; importing the export gives back the same parameters; the byte tokenizer's tokenizer.json
 gives the byte ids; what cannot be exported is refused naming the field."""
@@ -18,11 +18,11 @@ from arch.hf_config import hf_config_from_model
 from tests.helpers import tiny_config
 from train.checkpoint import Checkpointer
 from train.config import validate
-from train.instruments import export_hf
-from train.instruments.hf import load_hf_checkpoint
+from train.data.tokenizer import ByteTokenizer
+from train.interop import export_hf
+from train.interop.hf import load_hf_checkpoint
 from train.restore import restore_run
 from train.step import build_program
-from train.tokenizer import ByteTokenizer
 
 TOKENS_BxT = np.random.default_rng(1).integers(0, 256, (2, 16))
 RUNS = {  # name → model overrides of tests.helpers.tiny_config

@@ -1,4 +1,4 @@
-"""Hugging Face import (arch/hf_config.py, train/instruments/hf.py and import_hf.py): tiny random
+"""Hugging Face import (arch/hf_config.py, train/interop/hf.py and import_hf.py): tiny random
 Llama, Mistral and GPT-2 models built with `transformers`, saved as safetensors, imported, and
 their float32 logits compared with transformers' own; BF16 and prefix-less checkpoints; the exact
 errors for an unsupported config field and for missing/unexpected tensors; the run-directory
@@ -20,8 +20,8 @@ from arch.config import resolve_model
 from arch.hf_config import model_config_from_hf
 from config import ConfigError
 from experiments.common import model_config
-from train.instruments import import_hf
-from train.instruments.hf import (
+from train.interop import import_hf
+from train.interop.hf import (
     load_hf_checkpoint,
     params_from_hf,
     read_hf_config,

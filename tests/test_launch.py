@@ -18,7 +18,7 @@ from sharding.launch import multiprocess_launch
 from sharding.mesh import hybrid_device_grid, ici_dcn_shapes, make_mesh
 from sharding.rules import MESH_AXES, logical_to_spec, named_sharding
 from tests.helpers import one_device_env
-from train.data import Dataset
+from train.data.in_memory import Dataset
 from train.step import rows_held
 
 ROOT = Path(__file__).resolve().parents[1]

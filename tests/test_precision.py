@@ -13,8 +13,8 @@ from flax import nnx
 
 from sharding.mesh import make_mesh
 from tests.helpers import tiny_config
-from train import data
 from train.config import validate
+from train.data import in_memory
 from train.step import TrainProgram, next_token_loss
 
 
@@ -82,7 +82,7 @@ def test_bfloat16_training_tracks_float32_for_100_steps():
     """Same init, same batches of the embedded corpus: the per-step losses of bfloat16 compute
     stay within 0.01 nats of float32's (measured: ≈ 0.0016 at most, d 64, T 32, B 8), and they
     are not identical (bfloat16 really runs)."""
-    corpus = data.load({"name": "kjv"}, "train")
+    corpus = in_memory.load({"name": "kjv"}, "train")
     losses = {}
     for dtype in ("float32", "bfloat16"):
         train = program(dtype)

@@ -10,7 +10,7 @@ import pytest
 
 from arch.accounting import parameter_count
 from tests.helpers import tiny_config, write_run
-from train import data
+from train.data import in_memory
 from train.instruments import probe_report, probes
 from train.restore import restore_for_analysis
 
@@ -25,7 +25,7 @@ def run(tmp_path_factory):
     write_run(config, workdir, step=3)
     # Prepare the embedded corpus here, once: its first preparation reports progress on stderr,
     # which the one-line checks below would otherwise see in whichever test runs first.
-    data.load(config.data, "validation")
+    in_memory.load(config.data, "validation")
     return workdir, config
 
 

@@ -86,14 +86,14 @@ def test_prune_heal_command_line(tmp_path, capsys):
     import json
 
     from tests.helpers import tiny_config, write_run
-    from train import data
+    from train.data import in_memory
     from train.instruments import probes, pruning_report
     from train.restore import restore_for_analysis
 
     config = tiny_config()
     config.mesh.data = -1
     write_run(config, tmp_path / "run", step=1)
-    data.load(config.data, "validation")
+    in_memory.load(config.data, "validation")
     out = tmp_path / "out"
     args = ["--workdir", str(tmp_path / "run"), "--out", str(out), "--heal_steps", "1",
             "--batch", "8", "--eval_batches", "1"]

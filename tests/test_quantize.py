@@ -1,4 +1,4 @@
-"""Post-training quantization (arch/quantized.py, train/instruments/quantize.py): round-to-nearest
+"""Post-training quantization (arch/quantized.py, train/interop/quantize.py): round-to-nearest
 stays within half a scale step; GPTQ equals qwix's reference loop and beats round-to-nearest on
 its layer objective ‖WX − ŴX‖²; LLM.int8() with threshold ∞ is plain vector-wise int8 (checked
 against integer arithmetic in numpy) and with threshold 0 is float32; a quantized tiny run
@@ -18,9 +18,9 @@ from arch.quantized import dequantize, quantize_matrix
 from config import ConfigError
 from config.validate import check_training
 from tests.helpers import tiny_config, write_run
-from train.data import VALIDATION_SEED
+from train.data.in_memory import VALIDATION_SEED
 from train.generate import generate_text
-from train.instruments import quantize
+from train.interop import quantize
 from train.restore import evaluation_split, restore_run
 
 RNG = np.random.default_rng(0)

@@ -250,9 +250,9 @@ def test_depth_mixing_script_plots_and_writes_the_captured_numbers(tmp_path, cap
                                   "--batch", "8"]) == 0
         program, step, state = restore_run(tmp_path)
         model = nnx.merge(program.graphdef, state["params"], state["model_state"])
-        from train import data
-        from train.data import VALIDATION_SEED
-        tokens = data.load(config.data, "validation").batch(0, 8, 16, VALIDATION_SEED)[:, :-1]
+        from train.data import in_memory
+        from train.data.in_memory import VALIDATION_SEED
+        tokens = in_memory.load(config.data, "validation").batch(0, 8, 16, VALIDATION_SEED)[:, :-1]
         _, captured = nnx.capture(model, nnx.Intermediate)(tokens)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     written = json.loads(out.with_suffix(".json").read_text())

@@ -1,5 +1,5 @@
-"""Tokenizers (train/tokenizer.py) and prepared, streamed datasets (train/shards.py): round
-trips, shards equal to the in-memory pipeline, resumable preparation, training from shards
+"""Tokenizers (train/data/tokenizer.py) and prepared, streamed datasets (train/data/shards.py):
+round trips, shards equal to the in-memory pipeline, resumable preparation, training from shards
 (resumed after SIGKILL and re-sharded with identical losses), and each bad input's one line."""
 
 import itertools
@@ -18,9 +18,8 @@ import sentencepiece
 from config import ConfigError
 from tests.helpers import one_device_env, tiny_config
 from tests.test_data import ToyDocs
-from train import data
-from train.loop import train
-from train.shards import (
+from train.data import in_memory
+from train.data.shards import (
     PreparedDataset,
     SourceReport,
     load_split,
@@ -28,7 +27,8 @@ from train.shards import (
     read_documents,
     train_tokenizer_main,
 )
-from train.tokenizer import check_vocab, load_tokenizer, train_bpe
+from train.data.tokenizer import check_vocab, load_tokenizer, train_bpe
+from train.loop import train
 
 REPO = Path(__file__).resolve().parents[1]
 TEXTS = ["In the beginning God created the heaven and the earth.", "héllo wörld — 世界 🙂\n\nx",
@@ -111,7 +111,7 @@ def test_in_memory_sources_tokenize_each_line_as_a_document(bpe):
     config = tiny_config().data
     config.tokenizer = bpe
     tokenizer = load_tokenizer(bpe)
-    validation = data.load(config, "validation")
+    validation = in_memory.load(config, "validation")
     chapters = [d.text for d in read_documents("kjv", SourceReport()) if d.split == "validation"]
     expected = np.concatenate([piece for text in chapters for piece in (
         tokenizer.encode(text), [tokenizer.separator])][:-1])
@@ -126,13 +126,13 @@ def test_prepared_byte_shards_stream_the_in_memory_batches(tmp_path):
     assert len(metadata["splits"]["train"]["shards"]) == 5  # 1130 chapters / 250
     config = tiny_config().data
     for split in ("train", "validation"):
-        in_memory = data.load(config, split)
+        from_memory = in_memory.load(config, split)
         prepared = PreparedDataset(tmp_path, split, load_tokenizer("byte"))
-        assert prepared.stream_length == len(in_memory.tokens)
+        assert prepared.stream_length == len(from_memory.tokens)
         assert metadata["splits"][split]["text_bytes"] == metadata["splits"][split]["tokens"]
         for step in (0, 7, 1000):  # 1000: a later epoch of the validation split
             np.testing.assert_array_equal(prepared.batch(step, 8, 64, seed=3),
-                                          in_memory.batch(step, 8, 64, seed=3))
+                                          from_memory.batch(step, 8, 64, seed=3))
     train_split = PreparedDataset(tmp_path, "train", load_tokenizer("byte"))
     streamed = train_split.batches(5, 8, 64, 3, rows=slice(2, 6), prefetch=3, read_threads=2)
     unprefetched = train_split.batches(5, 8, 64, 3, rows=slice(2, 6), prefetch=0)

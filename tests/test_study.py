@@ -25,12 +25,12 @@ from config.defaults import base_config
 from config.validate import check_fields
 from tests.helpers import one_device_env, tiny_config
 from tests.test_launch import calls, fake_command
-from train import restore, study_stats
-from train import study as studies
+from train import restore
 from train.config import validate
-from train.instruments import study_probes
 from train.step import build_program
-from train.study_report import (
+from train.studies import stats, study_probes
+from train.studies import study as studies
+from train.studies.report import (
     Result,
     claims_table,
     describe,
@@ -194,32 +194,32 @@ def test_the_gated_residual_table_arms_change_what_they_name():
 # The statistics, against hand computations --------------------------------------------------
 
 def test_mean_std_and_paired_difference_equal_hand_values():
-    mean, std, n = study_stats.mean_std([1.0, 2.0, 4.0])
+    mean, std, n = stats.mean_std([1.0, 2.0, 4.0])
     assert (mean, n) == (pytest.approx(7 / 3), 3) and std == pytest.approx(math.sqrt(7 / 3))
-    assert math.isnan(study_stats.mean_std([5.0])[1])
+    assert math.isnan(stats.mean_std([5.0])[1])
     # shared seeds 0 and 1: differences 0.5 and 1.0
-    mean, std, n = study_stats.paired_difference({0: 2.0, 1: 3.0, 2: 5.0},
+    mean, std, n = stats.paired_difference({0: 2.0, 1: 3.0, 2: 5.0},
                                                  {0: 1.5, 1: 2.0, 3: 9.0})
     assert (mean, n) == (pytest.approx(0.75), 2) and std == pytest.approx(math.sqrt(0.125))
 
 
 def test_a_power_law_fit_recovers_its_parameters():
     compute = np.geomspace(1e15, 1e18, 6)
-    fit = study_stats.fit_power_law(compute, 3 * compute ** -0.05)
+    fit = stats.fit_power_law(compute, 3 * compute ** -0.05)
     assert fit.a == pytest.approx(3, rel=1e-9) and fit.b == pytest.approx(0.05, rel=1e-9)
     assert fit.compute(fit.loss(1e16)) == pytest.approx(1e16, rel=1e-9)
     with pytest.raises(ValueError, match="two or more compute values"):
-        study_stats.fit_power_law([1e15, 1e15], [2.0, 2.1])
+        stats.fit_power_law([1e15, 1e15], [2.0, 2.1])
 
 
 def test_the_compute_multiplier_of_a_shifted_power_law_is_the_shift():
-    baseline = study_stats.PowerLaw(a=3.0, b=0.05)
-    arm = study_stats.PowerLaw(a=3.0 * 2 ** -0.05, b=0.05)  # L(C) = 3·(2C)^-0.05
+    baseline = stats.PowerLaw(a=3.0, b=0.05)
+    arm = stats.PowerLaw(a=3.0 * 2 ** -0.05, b=0.05)  # L(C) = 3·(2C)^-0.05
     for compute in (1e15, 1e17):
-        assert study_stats.compute_multiplier(arm, baseline, compute) == pytest.approx(2.0)
+        assert stats.compute_multiplier(arm, baseline, compute) == pytest.approx(2.0)
     # different exponents, by hand: the baseline reaches 2.9·1e16^-0.06 at (3/L)^(1/0.05)
     loss = 2.9 * 1e16 ** -0.06
-    assert study_stats.compute_multiplier(study_stats.PowerLaw(2.9, 0.06), baseline, 1e16) == \
+    assert stats.compute_multiplier(stats.PowerLaw(2.9, 0.06), baseline, 1e16) == \
         pytest.approx((3 / loss) ** 20 / 1e16)
 
 
@@ -229,20 +229,20 @@ def test_the_bootstrap_interval_surrounds_a_known_multiplier():
     noise = 1 + 0.001 * rng.standard_normal((2, 3, 8))  # 0.1% of the loss, 8 seeds per size
     baseline = {c: list(3 * c ** -0.05 * noise[0, i]) for i, c in enumerate(sizes)}
     arm = {c: list(3 * (1.5 * c) ** -0.05 * noise[1, i]) for i, c in enumerate(sizes)}
-    point, low, high = study_stats.bootstrap_multiplier(arm, baseline, sizes[-1], samples=300)
+    point, low, high = stats.bootstrap_multiplier(arm, baseline, sizes[-1], samples=300)
     assert low < point < high and abs(point - 1.5) < 0.05 and 1.4 < low and high < 1.6
-    assert study_stats.bootstrap_multiplier(arm, baseline, sizes[-1], samples=300) == \
+    assert stats.bootstrap_multiplier(arm, baseline, sizes[-1], samples=300) == \
         (point, low, high)  # a fixed resampling seed
     exact = {c: [3 * (1.5 * c) ** -0.05] * 2 for c in sizes}
     exact_base = {c: [3 * c ** -0.05] * 2 for c in sizes}
-    assert study_stats.bootstrap_multiplier(exact, exact_base, 1e16, samples=20) == \
+    assert stats.bootstrap_multiplier(exact, exact_base, 1e16, samples=20) == \
         pytest.approx((1.5, 1.5, 1.5))
 
 
 # The launch commands ------------------------------------------------------------------------
 
 def test_the_runner_and_the_loader_import_no_jax():
-    probe = ("import sys, train.study, train.study_stats, train.sweep; "
+    probe = ("import sys, train.studies.study, train.studies.stats, train.studies.sweep; "
              "print(sorted(m for m in ('jax', 'flax', 'matplotlib') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True,
                           text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -461,16 +461,16 @@ def test_the_claims_table_checks_each_claim_on_the_paired_seeds():
 ])
 def test_a_claim_agrees_when_a_paired_t_test_rejects_a_zero_mean(mean, std, n, relation,
                                                                  verdict):
-    assert study_stats.claim_verdict(mean, std, n, relation) == verdict
+    assert stats.claim_verdict(mean, std, n, relation) == verdict
 
 
 def test_the_paired_p_value_is_the_t_distributions_tail():
     # one degree of freedom: t is Cauchy, two-sided p = 1 − (2/π)·atan(|t|)
     mean, std = 0.3, 0.1 * math.sqrt(2)  # t = 0.3 / (std/√2) = 3
-    assert study_stats.paired_p(mean, std, 2) == pytest.approx(1 - 2 / math.pi * math.atan(3.0),
+    assert stats.paired_p(mean, std, 2) == pytest.approx(1 - 2 / math.pi * math.atan(3.0),
                                                                rel=1e-12)
-    assert study_stats.paired_p(-mean, std, 2) == study_stats.paired_p(mean, std, 2)
-    assert math.isnan(study_stats.paired_p(0.3, math.nan, 1))
+    assert stats.paired_p(-mean, std, 2) == stats.paired_p(mean, std, 2)
+    assert math.isnan(stats.paired_p(0.3, math.nan, 1))
 
 
 def test_claims_reach_the_record_and_the_report(tmp_path):

@@ -19,9 +19,9 @@ import pytest
 from arch.residual import RESIDUALS, MixingParam
 from config import ConfigError
 from tests.helpers import one_device_env, tiny_config, tiny_model
-from train import data
 from train.checkpoint import Checkpointer
 from train.config import validate
+from train.data import in_memory
 from train.loop import NonFiniteLoss, train
 from train.optim import decay_mask, make_optimizer, schedule
 from train.step import build_program
@@ -45,20 +45,20 @@ def test_resume_after_preemption_reproduces_the_uninterrupted_run(tmp_path, monk
     uninterrupted = train(data_parallel_config(), tmp_path / "a")
     assert uninterrupted["step"] == 5 and not uninterrupted["preempted"]
 
-    original_batch = data.Dataset.batch
+    original_batch = in_memory.Dataset.batch
 
     def batch_then_sigterm(self, step, *args, **kwargs):
         if self.split == "train" and step == 2:  # preempted while the third step runs
             os.kill(os.getpid(), signal.SIGTERM)
         return original_batch(self, step, *args, **kwargs)
 
-    monkeypatch.setattr(data.Dataset, "batch", batch_then_sigterm)
+    monkeypatch.setattr(in_memory.Dataset, "batch", batch_then_sigterm)
     stopped = train(data_parallel_config(), tmp_path / "b")
     assert stopped == {"step": 3, "eval_loss": stopped["eval_loss"], "sample": "",
                        "preempted": True}
     with Checkpointer(tmp_path / "b") as checkpointer:
         assert checkpointer.latest_step() == 3
-    monkeypatch.setattr(data.Dataset, "batch", original_batch)
+    monkeypatch.setattr(in_memory.Dataset, "batch", original_batch)
     with pytest.raises(ConfigError, match="holds a run with a different config \\(seed: 0 → 1\\)"):
         train(data_parallel_config(seed=1), tmp_path / "b")
     resumed = train(data_parallel_config(), tmp_path / "b")

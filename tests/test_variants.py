@@ -18,8 +18,8 @@ from arch.norms import NORMS
 from arch.residual import RESIDUALS
 from sharding.mesh import make_mesh
 from tests.helpers import tiny_config
-from train import data
 from train.config import validate
+from train.data import in_memory
 from train.step import TrainProgram
 
 VARIANTS = {
@@ -87,7 +87,7 @@ def train_losses(devices: int, mesh, model: dict, steps: int = 20) -> list[float
     config.mesh.update(data=mesh[0], fsdp=mesh[1], tensor=mesh[2])
     validate(config, devices)
     program = TrainProgram(config, make_mesh(config.mesh, jax.devices()[:devices]))
-    corpus = data.load({"name": "kjv"}, "train")
+    corpus = in_memory.load({"name": "kjv"}, "train")
     state, losses = program.init(0), []
     for step in range(steps):
         tokens = corpus.batch(step, 8, 16, seed=0)

@@ -32,7 +32,7 @@ from config.registered import check_names
 from config.validate import check_fields, check_training
 from sharding.launch import multiprocess_launch
 from train import rundir
-from train.tokenizer import check_vocab, tokenizer_of
+from train.data.tokenizer import check_vocab, tokenizer_of
 
 
 def parse(argv: list[str]) -> tuple[ml_collections.ConfigDict, str]:

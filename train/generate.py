@@ -27,9 +27,9 @@ from config import ConfigError
 from config.cli import ArgumentParser
 from config.defaults import base_config
 from config.validate import check_generation
+from train.data.tokenizer import load_tokenizer, tokenizer_of
 from train.restore import restore_run, with_ema_params
 from train.rundir import saved_config
-from train.tokenizer import load_tokenizer, tokenizer_of
 
 
 def sample(logits_BxV, key, temperature: float, top_k: int):

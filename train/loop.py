@@ -28,13 +28,14 @@ from arch.accounting import flops_per_token
 from config import ConfigError
 from config.validate import check_training
 from sharding.pipeline import bubble_fraction
-from train import data, rundir, shards
+from train import rundir
 from train.checkpoint import Checkpointer
-from train.data import VALIDATION_SEED
+from train.data import in_memory, shards
+from train.data.in_memory import VALIDATION_SEED
+from train.data.tokenizer import check_vocab, tokenizer_of
 from train.generate import generate_text
 from train.metrics import MetricsWriter, measure_matmul_peak
 from train.step import TrainProgram, build_program
-from train.tokenizer import check_vocab, tokenizer_of
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +44,9 @@ class NonFiniteLoss(RuntimeError):
     """A step made the loss, the gradients or the train state non-finite (exit status 1)."""
 
 
-def load_splits(data_config) -> tuple[data.Dataset, data.Dataset]:
+def load_splits(data_config) -> tuple[in_memory.Dataset, in_memory.Dataset]:
     """(train, validation) datasets. Every process reads the whole token stream (memory-mapped
-    for tfds datasets), or opens the shards of a prepared directory (`train.shards`), and later
+    for tfds datasets), or opens the shards of a prepared directory (`train.data.shards`), and later
     takes only its rows of each batch. Of several processes, process 0 loads first, preparing
     the corpus if needed, and the others after a barrier: on a shared data_dir they find it
     prepared; on per-host disks each host prepares its own copy (one process per host, as the
@@ -68,7 +69,8 @@ def load_splits(data_config) -> tuple[data.Dataset, data.Dataset]:
     return splits if splits is not None else load()
 
 
-def evaluate(program: TrainProgram, state, dataset: data.Dataset, *, ema: bool = False) -> float:
+def evaluate(program: TrainProgram, state, dataset: in_memory.Dataset, *,
+             ema: bool = False) -> float:
     """Mean evaluation loss over `eval_batches` validation batches; with `ema`, of the state's
     EMA parameters."""
     config, rows = program.config, program.process_rows()

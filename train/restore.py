@@ -20,12 +20,12 @@ from flax import nnx
 
 from config import ConfigError
 from config.defaults import base_config
-from train import data, shards
 from train.checkpoint import Checkpointer
-from train.data import VALIDATION_SEED
+from train.data import in_memory, shards
+from train.data.in_memory import VALIDATION_SEED
+from train.data.tokenizer import tokenizer_of
 from train.rundir import saved_config
 from train.step import build_program
-from train.tokenizer import tokenizer_of
 
 # Analysis runs on all local devices along the data axis, whatever mesh the run trained on.
 ANALYSIS_MESH = dict(data=-1, fsdp=1, tensor=1, sequence=1, stage=1, expert=1)
@@ -91,7 +91,7 @@ def evaluation_split(config, text: str | Path | None = None):
         raise ConfigError(f"--text={text} is invalid: it is neither a text file nor a prepared "
                           "directory (scripts/prepare_data.py)")
     tokens = tokenizer.encode(path.read_text(encoding="utf-8", errors="replace"))
-    return data.Dataset(tokens=tokens, name=str(path), split="validation")
+    return in_memory.Dataset(tokens=tokens, name=str(path), split="validation")
 
 
 def bytes_per_token(tokens_BxT1, config) -> float:

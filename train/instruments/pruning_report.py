@@ -41,8 +41,8 @@ import ml_collections
 import numpy as np
 
 from config import ConfigError
-from train import shards
-from train.data import VALIDATION_SEED
+from train.data import shards
+from train.data.in_memory import VALIDATION_SEED
 from train.instruments import head_pruning, pruning
 from train.instruments.probe_report import _plain, _pyplot, _table
 from train.instruments.probes import batch_loss, prune_blocks, prune_by_influence

@@ -49,10 +49,10 @@ import numpy as np
 from arch import bottleneck
 from config import ConfigError, cli
 from config.cli import ArgumentParser, UsageError
-from train import study as studies
 from train.instruments import probes
 from train.restore import initialization_for_analysis, restore_for_analysis
-from train.study_report import describe
+from train.studies import study as studies
+from train.studies.report import describe
 
 # Plotted names → the profile key they read (gradients by layer: `layer_gradient_norms` paths).
 DEPTH_PLOTS = {
@@ -207,7 +207,7 @@ def write(root: Path, description: dict, initialization: bool, batch: int,
     lines = [f"# Probes of {description['study']} {what}", "",
              f"Scale `{description['scale']}`; the first {batch} validation sequences; FFN "
              f"units counted dead below |a| < {sparsity_threshold} on every token. Mean ± "
-             "sample std over seeds (n). Definitions: train/instruments/study_probes.py.", ""]
+             "sample std over seeds (n). Definitions: train/studies/study_probes.py.", ""]
     header = None
     for cell, runs in results.items():
         columns = _summary(runs)

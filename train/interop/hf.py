@@ -1,5 +1,5 @@
 """Hugging Face checkpoints ↔ `TransformerLM`: Llama-family and GPT-2 models from local safetensors,
-and back (`hf_tensors_from_params`, the exporter's half; `train/instruments/export_hf.py`).
+and back (`hf_tensors_from_params`, the exporter's half; `train/interop/export_hf.py`).
 
     model_cfg, model = load_hf_checkpoint("path/to/dir")   # config.json + model.safetensors
                                                            # (or model.safetensors.index.json)

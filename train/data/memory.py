@@ -4,7 +4,7 @@ prepared shards against the in-memory pipeline.
     python scripts/data_memory.py --out runs/data_memory [--scales 1,10,100] [--steps 20]
 
 For each scale k it writes the embedded corpus k times over as a .jsonl file (k × 4.1 MB of
-text), prepares it into byte-token shards (`train.shards.prepare`; kept between runs), then
+text), prepares it into byte-token shards (`train.data.shards.prepare`; kept between runs), then
 trains the quickstart model for --steps steps in a fresh process twice: from the shards
 (``data.name=prepared``) and from the .jsonl file read into memory (``data.name=text``). It
 prints one JSON line per run (scale, dataset tokens and bytes on disk, the process's peak
@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 from config.cli import ArgumentParser
-from train.shards import SourceReport, prepare, read_documents
+from train.data.shards import SourceReport, prepare, read_documents
 
 QUICKSTART = "experiments/quickstart.py"
 

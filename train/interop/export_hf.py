@@ -10,7 +10,7 @@ e.g. an AttnRes stream or a MoE FFN). DIR must not exist or be empty. It gets
 
   DIR/config.json        the model's architecture, float32 (`hf_config_from_model`);
   DIR/model.safetensors  float32 weights under the names `save_pretrained` writes
-                         (`train.instruments.hf.hf_tensors_from_params`, the importer's tables
+                         (`train.interop.hf.hf_tensors_from_params`, the importer's tables
                          inverted; no lm_head for a tied head);
   DIR/tokenizer.json     (or tokenizer.model) the run's tokenizer: its tokenizer.json or
                          SentencePiece model copied, or for a byte-level run a byte-level BPE
@@ -32,9 +32,9 @@ from safetensors.numpy import save_file
 
 from arch.hf_config import hf_config_from_model
 from config.cli import ArgumentParser
-from train.instruments.hf import SINGLE_FILE, hf_tensors_from_params
+from train.data.tokenizer import ByteTokenizer, HuggingFaceTokenizer, tokenizer_of
+from train.interop.hf import SINGLE_FILE, hf_tensors_from_params
 from train.restore import restore_run
-from train.tokenizer import ByteTokenizer, HuggingFaceTokenizer, tokenizer_of
 
 
 def export_run(workdir: str | Path, out: str | Path) -> Path:

@@ -11,9 +11,9 @@ Sources, chosen by ``data_config.name``:
   in the data dir), using feature ``data_config.text_key`` if set, else ``"text"`` or the first
   text feature in name order.
 
-Documents are joined by ``b"\\n"``; with a subword ``data.tokenizer`` (`train.tokenizer`) each
+Documents are joined by ``b"\\n"``; with a subword ``data.tokenizer`` (`train.data.tokenizer`) each
 line is tokenized as a document and lines are joined by the tokenizer's separator. Datasets too
-large for memory are prepared into shards and streamed instead (`train.shards`). Prepared tfds
+large for memory are prepared into shards and streamed instead (`train.data.shards`). Prepared tfds
 splits are cached as ``.npy`` byte files next to the tfds data. Batches are windows of
 ``seq_len + 1`` tokens taken at stride ``seq_len`` and ordered by a seeded ``grain.MapDataset``
 shuffle that is reshuffled every epoch, so a batch is a pure function of ``(seed, step)``
@@ -36,8 +36,8 @@ import numpy as np
 import tensorflow_datasets as tfds
 
 from config.validate import text_files, text_split_sizes
+from train.data.tokenizer import ByteTokenizer, tokenizer_of
 from train.rundir import file_lock
-from train.tokenizer import ByteTokenizer, tokenizer_of
 
 VOCAB_SIZE = ByteTokenizer.vocab_size  # 256
 SPLITS = ("train", "validation")

@@ -40,7 +40,7 @@ from pathlib import Path
 from config import ConfigError, cli
 from config.cli import ArgumentParser, UsageError
 from train import rundir
-from train import study as studies
+from train.studies import study as studies
 
 LAUNCHES = ("local", "print", "slurm", "tpu")
 SLURM_RUNS = "slurm_runs.txt"

@@ -72,9 +72,9 @@ from arch.quantized import (
     swap_dense,
 )
 from config.cli import ArgumentParser
-from train import shards
 from train.checkpoint import Checkpointer
-from train.data import VALIDATION_SEED
+from train.data import shards
+from train.data.in_memory import VALIDATION_SEED
 from train.instruments.timing import paired_ratio, time_interleaved
 from train.restore import restore_run
 

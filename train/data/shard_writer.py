@@ -1,6 +1,6 @@
-"""Writing one shard of a prepared dataset (`train.shards.prepare`'s worker processes).
+"""Writing one shard of a prepared dataset (`train.data.shards.prepare`'s worker processes).
 
-Kept apart from `train.shards` so that a spawned worker imports only numpy, array_record and
+Kept apart from `train.data.shards` so that a spawned worker imports only numpy, array_record and
 the tokenizers, not tfds or grain: starting K workers then costs well under a second each.
 """
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 from array_record.python.array_record_module import ArrayRecordWriter
 
-from train.tokenizer import Tokenizer, load_tokenizer
+from train.data.tokenizer import Tokenizer, load_tokenizer
 
 WRITER_OPTIONS = "group_size:1,zstd:1"  # one record per chunk: random access to each document
 

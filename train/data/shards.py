@@ -17,7 +17,7 @@ Reading (:class:`PreparedDataset`): the packed stream of a split is its document
 tokenizer's separator, as the in-memory byte pipeline joins them by ``\\n``; window ``w`` is
 ``stream[w·T : w·T + T + 1]``. With ``data.packing=False`` the windows are those that lie inside
 one document instead. Batch ``step`` holds windows ``order[step·B + r]`` of a seeded grain
-shuffle, re-drawn every epoch (`train.data.window_order`), so a batch is a pure function of
+shuffle, re-drawn every epoch (`in_memory.window_order`), so a batch is a pure function of
 (seed, step) and a process reads only its own rows' records. :meth:`PreparedDataset.batches`
 streams them through a grain ``IterDataset`` whose threads read ``data.prefetch`` batches ahead
 of the step. Memory is the records of the batches in flight, whatever the dataset's size.
@@ -49,10 +49,10 @@ from grain.sources import ArrayRecordDataSource
 
 from config import ConfigError, check
 from config.cli import ArgumentParser
-from train import data
-from train.data import SPLITS, kjv_file, window_order
-from train.shard_writer import init_worker, shard_name, write_shard
-from train.tokenizer import Tokenizer, load_tokenizer, tokenizer_of, train_bpe
+from train.data import in_memory
+from train.data.in_memory import SPLITS, kjv_file, window_order
+from train.data.shard_writer import init_worker, shard_name, write_shard
+from train.data.tokenizer import Tokenizer, load_tokenizer, tokenizer_of, train_bpe
 
 FORMAT_VERSION = 1
 DEFAULT_DOCS_PER_SHARD = 4096
@@ -88,7 +88,7 @@ def _split_of(index: int, validation_every: int) -> str:
 
 def _kjv_documents(report: SourceReport) -> Iterator[Document]:
     """The embedded corpus: one document per chapter, every 20th chapter validation (as
-    `train.data.KjvBible`)."""
+    `train.data.in_memory.KjvBible`)."""
     path = kjv_file()
     with path.open("rb") as f:
         verses = [json.loads(line) for line in f if line.strip()]
@@ -610,16 +610,16 @@ def describe(metadata: dict) -> str:
     return "\n".join(lines)
 
 
-def load_split(data_config: Any, split: str) -> data.Dataset | PreparedDataset:
+def load_split(data_config: Any, split: str) -> in_memory.Dataset | PreparedDataset:
     """``split`` of the dataset ``data_config`` names: a prepared directory (``name="prepared"``,
-    ``path=DIR``) streamed from its shards, or an in-memory source (`train.data.load`)."""
+    ``path=DIR``) streamed from its shards, or an in-memory source (`train.data.in_memory.load`)."""
     tokenizer = tokenizer_of(data_config)
     for field, least in (("prefetch", 0), ("read_threads", 1)):
         value = data_config.get(field, least)
         check(isinstance(value, int) and value >= least, f"data.{field}", value,
               f"must be an integer ≥ {least}")
     if data_config.get("name", "kjv") != "prepared":
-        return data.load(data_config, split)
+        return in_memory.load(data_config, split)
     if not data_config.get("path", ""):
         raise ConfigError("data.path='' is invalid: data.name='prepared' reads the directory "
                           "data.path; prepare one with python scripts/prepare_data.py")
@@ -638,7 +638,7 @@ def prepared_texts(directory: str | Path, split: str = "train") -> Iterator[str]
 
 def train_tokenizer_main(argv: list[str] | None = None) -> int:
     """``python scripts/train_tokenizer.py --data SOURCE --vocab_size N --out DIR``: a byte-level
-    BPE (`train.tokenizer.train_bpe`) trained on the train split of SOURCE (``kjv``,
+    BPE (`train.data.tokenizer.train_bpe`) trained on the train split of SOURCE (``kjv``,
     ``tfds:NAME``, file globs, or a prepared directory); writes DIR/tokenizer.json, which
     ``data.tokenizer="hf:DIR"`` names."""
     parser = ArgumentParser("python scripts/train_tokenizer.py", train_tokenizer_main.__doc__)

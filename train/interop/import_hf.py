@@ -4,7 +4,7 @@
 
 DIR holds config.json and model.safetensors (or a sharded model.safetensors.index.json) of a
 Llama-family (model_type "llama", or "mistral": its sliding window is attention.window) or GPT-2
-model; `train.instruments.hf.load_hf_checkpoint` converts it (what maps to what, and what
+model; `train.interop.hf.load_hf_checkpoint` converts it (what maps to what, and what
 raises: its docstring and `arch.hf_config`'s). Nothing is downloaded. OUT must not hold a run
 yet. The script writes
 
@@ -42,9 +42,9 @@ from flax import nnx
 from config.cli import ArgumentParser
 from config.defaults import base_config
 from train.checkpoint import Checkpointer
-from train.instruments.hf import load_hf_checkpoint, read_hf_config
+from train.data.tokenizer import check_vocab, load_tokenizer
+from train.interop.hf import load_hf_checkpoint, read_hf_config
 from train.step import build_program
-from train.tokenizer import check_vocab, load_tokenizer
 
 DEFAULT_MAX_SEQ_LEN = 1024  # cap on the run's seq_len when --seq_len is not given
 TOKENIZER_FILES = {"tokenizer.json": "hf", "tokenizer.model": "sentencepiece"}  # in this order

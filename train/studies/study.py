@@ -1,6 +1,6 @@
 """Studies: an experiment file that declares several arms, and the run directories of a sweep of
 them (docs/studies.md). Imports only the standard library and `config`: the runner
-(`train.sweep`) reads a study and its runs without JAX.
+(`train.studies.sweep`) reads a study and its runs without JAX.
 
 A study file `experiments/<study>.py` is an experiment file (`get_config(arg)`, with arg
 `"ARM,SCALE"`) that also declares, at module level:

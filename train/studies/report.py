@@ -12,7 +12,7 @@ and paper numbers) and every run directory ROOT/<cell>/seed<k>, and writes:
   loss against training compute C (FLOPs: `arch.accounting.flops_per_token(model, seq_len,
   training=True)` × steps × batch_size × seq_len, from each run's config.json) and the
   compute multiplier at matched loss vs the baseline at the arm's largest compute, with a 95%
-  bootstrap interval over seeds (`train.study_stats`); each of the study's CLAIMS checked on
+  bootstrap interval over seeds (`train.studies.stats`); each of the study's CLAIMS checked on
   the paired seeds (`claims_table`); and a section listing the runs that
   are missing, unfinished or without an eval_loss;
 - ROOT/loss_curves.png: eval_loss against step per cell, mean ± std over seeds;
@@ -36,8 +36,9 @@ import numpy as np
 from arch.accounting import flops_per_token
 from config.cli import ArgumentParser, UsageError
 from config.defaults import base_config
-from train import rundir, study_stats
-from train import study as studies
+from train import rundir
+from train.studies import stats
+from train.studies import study as studies
 
 REPORT, CURVES, SCALING_PLOT = "report.md", "loss_curves.png", "loss_vs_compute.png"
 
@@ -118,12 +119,12 @@ def loss_table(results: dict[str, dict[int, Result]], description: dict) -> list
     lines = [header, rule]
     for cell, runs in results.items():
         arm, _ = studies.split_cell(cell)
-        mean, std, n = study_stats.mean_std([r.loss for r in runs.values()])
+        mean, std, n = stats.mean_std([r.loss for r in runs.values()])
         reference = _baseline_cell(cell, baseline)
         if cell == reference:
             difference, name = "(baseline)", f"{cell} (baseline)"
         else:
-            d_mean, d_std, d_n = study_stats.paired_difference(
+            d_mean, d_std, d_n = stats.paired_difference(
                 {s: r.loss for s, r in runs.items()},
                 {s: r.loss for s, r in results.get(reference, {}).items()})
             difference = f"{_value(d_mean, d_std, d_n)} ({d_n})" if d_n else "— (0)"
@@ -146,19 +147,19 @@ def loss_table(results: dict[str, dict[int, Result]], description: dict) -> list
 def claims_table(results: dict[str, dict[int, Result]], claims: list) -> list[str]:
     """The Markdown table checking each (arm, relation, reference, text) claim on the paired
     seeds: Δ = arm − reference, mean ± std (n), how many seeds have the claimed sign, the
-    paired t-test's p and the verdict of `study_stats.claim_verdict`."""
+    paired t-test's p and the verdict of `stats.claim_verdict`."""
     lines = ["| Claim (the paper's words) | Check | Δ = arm − reference, paired (n) | "
              "Seeds agreeing | p | Measured |", "|---|---|---|---|---|---|"]
     for arm, relation, reference, text in claims:
         losses = [{s: r.loss for s, r in results.get(cell, {}).items()}
                   for cell in (arm, reference)]
-        mean, std, n = study_stats.paired_difference(*losses)
+        mean, std, n = stats.paired_difference(*losses)
         difference = f"{_value(mean, std, n)} ({n})" if n else "— (0)"
-        agreeing = f"{study_stats.agreeing_seeds(*losses, relation)} of {n}" if n else "—"
-        p = study_stats.paired_p(mean, std, n)
+        agreeing = f"{stats.agreeing_seeds(*losses, relation)} of {n}" if n else "—"
+        p = stats.paired_p(mean, std, n)
         lines.append(f"| {text} | {arm} {relation} {reference} | {difference} | {agreeing} | "
                      f"{'—' if math.isnan(p) else f'{p:.3f}'} | "
-                     f"{study_stats.claim_verdict(mean, std, n, relation)} |")
+                     f"{stats.claim_verdict(mean, std, n, relation)} |")
     return lines
 
 
@@ -173,7 +174,7 @@ def _points(results: dict[str, dict[int, Result]], arm: str) -> dict[float, list
 
 
 def scaling_table(results: dict[str, dict[int, Result]], description: dict,
-                  arms: list[str]) -> tuple[list[str], dict[str, study_stats.PowerLaw]]:
+                  arms: list[str]) -> tuple[list[str], dict[str, stats.PowerLaw]]:
     """(the Markdown table of power-law fits and compute multipliers, {arm: fit})."""
     baseline, paper = description["baseline"], description["paper"]
     header = "| Arm | a | b | Compute multiplier vs baseline [95% CI] | At C (FLOPs) |"
@@ -185,7 +186,7 @@ def scaling_table(results: dict[str, dict[int, Result]], description: dict,
     for arm in arms:
         points = _points(results, arm)
         try:
-            fit = fits[arm] = study_stats.fit_power_law(
+            fit = fits[arm] = stats.fit_power_law(
                 [c for c, losses in points.items() for _ in losses],
                 [loss for losses in points.values() for loss in losses])
         except ValueError as error:
@@ -196,7 +197,7 @@ def scaling_table(results: dict[str, dict[int, Result]], description: dict,
                 multiplier = "1 (baseline)"
             else:
                 try:
-                    m, low, high = study_stats.bootstrap_multiplier(points, base_points, at)
+                    m, low, high = stats.bootstrap_multiplier(points, base_points, at)
                     multiplier = f"{m:.3f} [{low:.3f}, {high:.3f}]"
                 except ValueError as error:
                     multiplier = f"— (baseline: {error})"
@@ -239,7 +240,7 @@ def plot_curves(results: dict[str, dict[int, Result]], path: Path) -> None:
     plt.close(figure)
 
 
-def plot_scaling(results: dict[str, dict[int, Result]], fits: dict[str, study_stats.PowerLaw],
+def plot_scaling(results: dict[str, dict[int, Result]], fits: dict[str, stats.PowerLaw],
                  arms: list[str], path: Path) -> None:
     """Final loss against training compute, log-log: every run, and each arm's fit."""
     import matplotlib
