@@ -1,17 +1,9 @@
-"""The model zoo. Importing any part of it registers every component in its registry."""
+"""The model zoo. Importing any part of it registers every component in its registry: the modules
+`config.catalogue` names, so a new component is its file and its catalogue line."""
 
-from arch import (  # noqa: F401
-    attention,
-    attnres,
-    batchnorm,
-    deltanet,
-    ffn,
-    gated_residual,
-    heads,
-    hyper,
-    moe,
-    norms,
-    positions,
-    residual,
-    rezero,
-)
+import importlib
+
+from config.catalogue import modules
+
+for _module in modules():
+    importlib.import_module(f"arch.{_module}")

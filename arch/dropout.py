@@ -25,7 +25,7 @@ function of (key, shape) alone, whatever the sharding (JAX's semantics); with
 `jax_threefry_partitionable` (the default since JAX 0.5) each device draws only its own shard,
 without communication. The flag changes which bits a key gives, so a run must resume with the
 same setting. Masks are drawn in the tokens' array order, which is why sequence parallelism
-(striped order) and the pipeline (per-microbatch arrays) refuse dropout (`train/config.py`).
+(striped order) and the pipeline (per-microbatch arrays) refuse dropout (`config.resolve`).
 
 Sites inside sublayer modules (attention probabilities, FFN hidden) read the sublayer's
 `Dropout` from a context that `Block.sublayer` sets around the module call (`active`), so the
@@ -46,7 +46,7 @@ from collections.abc import Iterator
 import jax
 import jax.numpy as jnp
 
-from config.model import DROPOUT_SITES as SITES
+from config.model_rules import DROPOUT_SITES as SITES
 
 # The stream a model's keys are drawn from, folded into jax.random.key(seed): far from the small
 # counters nnx.Rngs folds in for initialization, so masks and initial weights are unrelated.

@@ -6,8 +6,9 @@ Two families (Shazeer 2020, "GLU Variants Improve Transformer", §2):
 - gated `glu`, `reglu`, `geglu`, `swiglu`: y = (φ(x W) ⊙ x V) W₂ with φ fixed by the name
   (eqs. 4–6): one class, `GatedFFN`, parametrized by its gate activation.
 
-Every FFN class says how many d × d_ff projections it has (`projections`); `hidden_width` uses it
-to size d_ff for `model.ffn.width="match_mlp"`, so adding an FFN never needs editing the config.
+Every FFN class says how many d × d_ff projections it has (`projections`, also in
+`config.catalogue.FFN_PROJECTIONS`, which `config.model_rules.hidden_width` reads to size d_ff for
+`model.ffn.width="match_mlp"`).
 
 Activations are a registry of their own (`ACTIVATIONS`, elementwise functions x ↦ φ(x)); build
 one for a config with `activation(cfg, name)`, which binds its config options (the leaky slope).
@@ -16,7 +17,6 @@ one for a config with `activation(cfg, name)`, which binds its config options (t
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
 
 import jax
@@ -64,22 +64,6 @@ def _leaky_relu(slope: float) -> Callable[[jax.Array], jax.Array]:
     # One object per slope: the function is a static attribute of the module (part of its graph
     # definition), so two models with the same config must hold the same, equal function.
     return functools.partial(ACTIVATIONS["leaky_relu"], negative_slope=slope)
-
-
-def hidden_width(cfg) -> int:
-    """d_ff derived from the config (when `model.ffn.d_ff` is not given).
-
-    `ffn.width="ratio"`: d_ff = ffn.ratio·d. `"match_mlp"`: d_ff = (2 / n)·ffn.ratio·d for an FFN
-    with n = `projections` d × d_ff matrices, so that n·d·d_ff equals the two-projection FFN's
-    2·d·(ffn.ratio·d): 2/3 of the ratio for the gated FFNs (Shazeer 2020 §2: d_ff 3072 → 2048),
-    unchanged for `mlp`. Rounded to the nearest integer, then up to a multiple of
-    `ffn.multiple_of`.
-    """
-    width = cfg.ffn.ratio * cfg.d_model
-    if cfg.ffn.width == "match_mlp":
-        width *= 2 / FFNS[cfg.ffn.name].projections
-    multiple = cfg.ffn.multiple_of
-    return multiple * math.ceil(int(round(width)) / multiple)
 
 
 @FFNS.register("mlp")

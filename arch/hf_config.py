@@ -49,8 +49,8 @@ from collections.abc import Mapping
 
 import ml_collections
 
-from arch.config import resolve_model
 from config.defaults import model_config
+from config.model_rules import resolve_model
 
 LLAMA_FAMILY = ("llama", "mistral")
 MODEL_TYPES = (*LLAMA_FAMILY, "gpt2")

@@ -14,9 +14,9 @@ from __future__ import annotations
 import ml_collections
 
 from arch.accounting import parameter_breakdown
-from arch.config import resolve_model
 from arch.hf_config import model_config_from_hf
 from config.defaults import model_config
+from config.model_rules import resolve_model
 
 _GPT2 = dict(model_type="gpt2", vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12,
              n_head=12, n_inner=None, activation_function="gelu_new", layer_norm_epsilon=1e-5,

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import jax
 
-from config.model import REMAT_POLICIES
+from config.model_rules import REMAT_POLICIES
 
 ATTENTION_OUTPUT = "attention_output"
 FFN_OUTPUT = "ffn_output"

@@ -40,9 +40,9 @@ Dropout (`model.dropout`, arch/dropout.py): F and G take their layer's key data 
 scanned with the parameters in both passes, so the backward pass recomputes F and G with the
 masks of the forward pass (the inverse is exact only then) and the gradients equal ordinary
 autodiff of the same masked coupling; F's output gets `attention_output` and `residual`, G's
-`residual`. Non-parameter state (BatchNorm running statistics) is not
-supported (`arch/config.py` rejects it). Precision: the reconstruction runs in the compute dtype;
-in bfloat16 it is exact only up to rounding, which accumulates with depth (Gomez et al. §5), so
+`residual`. Non-parameter state (BatchNorm running statistics) is not supported
+(`config.model_rules` rejects it). Precision: the reconstruction runs in the compute dtype; in
+bfloat16 it is exact only up to rounding, which accumulates with depth (Gomez et al. §5), so
 gradients are then approximate. Generation (`TransformerLM.decode` with a KV cache) runs the same
 coupling forward only (`forward_with_cache`), without the custom backward pass.
 

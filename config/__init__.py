@@ -1,4 +1,5 @@
-"""The config schema's leaf: its defaults (`config.defaults`), its error type and the check
+"""The config schema's leaf: its defaults (`config.defaults`), its rules and their one owner,
+`resolve(config, device_count, slice_count)` (`config.resolution`), the error type and the check
 helper. Nothing in this package imports JAX, so errors in a config are reported in a fraction of a
 second; every other package may import it, and it imports none of them."""
 
@@ -25,3 +26,8 @@ def check(condition: bool, field: str, value, valid: str) -> None:
     """Raise `ConfigError` "`field`=`value` is invalid: `valid`" unless `condition`."""
     if not condition:
         raise ConfigError(f"{field}={value!r} is invalid: {valid}")
+
+
+from config.resolution import is_resolved, resolve  # noqa: E402  (after the helpers it uses)
+
+__all__ = ["ConfigError", "check", "is_int", "is_resolved", "lookup", "resolve"]

@@ -14,6 +14,7 @@ from config import check, lookup
 FAMILIES: dict[str, tuple[str, dict[str, str]]] = {
     "attention": ("attention.name", {  # token mixers
         "mha": "attention", "mla": "attention", "gated_deltanet": "deltanet",
+        "differential": "differential_attention",
     }),
     "norm": ("norm.name", {
         "rmsnorm": "norms", "layernorm": "norms", "scalenorm": "norms", "dyt": "norms",
@@ -49,14 +50,33 @@ SINGLE_STREAM_RESIDUALS = ("prenorm", "postnorm", "deepnorm", "noskip", "rezero"
 
 
 def names(family: str) -> dict[str, str]:
-    """The registered names of `family` → their modules of `arch`."""
+    """The registered names of `family` → their modules (of `arch`, or dotted paths)."""
     return FAMILIES[family][1]
 
 
+def module_path(family: str, name: str) -> str:
+    """The dotted path of the module that registers `name` in `family`."""
+    module = names(family)[name]
+    return module if "." in module else f"arch.{module}"
+
+
 def modules() -> tuple[str, ...]:
-    """Every module of `arch` that registers a component, once each."""
+    """Every module of `arch` that the catalogue names, once each (what `arch` imports)."""
     return tuple(dict.fromkeys(module for _, members in FAMILIES.values()
-                               for module in members.values()))
+                               for module in members.values() if "." not in module))
+
+
+def register(family: str, name: str, module: str) -> None:
+    """Add a component registered at run time (a test's, a user's plugin) by its module's dotted
+    path; `arch.registry.Registry.register` calls this, so the catalogue and the live registries
+    stay the same both ways. A name the catalogue has already is left as it is."""
+    names(family).setdefault(name, module)
+
+
+def unregister(family: str, name: str) -> None:
+    """Remove a component `register` added (the zoo's stay)."""
+    if "." in names(family).get(name, ""):
+        del names(family)[name]
 
 
 def check_choice(field: str, value, family: str) -> None:

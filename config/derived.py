@@ -31,6 +31,17 @@ def layer_attentions(model_cfg) -> tuple[str, ...]:
                  for i in range(model_cfg.num_layers))
 
 
+def layer_units(model_cfg) -> int:
+    """G, the number of layer-scan units: blocks, or block groups with interleaved MoE."""
+    return model_cfg.num_layers // (model_cfg.moe.every if interleaves_moe(model_cfg) else 1)
+
+
+def dropout_enabled(model_cfg) -> bool:
+    """Whether any dropout site of the `model` section has a positive rate (`arch/dropout.py`)."""
+    section = model_cfg.get("dropout")
+    return section is not None and any(rate > 0 for rate in section.values())
+
+
 def blocks_per_unit(model_cfg) -> int:
     """Blocks per step of the layer scan: the least common multiple of the layer pattern's length
     and, with MoE interleaving, `moe.every` (1: single blocks)."""

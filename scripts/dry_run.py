@@ -5,8 +5,9 @@ Prints, without the target hardware, what training the experiment on N devices w
 where: the mesh (and its ICI × DCN factoring across TPU slices), every parameter's logical axes,
 PartitionSpec, global shape and per-device shape and bytes, and per-device bytes of parameters,
 optimizer state, non-parameter model state, the batch, and the compiled train step's
-temporaries. The config is validated first (same checks as `python -m train`); a bad one is one
-line on stderr and exit status 2, e.g. a mesh whose axes do not multiply to N.
+temporaries. The config is resolved first, before JAX loads (`config.resolve`, as `python -m
+train` does); a bad one is one line on stderr and exit status 2, e.g. a mesh whose axes do not
+multiply to N.
 
 `--mesh data=2,fsdp=4` sets those `config.mesh` axes (the others keep the config's values,
 `-1` included); it is the same as `--config.mesh.data=2 --config.mesh.fsdp=4`. DCN factors go
@@ -46,17 +47,11 @@ import json
 import math
 import sys
 
-import jax
-import jax.numpy as jnp
 from absl import logging as absl_logging
-from flax import nnx
 
-from config import ConfigError
+from config import ConfigError, resolve
 from config.cli import ArgumentParser, parse_with_config
-from sharding.mesh import AUTO_AXES, ici_dcn_shapes, make_mesh
-from sharding.rules import MESH_AXES
-from train.config import validate
-from train.step import TrainProgram, compile_train_step
+from config.mesh_shape import MESH_AXES
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -84,9 +79,17 @@ def _spec(sharding) -> list:
     return [list(entry) if isinstance(entry, tuple) else entry for entry in sharding.spec]
 
 
-def sharding_report(config, sizes: dict[str, int]) -> dict:
-    """Stage 1 (no devices): per-parameter shardings and per-device state bytes of `config`'s
-    train state on an AbstractMesh of the resolved axis `sizes`."""
+def sharding_report(config) -> dict:
+    """Stage 1 (no devices): per-parameter shardings and per-device state bytes of the resolved
+    `config`'s train state on an AbstractMesh of its mesh's axis sizes."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from sharding.mesh import AUTO_AXES
+    from train.step import TrainProgram
+
+    sizes = config.resolved.mesh
     mesh = jax.sharding.AbstractMesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES,
                                      axis_types=AUTO_AXES)
     program = TrainProgram(config, mesh)
@@ -117,12 +120,20 @@ def sharding_report(config, sizes: dict[str, int]) -> dict:
             "batch_bytes": _bytes(batch)}
 
 
-def compiled_memory(config, sizes: dict[str, int]) -> dict:
-    """Stage 2: XLA's per-device memory analysis of the train step compiled for the first
-    ∏ sizes local devices (simulated CPU devices when run as a script)."""
-    devices = jax.devices()[:math.prod(sizes.values())]
-    program = TrainProgram(config, make_mesh(sizes, devices))  # resolved sizes: no DCN
-    _, compiled = compile_train_step(program)
+def compiled_memory(config) -> dict:
+    """Stage 2: XLA's per-device memory analysis of the resolved `config`'s train step compiled
+    for its device count of local devices (simulated CPU devices when run as a script), laid out
+    without DCN (CPU devices have no slices)."""
+    import jax
+
+    from sharding.mesh import AUTO_AXES
+    from train.step import TrainProgram, compile_train_step
+
+    sizes = config.resolved.mesh
+    devices = jax.devices()[:config.resolved.device_count]
+    mesh = jax.make_mesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES, axis_types=AUTO_AXES,
+                         devices=devices)
+    _, compiled = compile_train_step(TrainProgram(config, mesh))
     memory = compiled.memory_analysis()
     result = {"temp_bytes": memory.temp_size_in_bytes,
               "argument_bytes": memory.argument_size_in_bytes,
@@ -133,17 +144,25 @@ def compiled_memory(config, sizes: dict[str, int]) -> dict:
     return result
 
 
-def dry_run(config, device_count: int, compile_step: bool = True) -> dict:
-    """The whole report for `device_count` devices in ∏ mesh.dcn slices (validates first;
-    ConfigError on a bad config). Compiling needs `device_count` local devices."""
+def resolve_for(config, device_count: int):
+    """`config` resolved for `device_count` devices in ∏ mesh.dcn slices (ConfigError on a bad
+    config; no JAX)."""
     dcn_cfg = config.mesh.get("dcn") or {}
-    slices = math.prod(dcn_cfg.get(axis, 1) for axis in MESH_AXES)
-    sizes = validate(config, device_count, slices)
-    ici, dcn = ici_dcn_shapes(config.mesh, sizes, slices)
-    report = {"devices": device_count, "slices": slices, "mesh": sizes, "ici": ici, "dcn": dcn,
-              **sharding_report(config, sizes)}
+    return resolve(config, device_count, math.prod(dcn_cfg.get(axis, 1) for axis in MESH_AXES))
+
+
+def dry_run(config, compile_step: bool = True) -> dict:
+    """The whole report for the resolved `config` (`resolve_for`). Compiling needs its device
+    count of local devices."""
+    resolved = config.resolved
+    def in_axis_order(sizes) -> dict[str, int]:
+        return {axis: sizes[axis] for axis in MESH_AXES}
+
+    report = {"devices": resolved.device_count, "slices": resolved.slice_count,
+              "mesh": in_axis_order(resolved.mesh), "ici": in_axis_order(resolved.ici),
+              "dcn": in_axis_order(resolved.dcn), **sharding_report(config)}
     if compile_step:
-        report.update(compiled_memory(config, sizes))
+        report.update(compiled_memory(config))
     return report
 
 
@@ -205,17 +224,20 @@ def main(argv: list[str] | None = None) -> int:
     config, args = parse_with_config(parser, argv)
     if args.devices < 1:
         parser.error(f"--devices={args.devices} is invalid: use a positive count")
-    absl_logging.set_verbosity(absl_logging.WARNING)
-    if not args.no_compile:  # before anything starts JAX's backend (stage 2 needs devices)
-        jax.config.update("jax_platforms", "cpu")
-        jax.config.update("jax_num_cpu_devices", args.devices)
     try:
         if args.mesh:
             config.mesh.update(parse_mesh(args.mesh))
-        report = dry_run(config, args.devices, compile_step=not args.no_compile)
+        config = resolve_for(config, args.devices)
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    absl_logging.set_verbosity(absl_logging.WARNING)
+    import jax
+
+    if not args.no_compile:  # before anything starts JAX's backend (stage 2 needs devices)
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", args.devices)
+    report = dry_run(config, compile_step=not args.no_compile)
     print(json.dumps(report) if args.json else table(report))
     return 0
 

@@ -24,72 +24,16 @@ from jax.experimental import mesh_utils
 from jax.sharding import AxisType
 
 from config import ConfigError
+from config.mesh_shape import MESH_AXES
+from config.resolution import require_resolved
 from sharding.launch import multiprocess_launch
-from sharding.rules import MESH_AXES
 
 AUTO_AXES = (AxisType.Auto,) * len(MESH_AXES)
-
-
-def mesh_shape(mesh_cfg, device_count: int) -> dict[str, int]:
-    """Axis sizes from `config.mesh`; at most one axis may be -1 ("all remaining devices")."""
-    sizes = {axis: int(mesh_cfg[axis]) for axis in MESH_AXES}
-    free = [axis for axis, size in sizes.items() if size == -1]
-    if len(free) > 1:
-        raise ConfigError(f"mesh.{free[1]}=-1 is invalid: only one mesh axis may be -1 "
-                          f"(already mesh.{free[0]}=-1)")
-    for axis, size in sizes.items():
-        if size == 0 or size < -1:
-            raise ConfigError(f"mesh.{axis}={size} is invalid: use a positive size or -1")
-    fixed = 1
-    for size in sizes.values():
-        fixed *= size if size > 0 else 1
-    if free:
-        if device_count % fixed:
-            raise ConfigError(f"mesh.{free[0]}=-1 is invalid: the other axes multiply to {fixed}, "
-                              f"which does not divide the {device_count} devices")
-        sizes[free[0]] = device_count // fixed
-    elif fixed != device_count:
-        shape = "×".join(f"{a}={s}" for a, s in sizes.items() if s > 1) or "1"
-        raise ConfigError(f"mesh={shape} is invalid: its product {fixed} ≠ the {device_count} "
-                          f"devices; make the axes multiply to {device_count} or set one to -1")
-    return sizes
 
 
 def slice_count(devices: Sequence) -> int:
     """Number of TPU slices `devices` span (their distinct `slice_index`; 1 without one)."""
     return len({getattr(device, "slice_index", 0) for device in devices})
-
-
-def ici_dcn_shapes(mesh_cfg, sizes: Mapping[str, int],
-                   slices: int) -> tuple[dict[str, int], dict[str, int]]:
-    """(within-slice ICI sizes, across-slice DCN sizes) of the resolved axis `sizes`.
-
-    The DCN sizes come from `config.mesh.dcn` (absent or missing axes: 1). Each must be a positive
-    integer dividing its axis size, and together they must multiply to `slices`. Raises
-    ConfigError naming the field, the value and the fix.
-    """
-    dcn_cfg = mesh_cfg.get("dcn") or {}
-    unknown = sorted(set(dcn_cfg) - set(MESH_AXES))
-    if unknown:
-        raise ConfigError(f"mesh.dcn.{unknown[0]} is not a mesh axis; the axes are "
-                          f"{', '.join(MESH_AXES)}")
-    dcn = {axis: dcn_cfg.get(axis, 1) for axis in MESH_AXES}
-    for axis, size in dcn.items():
-        if not isinstance(size, int) or size < 1:
-            raise ConfigError(f"mesh.dcn.{axis}={size} is invalid: use a positive number of "
-                              "slices (1: the axis stays within a slice)")
-        if sizes[axis] % size:
-            raise ConfigError(f"mesh.dcn.{axis}={size} is invalid: it does not divide "
-                              f"mesh.{axis}={sizes[axis]} (mesh.{axis} is the axis's total size, "
-                              f"ICI × DCN); make mesh.{axis} a multiple of {size}")
-    product = math.prod(dcn.values())
-    if product != slices:
-        shape = "×".join(f"{a}={s}" for a, s in dcn.items() if s > 1) or "1"
-        hint = f" (usually mesh.dcn.data={slices})" if slices > 1 else ""
-        raise ConfigError(f"mesh.dcn={shape} is invalid: its product {product} ≠ the {slices} "
-                          f"slice{'s' if slices > 1 else ''} the devices span; make the mesh.dcn "
-                          f"sizes multiply to {slices}{hint}")
-    return {axis: sizes[axis] // dcn[axis] for axis in MESH_AXES}, dcn
 
 
 def hybrid_device_grid(ici: Mapping[str, int], dcn: Mapping[str, int],
@@ -101,16 +45,20 @@ def hybrid_device_grid(ici: Mapping[str, int], dcn: Mapping[str, int],
         allow_split_physical_axes=True)
 
 
-def make_mesh(mesh_cfg, devices=None) -> jax.sharding.Mesh:
-    """A mesh over `devices` (default: all) with every axis Auto (GSPMD-style propagation);
+def make_mesh(config, devices=None) -> jax.sharding.Mesh:
+    """The mesh of a resolved `config` (`config.resolve`) over `devices` (default: all, which
+    must number `config.resolved.device_count`), every axis Auto (GSPMD-style propagation);
     across several slices, the hybrid ICI × DCN layout of `config.mesh.dcn`."""
+    require_resolved(config, "make_mesh")
     devices = list(devices if devices is not None else jax.devices())
-    sizes = mesh_shape(mesh_cfg, len(devices))
-    ici, dcn = ici_dcn_shapes(mesh_cfg, sizes, slice_count(devices))
-    if math.prod(dcn.values()) == 1:
-        return jax.make_mesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES,
+    resolved = config.resolved
+    if len(devices) != resolved.device_count:
+        raise ConfigError(f"the config was resolved for {resolved.device_count} devices, not the "
+                          f"{len(devices)} here; resolve it for these devices")
+    if math.prod(resolved.dcn.values()) == 1:
+        return jax.make_mesh(tuple(resolved.mesh[a] for a in MESH_AXES), MESH_AXES,
                              axis_types=AUTO_AXES, devices=devices)
-    return jax.sharding.Mesh(hybrid_device_grid(ici, dcn, devices), MESH_AXES,
+    return jax.sharding.Mesh(hybrid_device_grid(resolved.ici, resolved.dcn, devices), MESH_AXES,
                              axis_types=AUTO_AXES)
 
 

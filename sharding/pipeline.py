@@ -51,11 +51,6 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from config import check
-from config.derived import interleaves_moe
-
-SCHEDULES = ("gpipe", "circular")
-TRANSFERS = ("cached", "full")
 TRANSFER_SCOPE = "stage_transfer"  # names the stage-to-stage ppermutes in the compiled program
 AXIS = "stage"
 
@@ -76,50 +71,6 @@ def bubble_fraction(stages: int, virtual_stages: int, microbatches: int) -> floa
     if stages <= 1:
         return 0.0
     return (stages - 1) / iterations(stages, virtual_stages, microbatches)
-
-
-def layer_units(model_cfg) -> int:
-    """G, the number of layer-scan units: blocks, or block groups with interleaved MoE."""
-    return model_cfg.num_layers // (model_cfg.moe.every if interleaves_moe(model_cfg) else 1)
-
-
-def validate_pipeline(config, mesh: dict[str, int]) -> None:
-    """Pipeline fields against the resolved mesh; ConfigError (one line) on the first problem."""
-    model, execution = config.model, config.execution
-    check(execution.pipeline.schedule in SCHEDULES, "execution.pipeline.schedule",
-          execution.pipeline.schedule, f"valid schedules: {', '.join(SCHEDULES)}")
-    for field in ("microbatches", "virtual_stages"):
-        value = execution.pipeline[field]
-        check(isinstance(value, int) and not isinstance(value, bool) and value > 0,
-              f"execution.pipeline.{field}", value, "must be a positive integer")
-    check(execution.pipeline.transfer in TRANSFERS, "execution.pipeline.transfer",
-          execution.pipeline.transfer, f"valid: {', '.join(TRANSFERS)}")
-    check(execution.pipeline.schedule == "circular" or execution.pipeline.virtual_stages == 1,
-          "execution.pipeline.virtual_stages", execution.pipeline.virtual_stages,
-          "gpipe runs one chunk per device; use 1 or execution.pipeline.schedule='circular'")
-    stages = mesh[AXIS]
-    if stages == 1:
-        return
-    virtual, microbatches = execution.pipeline.virtual_stages, execution.pipeline.microbatches
-    units, chunks = layer_units(model), stages * execution.pipeline.virtual_stages
-    what = (f"its {units} layer groups (num_layers / moe.every)" if units != model.num_layers
-            else f"its {units} layers")
-    check(units % chunks == 0, "model.num_layers", model.num_layers,
-          f"{what} must split evenly into mesh.stage × execution.pipeline.virtual_stages = "
-          f"{stages}×{virtual} = {chunks} pipeline chunks")
-    check(microbatches >= stages, "execution.pipeline.microbatches", microbatches,
-          f"must be at least mesh.stage={stages} (every stage needs a microbatch in flight)")
-    batch_shards = mesh["data"] * mesh["fsdp"] * mesh["expert"]
-    check(config.batch_size % (batch_shards * microbatches) == 0, "execution.pipeline.microbatches",
-          microbatches, f"must divide the {config.batch_size // batch_shards} rows of each data "
-          f"shard (batch_size={config.batch_size} over mesh.data×mesh.fsdp×mesh.expert = "
-          f"{batch_shards})")
-    check(not model.reversible, "model.reversible", True,
-          f"reversible blocks are not pipelined; use mesh.stage=1 (got mesh.stage={stages})")
-    check(model.norm.name not in ("batchnorm", "causal_batchnorm"), "model.norm.name",
-          model.norm.name,
-          f"batch statistics of a microbatch differ from the batch's under mesh.stage={stages};"
-          " use a per-token norm or mesh.stage=1")
 
 
 def stage_transfer_bytes(hlo_text: str) -> int:
@@ -182,7 +133,7 @@ def pipeline(run_unit: Callable, inputs_M, layer_params, layer_states, *, stages
     units = jax.tree.leaves(layer_params)[0].shape[0]
     chunk = units // (virtual_stages * stages)
     rounds = virtual_stages * microbatches  # valid (chunk, microbatch) work items per device
-    to_chunks = lambda x: x.reshape(virtual_stages, stages, chunk, *x.shape[1:])  # noqa: E731
+    to_chunks = lambda x: x.reshape(virtual_stages, stages, chunk, *x.shape[1:])
     chunked = PartitionSpec(None, AXIS)  # [V, P, K, …]: this device's chunks on axis 1
 
     def run_chunk(carry, params_K, states_K):

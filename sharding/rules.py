@@ -15,8 +15,6 @@ from collections.abc import Sequence
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-MESH_AXES = ("data", "fsdp", "tensor", "sequence", "stage", "expert")
-
 # logical name -> mesh axis, tuple of mesh axes, or None (replicated).
 LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     # parameters

@@ -9,8 +9,8 @@ import ml_collections
 from flax import nnx
 
 from arch.model import TransformerLM
+from config import resolve
 from experiments.common import base_config
-from train.config import validate
 
 
 def one_device_env(*drop: str) -> dict[str, str]:
@@ -67,9 +67,9 @@ def tiny_model(seed: int = 0, devices: int = 1, **model_overrides):
     """(resolved model config, TransformerLM) on the default device."""
     config = tiny_config(**model_overrides)
     config.mesh.data = devices
-    validate(config, devices)
-    return config.model, TransformerLM(ml_collections.FrozenConfigDict(config.model),
-                                       execution=config.execution, rngs=nnx.Rngs(seed))
+    config = resolve(config, devices)
+    return config.model, TransformerLM(config.model, execution=config.execution,
+                                       rngs=nnx.Rngs(seed))
 
 
 def random_tokens(shape, seed: int = 1):
@@ -112,8 +112,9 @@ def write_run(config, workdir, step: int) -> None:
     """A run directory as `train.loop.train` leaves it (config.json, a checkpoint at `step`),
     holding the initial state: restoring is what the script tests, not training."""
     from train.checkpoint import Checkpointer
-    from train.step import build_program
+    from train.step import build_program, resolve_for_job
 
+    config = resolve_for_job(config)
     program = build_program(config)
     with Checkpointer(workdir) as checkpointer:
         checkpointer.save(step, program.init(config.seed), {"next_step": step, "seed": 0},

@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 
 from arch.accounting import kv_cache_bytes_per_token, parameter_breakdown
-from arch.config import resolve_model
 from arch.reference_shapes import (
     PUBLISHED_PARAMETERS,
     open_model,
     transformer_base_parameters,
     worked_examples,
 )
+from config.model_rules import resolve_model
 from experiments.common import model_config
 from tests.helpers import one_device_env, override
 

@@ -13,13 +13,12 @@ import jax
 import numpy as np
 import pytest
 
-from config import ConfigError
+from config import ConfigError, resolve
 from sharding.mesh import make_mesh
 from tests.helpers import random_tokens, tiny_config
 from train import loop
-from train.config import validate
 from train.loop import train
-from train.step import TrainProgram
+from train.step import TrainProgram, resolve_for_job
 
 BATCH = 16
 MESHES = {"one_device": (1, dict(data=1)), "data4_tensor2": (8, dict(data=4, tensor=2)),
@@ -31,8 +30,8 @@ def program_on(devices: int, mesh: dict, steps: int, batch_size: int = BATCH,
     config = tiny_config(**model)
     config.update(batch_size=batch_size, accumulation_steps=steps)
     config.mesh.update(mesh)
-    validate(config, devices)
-    return TrainProgram(config, make_mesh(config.mesh, jax.devices()[:devices]))
+    config = resolve(config, devices)
+    return TrainProgram(config, make_mesh(config, jax.devices()[:devices]))
 
 
 @functools.cache
@@ -93,20 +92,20 @@ def test_resumed_accumulating_run_reproduces_the_uninterrupted_one(tmp_path, mon
     config = tiny_config()
     config.update(steps=4, checkpoint_every=2, accumulation_steps=2)
     config.mesh.update(data=-1, tensor=2)
-    uninterrupted = train(config, tmp_path / "a")
+    uninterrupted = train(resolve_for_job(config), tmp_path / "a")
     assert uninterrupted["step"] == 4
 
     shutil.copytree(tmp_path / "a", tmp_path / "b")
     shutil.rmtree(tmp_path / "b" / "checkpoints" / "4")
     (tmp_path / "b" / "metrics.jsonl").unlink()
-    resumed = train(config, tmp_path / "b")
+    resumed = train(resolve_for_job(config), tmp_path / "b")
     assert list(losses(tmp_path / "b")) == [3, 4]
     np.testing.assert_allclose([losses(tmp_path / "b")[s] for s in (3, 4)],
                                [losses(tmp_path / "a")[s] for s in (3, 4)], rtol=1e-6)
     np.testing.assert_allclose(resumed["eval_loss"], uninterrupted["eval_loss"], rtol=1e-6)
 
     config.accumulation_steps = 1
-    train(config, tmp_path / "c")
+    train(resolve_for_job(config), tmp_path / "c")
     np.testing.assert_allclose(list(losses(tmp_path / "a").values()),
                                list(losses(tmp_path / "c").values()), rtol=1e-5)
 
@@ -114,7 +113,7 @@ def test_resumed_accumulating_run_reproduces_the_uninterrupted_one(tmp_path, mon
     shutil.copytree(tmp_path / "a", tmp_path / "d")
     shutil.rmtree(tmp_path / "d" / "checkpoints" / "4")
     (tmp_path / "d" / "metrics.jsonl").unlink()
-    train(config, tmp_path / "d")
+    train(resolve_for_job(config), tmp_path / "d")
     np.testing.assert_allclose([losses(tmp_path / "d")[s] for s in (3, 4)],
                                [losses(tmp_path / "a")[s] for s in (3, 4)], rtol=1e-5)
 
@@ -132,5 +131,5 @@ def test_invalid_accumulation_is_one_line(fields, mesh, message):
     config.update(fields)
     config.mesh.update(mesh)
     with pytest.raises(ConfigError, match=message) as error:
-        validate(config, 8)
+        config = resolve(config, 8)
     assert "\n" not in str(error.value)

@@ -156,7 +156,7 @@ def test_model_with_blocked_attention_equals_xla_in_logits_and_gradients(overrid
         _, model = tiny_model(execution__attention_implementation=implementation,
                               execution__attention_chunk=4,
                               **overrides)
-        loss = lambda m: jnp.mean(m(tokens) ** 2)  # noqa: E731
+        loss = lambda m: jnp.mean(m(tokens) ** 2)
         return nnx.jit(lambda m: (m(tokens), nnx.grad(loss)(m)))(model)
 
     for got, expected in zip(jax.tree.leaves(logits_and_grads("blocked")),

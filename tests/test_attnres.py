@@ -13,10 +13,9 @@ from flax import nnx
 from arch import reference
 from arch.attnres import AttentionResidual, AttnResStream, BlockAttentionResidual
 from arch.kernels.depth_read import depth_read, inverse_rms, softmax_read, two_phase_reads
-from config import ConfigError
+from config import ConfigError, resolve
 from sharding.mesh import make_mesh
 from tests.helpers import prefill_then_decode, random_tokens, tiny_config, tiny_model
-from train.config import validate
 from train.step import TrainProgram
 
 
@@ -88,7 +87,7 @@ def test_boundary_rules_every_output_lands_in_exactly_one_source(block_size):
     show which outputs it sees and how many sources there are."""
     config = tiny_config(residual="block_attnres", attnres__block_size=block_size, norm="none",
                          num_layers=4)
-    validate(config, 1)
+    config = resolve(config, 1)
     cfg = config.model
     n, d = 8, cfg.d_model
     stream = BlockAttentionResidual.stream(cfg, rngs=nnx.Rngs(0))
@@ -147,7 +146,7 @@ def test_two_phase_reads_and_their_gradients_equal_the_naive_reads(key_norm, hea
 
     @functools.partial(jax.jit, static_argnums=0)
     def value_and_grads(two_phase, *inputs):
-        loss = lambda *x: jnp.sum(probe * reads(two_phase, *x))  # noqa: E731
+        loss = lambda *x: jnp.sum(probe * reads(two_phase, *x))
         return reads(two_phase, *inputs), jax.grad(loss, (0, 1, 2))(*inputs)
 
     inputs = queries, sources, outputs
@@ -160,7 +159,7 @@ def test_a_read_in_an_opened_block_keeps_only_its_inputs_for_the_backward_pass()
     arrays, the read's VJP keeps only the phase-1 read c and the partial sum p (autodiff kept
     the merged read and three arrays of the norm as well)."""
     config = tiny_config(residual="block_attnres", attnres__block_size=2)
-    validate(config, 1)
+    config = resolve(config, 1)
     graphdef, params = nnx.split(BlockAttentionResidual(config.model, rngs=nnx.Rngs(0)))
     shape = (2, 5, config.model.d_model)
     keys = jax.random.split(jax.random.key(0), 3)
@@ -235,8 +234,8 @@ def test_block_scan_gradient_equals_autodiff_of_the_naive_reads(case, monkeypatc
     unit-by-unit scan with naive reads: the train step's loss (MoE auxiliary losses included),
     every parameter gradient and the model state it writes (BatchNorm statistics)."""
     config = tiny_config(residual="block_attnres", **case)
-    validate(config, 1)
-    program = TrainProgram(config, make_mesh(config.mesh, jax.devices()[:1]))
+    config = resolve(config, 1)
+    program = TrainProgram(config, make_mesh(config, jax.devices()[:1]))
     state = program.init(0)
     model = nnx.merge(program.graphdef, state["params"], state["model_state"])
     perturb_parameters(model)
@@ -285,14 +284,14 @@ def test_pseudo_query_gradients_one_source_has_none():
 def test_config_errors_name_the_field_and_the_fix(field, value, message):
     config = tiny_config(residual="block_attnres", **{field: value})
     with pytest.raises(ConfigError) as error:
-        validate(config, 1)
+        config = resolve(config, 1)
     assert str(error.value) == message
 
 
 def test_input_query_needs_scores():
     config = tiny_config(residual="attnres", attnres__query="input", attnres__weights="static")
     with pytest.raises(ConfigError, match="model.attnres.query='input' is invalid: static"):
-        validate(config, 1)
+        config = resolve(config, 1)
     assert AttentionResidual.block_size(config.model) == 1
 
 

@@ -14,9 +14,9 @@ import pytest
 from flax import nnx
 
 from arch import reference
+from config import resolve
 from sharding.mesh import make_mesh
 from tests.helpers import one_device_env, tiny_config
-from train.config import validate
 from train.instruments.timing import paired_ratio
 from train.optim import decay_mask, make_optimizer
 from train.step import TrainProgram
@@ -38,8 +38,8 @@ TINY = ["--config", str(ROOT / "experiments" / "quickstart.py"), "--config.model
 
 
 def one_device_program(config) -> TrainProgram:
-    validate(config, 1)  # tiny_config's mesh.data=1, on the first of conftest's devices
-    return TrainProgram(config, make_mesh(config.mesh, jax.devices()[:1]))
+    config = resolve(config, 1)  # tiny_config's mesh.data=1, on the first of conftest's devices
+    return TrainProgram(config, make_mesh(config, jax.devices()[:1]))
 
 
 def run_bench(*arguments: str) -> subprocess.CompletedProcess:
@@ -141,6 +141,7 @@ def test_torch_model_trains_like_the_framework_from_its_parameters(overrides):
     config = tiny_config(**{**TORCH_MODEL, **overrides})
     config.batch_size, config.optimizer.warmup_steps = 4, 1  # learning rates 0, then 3e-3
     program = one_device_program(config)
+    config = program.config
     assert torch_model.unsupported(config) is None
     state = program.init(config.seed)
     trainer = torch_model.TorchTrainer(

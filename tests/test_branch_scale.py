@@ -9,9 +9,8 @@ from flax import nnx
 
 from arch.accounting import parameter_breakdown
 from arch.residual import MixingParam
-from config import ConfigError
+from config import ConfigError, resolve
 from tests.helpers import random_tokens, tiny_config, tiny_model
-from train.config import validate
 from train.optim import decay_mask
 
 
@@ -58,14 +57,14 @@ def test_a_zero_branch_scale_leaves_only_the_skip_path():
 @pytest.mark.parametrize("layers,gamma", [(4, 0.1), (18, 0.1), (24, 1e-5), (36, 1e-6)])
 def test_layerscale_starts_at_the_cait_value_for_its_depth(layers, gamma):
     config = tiny_config(branch_scale="layerscale", num_layers=layers)
-    validate(config, 1)
+    config = resolve(config, 1)
     assert config.model.branch_scale.layerscale_init == gamma
 
 
 @pytest.mark.parametrize("use_ffn,sublayers", [(True, 8), (False, 4)])
 def test_fixed_multiplier_defaults_to_one_over_root_sublayers(use_ffn, sublayers):
     config = tiny_config(branch_scale="fixed", num_layers=4, use_ffn=use_ffn)
-    validate(config, 1)
+    config = resolve(config, 1)
     assert config.model.branch_scale.multiplier == pytest.approx(sublayers ** -0.5)
 
 
@@ -90,9 +89,9 @@ def test_gamma_is_a_per_channel_mixing_weight_kept_out_of_decay_and_counted():
 def test_bad_branch_scale_fields_are_one_line_errors():
     with pytest.raises(ConfigError, match=r"^model\.branch_scale\.name='gamma' is invalid: "
                                           r"valid: none, layerscale, fixed$"):
-        validate(tiny_config(branch_scale="gamma"), 1)
+        resolve(tiny_config(branch_scale="gamma"), 1)
     with pytest.raises(ConfigError, match=r"^model\.branch_scale\.multiplier=0\.0 is invalid"):
-        validate(tiny_config(branch_scale=dict(name="fixed", multiplier=0.0)), 1)
+        resolve(tiny_config(branch_scale=dict(name="fixed", multiplier=0.0)), 1)
     with pytest.raises(ConfigError, match=r"^model\.reversible=True is invalid: reversible "
                                           r"blocks do not scale their branches"):
-        validate(tiny_config(branch_scale="layerscale", reversible=True), 1)
+        resolve(tiny_config(branch_scale="layerscale", reversible=True), 1)

@@ -1,7 +1,7 @@
 """Configs in sections: every old flat name maps to an existing field (`config.legacy`), a
 config.json written before the sections restores through that one mapping, an old name on the
 command line is refused in one line that names its new place, and a misspelled component name is
-refused before JAX loads (`config.registered`)."""
+refused before JAX loads (`config.catalogue`)."""
 
 from __future__ import annotations
 
@@ -12,13 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from config import lookup, registered
+from config import catalogue, lookup, resolve
 from config.cli import UsageError, apply_override, load_module
 from config.defaults import base_config
 from config.legacy import MOVED, upgrade
 from config.validate import check_fields
 from train import rundir
-from train.config import validate
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -61,7 +60,7 @@ def test_a_run_written_with_flat_names_restores_as_the_study_file_builds_it_toda
         restored = rundir.saved_config(run, defaults)
         built = study.get_config(f"{arm},cpu")
         built.update(seed=0, mesh=dict(data=1))
-        validate(built, 1)
+        built = resolve(built, 1)
         assert rundir.identity_differences(restored, rundir._as_json(built), resolved=True) == []
         config = base_config()
         config.update(restored)
@@ -87,7 +86,9 @@ def test_an_old_name_on_the_command_line_names_its_new_place(field, message):
     assert str(error.value) == message
 
 
-def test_scanned_registrations_are_the_registries():
+def test_the_catalogue_names_the_live_registries_both_ways():
+    """Every component `config.catalogue` names is registered by the module it names, with the
+    properties it records, and every registered component is in the catalogue."""
     from arch.attention import ATTENTION
     from arch.ffn import ACTIVATIONS, FFNS
     from arch.heads import HEADS
@@ -96,17 +97,25 @@ def test_scanned_registrations_are_the_registries():
     from arch.positions import POSITIONS
     from arch.residual import RESIDUALS
 
-    live = dict(ATTENTION=ATTENTION, ACTIVATIONS=ACTIVATIONS, FFNS=FFNS, HEADS=HEADS, INITS=INITS,
-                NORMS=NORMS, POSITIONS=POSITIONS, RESIDUALS=RESIDUALS)
-    assert registered.registries() == {name: (registry.family, frozenset(registry))
-                                       for name, registry in live.items()}
+    live = dict(attention=ATTENTION, norm=NORMS, position=POSITIONS, ffn=FFNS,
+                activation=ACTIVATIONS, residual=RESIDUALS, head=HEADS, init=INITS)
+    assert set(live) == set(catalogue.FAMILIES)
+    for family, registry in live.items():
+        assert registry.family == family
+        assert set(catalogue.names(family)) == set(registry), family
+    for family in ("attention", "norm", "position", "ffn", "residual", "head", "init"):
+        for name in catalogue.names(family):
+            assert live[family][name].__module__ == catalogue.module_path(family, name)
+    assert catalogue.FFN_PROJECTIONS == {name: ffn.projections for name, ffn in FFNS.items()}
+    assert set(catalogue.SINGLE_STREAM_RESIDUALS) == {
+        name for name, mechanism in RESIDUALS.items() if mechanism.single_stream}
 
 
 def test_a_misspelled_component_is_refused_before_jax_loads():
     script = ("import sys\n"
               "from config import ConfigError\n"
               "from config.defaults import base_config\n"
-              "from config.registered import check_names\n"
+              "from config.catalogue import check_names\n"
               "config = base_config()\n"
               "config.model.norm.name = 'rmsnrom'\n"
               "try:\n"

@@ -11,7 +11,7 @@ from flax import nnx
 
 from arch.deltanet import GatedDeltaNet, gated_delta_chunked, gated_delta_recurrence
 from arch.model import BlockGroup
-from config import ConfigError
+from config import ConfigError, resolve
 from tests.helpers import (
     JittedDecoder,
     prefill_then_decode,
@@ -19,7 +19,6 @@ from tests.helpers import (
     tiny_config,
     tiny_model,
 )
-from train.config import validate
 
 
 def naive_gated_delta(q, k, v, g, beta, state=None):
@@ -42,7 +41,7 @@ def naive_gated_delta(q, k, v, g, beta, state=None):
 
 def random_inputs(b=2, t=13, h=3, p_k=4, p_v=5, seed=0):
     keys = jax.random.split(jax.random.key(seed), 6)
-    unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
+    unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
     q = unit(jax.random.normal(keys[0], (b, t, h, p_k)))
     k = unit(jax.random.normal(keys[1], (b, t, h, p_k)))
     v = jax.random.normal(keys[2], (b, t, h, p_v))
@@ -139,14 +138,14 @@ def test_config_errors(overrides, mesh, message):
     config = tiny_config(**overrides)
     config.mesh.update(mesh)
     with pytest.raises(ConfigError, match=re.escape(message)):
-        validate(config, 2)
+        config = resolve(config, 2)
 
 
 def test_accounting_counts_the_state_not_a_kv_cache_and_no_attention_scores():
     from arch import accounting
 
     config = tiny_config(layer_pattern="LA")
-    validate(config, 1)
+    config = resolve(config, 1)
     cfg = config.model
     d, dn = cfg.d_model, cfg.deltanet
     h, k, v, w = dn.num_heads, dn.head_dim, dn.value_dim, dn.conv_width
@@ -191,6 +190,6 @@ def test_probes_refuse_hybrid_stacks():
     from train.instruments.probes import require_probeable
 
     config = tiny_config(layer_pattern="LA")
-    validate(config, 1)
+    config = resolve(config, 1)
     with pytest.raises(ValueError, match="model.layer_pattern / gated_deltanet"):
         require_probeable(config.model)

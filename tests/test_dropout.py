@@ -16,7 +16,7 @@ from flax import nnx
 
 from arch.dropout import SITES, Dropout, dropout, train_key
 from arch.reversible import branches, couple
-from config import ConfigError
+from config import ConfigError, resolve
 from sharding.mesh import make_mesh
 from tests.helpers import (
     JittedDecoder,
@@ -25,18 +25,17 @@ from tests.helpers import (
     tiny_config,
     tiny_model,
 )
-from train.config import validate
 from train.data import in_memory
 from train.loop import train
-from train.step import TrainProgram, next_token_loss
+from train.step import TrainProgram, next_token_loss, resolve_for_job
 
 RATES = {site: 0.1 for site in SITES}
 
 
 def program(devices: int = 1, **model) -> TrainProgram:
     config = tiny_config(**model)
-    validate(config, devices)
-    return TrainProgram(config, make_mesh(config.mesh, jax.devices()[:devices]))
+    config = resolve(config, devices)
+    return TrainProgram(config, make_mesh(config, jax.devices()[:devices]))
 
 
 def test_mask_keeps_one_minus_p_and_scales_by_its_inverse():
@@ -152,7 +151,7 @@ def test_reversible_gradients_with_dropout_equal_autodiff():
             p, s = jax.tree.map(lambda a, i=layer: a[i], (block_params, block_states))
             y1, y2 = couple(attention_branch, ffn_branch, p, s, y1, y2, positions,
                             layer_keys[layer])
-        return model._output((y1 + y2) / 2)
+        return model.logits_of_hidden((y1 + y2) / 2)
 
     def gradient(forward):
         def loss(params):
@@ -219,7 +218,7 @@ def test_invalid_configs(fields, message):
             node = node[section]
         node[field] = value
     with pytest.raises(ConfigError) as error:
-        validate(config, 2)
+        config = resolve(config, 2)
     assert str(error.value) == message
 
 
@@ -238,7 +237,7 @@ def dropout_config():
 def test_preempted_dropout_run_resumes_bit_identically(tmp_path, monkeypatch):
     """As tests/test_train.py's resume test, with every dropout site on: stopped by SIGTERM
     during step 3 and resumed, the run's losses are exactly the uninterrupted run's."""
-    uninterrupted = train(dropout_config(), tmp_path / "a")
+    uninterrupted = train(resolve_for_job(dropout_config()), tmp_path / "a")
     original_batch = in_memory.Dataset.batch
 
     def batch_then_sigterm(self, step, *args, **kwargs):
@@ -247,9 +246,9 @@ def test_preempted_dropout_run_resumes_bit_identically(tmp_path, monkeypatch):
         return original_batch(self, step, *args, **kwargs)
 
     monkeypatch.setattr(in_memory.Dataset, "batch", batch_then_sigterm)
-    assert train(dropout_config(), tmp_path / "b")["preempted"]
+    assert train(resolve_for_job(dropout_config()), tmp_path / "b")["preempted"]
     monkeypatch.setattr(in_memory.Dataset, "batch", original_batch)
-    resumed = train(dropout_config(), tmp_path / "b")
+    resumed = train(resolve_for_job(dropout_config()), tmp_path / "b")
     assert resumed["step"] == uninterrupted["step"] == 5
     np.testing.assert_array_equal(train_losses(tmp_path / "b"), train_losses(tmp_path / "a"))
     assert resumed["eval_loss"] == uninterrupted["eval_loss"]

@@ -19,18 +19,24 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from config import ConfigError
+from config import ConfigError, resolve
 from config.validate import check_fields
 from sharding.mesh import make_mesh
 from tests.helpers import random_tokens, tiny_config, tiny_model, write_run
 from train.checkpoint import Checkpointer
-from train.config import validate
 from train.data import in_memory
-from train.generate import check_arguments, generate_text
+from train.generate import check_arguments
 from train.generate import main as generate_main
 from train.loop import _start_state, evaluate, load_splits, train
 from train.restore import restore_for_analysis, restore_run, with_ema_params
-from train.step import TrainProgram, build_program, distillation_kl, next_token_loss
+from train.sampling import generate_text
+from train.step import (
+    TrainProgram,
+    build_program,
+    distillation_kl,
+    next_token_loss,
+    resolve_for_job,
+)
 
 STATE_KEYS = {"step", "params", "model_state", "opt_state"}
 
@@ -47,8 +53,8 @@ def ema_config(**fields):
 
 def single_device_program(config, devices: int = 1, mesh: dict | None = None) -> TrainProgram:
     config.mesh.update(mesh or dict(data=1))
-    validate(config, devices)
-    return TrainProgram(config, make_mesh(config.mesh, jax.devices()[:devices]))
+    config = resolve(config, devices)
+    return TrainProgram(config, make_mesh(config, jax.devices()[:devices]))
 
 
 def logits_function(seed: int = 0):
@@ -92,8 +98,9 @@ def test_stop_gradient_keeps_the_forward_value_and_cuts_the_teacher_path():
     for leaf in jax.tree.leaves(teacher_grad):
         np.testing.assert_array_equal(leaf, np.zeros_like(leaf))  # the teacher path is cut
     assert tree_norm(teacher_grad_attached) > 1e-3  # ... and it would not be without the detach
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-9),
-                 student_grad, student_grad_attached)  # the student path is the same
+    # The student path is the same, to the float32 rounding of another fusion (gradients ~1e-3).
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-8),
+                 student_grad, student_grad_attached)
 
 
 def test_a_detached_branch_sharing_parameters_still_trains_them_through_the_student_path():
@@ -242,11 +249,11 @@ def run_config(**fields):
 @pytest.fixture(scope="module")
 def ema_run(tmp_path_factory) -> tuple[Path, dict]:
     workdir = tmp_path_factory.mktemp("ema") / "run"
-    return workdir, train(run_config(), workdir)
+    return workdir, train(resolve_for_job(run_config()), workdir)
 
 
 def final_state(workdir: Path):
-    program = build_program(run_config())
+    program = build_program(resolve_for_job(run_config()))
     with Checkpointer(workdir) as checkpointer:
         step, state, _ = checkpointer.restore_latest(program.abstract_state())
     return program, step, jax.device_get(state)
@@ -266,9 +273,9 @@ def test_a_resumed_run_with_ema_is_bit_identical(ema_run, tmp_path, monkeypatch)
         return original_batch(self, step, *args, **kwargs)
 
     monkeypatch.setattr(in_memory.Dataset, "batch", batch_then_sigterm)
-    assert train(run_config(), tmp_path)["preempted"]
+    assert train(resolve_for_job(run_config()), tmp_path)["preempted"]
     monkeypatch.setattr(in_memory.Dataset, "batch", original_batch)
-    assert train(run_config(), tmp_path)["step"] == 4
+    assert train(resolve_for_job(run_config()), tmp_path)["step"] == 4
     _, step, resumed = final_state(tmp_path)
     _, uninterrupted_step, uninterrupted = final_state(workdir)
     assert step == uninterrupted_step == 4 and set(resumed) == STATE_KEYS | {"ema"}
@@ -332,7 +339,7 @@ def test_finetune_across_ema_settings_starts_the_ema_at_the_source_weights(
         plain.optimizer.ema_decay, plain.objective.ema_distill_weight = 0.0, 0.0
         write_run(plain, source, step=3)
         config = run_config(resume_mode="finetune", finetune_from=str(source))
-    program = build_program(config)
+    program = build_program(resolve_for_job(config))
     with Checkpointer(source, read_only=True) as checkpointer:
         source_abstract = program.abstract_state(ema=source_ema)
         _, source_state, _ = checkpointer.restore_latest(source_abstract)

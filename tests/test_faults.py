@@ -29,6 +29,7 @@ from train import rundir
 from train.checkpoint import Checkpointer
 from train.generate import check_arguments
 from train.loop import NonFiniteLoss, _start_state, build_program, train
+from train.step import resolve_for_job
 
 REPO = Path(__file__).resolve().parents[1]
 HEAVY_MODULES = ("jax", "orbax", "tensorboardX", "tensorflow_datasets", "grain", "flax")
@@ -46,7 +47,7 @@ def run_config(**fields):
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory) -> Path:
     workdir = tmp_path_factory.mktemp("run") / "run"
-    assert train(run_config(), workdir)["step"] == 4
+    assert train(resolve_for_job(run_config()), workdir)["step"] == 4
     return workdir
 
 
@@ -68,7 +69,7 @@ def metric_steps(workdir: Path) -> list[int]:
 
 
 def restored_params(config, workdir: Path):
-    program = build_program(config)
+    program = build_program(resolve_for_job(config))
     with Checkpointer(workdir) as checkpointer:
         step, state, _ = checkpointer.restore_latest(program.abstract_state())
     return step, jax.device_get(state["params"])
@@ -93,7 +94,7 @@ def test_a_different_config_is_refused_and_the_run_is_kept(trained_run, tmp_path
     changed = run_config()
     changed.model.d_model = 64
     with pytest.raises(ConfigError) as error:
-        train(changed, workdir)
+        train(resolve_for_job(changed), workdir)
     message = str(error.value)
     assert "holds a run with a different config (model.d_model: 32 → 64" in message
     assert "--config.resume_mode=finetune" in message and "\n" not in message
@@ -109,7 +110,7 @@ def test_a_different_config_is_refused_and_the_run_is_kept(trained_run, tmp_path
 def test_finetune_starts_a_new_run_from_the_weights(trained_run, tmp_path):
     config = run_config(resume_mode="finetune", finetune_from=str(trained_run), seed=3)
     config.optimizer.learning_rate = 1e-4
-    program = build_program(config)
+    program = build_program(resolve_for_job(config))
     with Checkpointer(tmp_path / "new") as checkpointer:
         step, state, position = _start_state(program, config, checkpointer, tmp_path / "new")
     assert step == 0 and position["next_step"] == 0 and int(state["step"]) == 0
@@ -117,7 +118,8 @@ def test_finetune_starts_a_new_run_from_the_weights(trained_run, tmp_path):
     assert source_step == 4
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(state["params"]), source_params)
     with pytest.raises(ConfigError, match="is also finetune_from: a fine-tune starts a new run"):
-        train(run_config(resume_mode="finetune", finetune_from=str(trained_run)), trained_run)
+        train(resolve_for_job(run_config(resume_mode="finetune",
+                                         finetune_from=str(trained_run))), trained_run)
 
 
 # 2 and 9. A corrupt newest checkpoint is moved aside; the run completes, logging each step once
@@ -135,7 +137,7 @@ def test_a_truncated_newest_checkpoint_is_moved_aside_and_the_run_completes(
     truncated = {path.relative_to(step_dir): path.read_bytes() for path in data_files}
 
     with caplog.at_level(logging.WARNING):
-        assert train(run_config(), workdir)["step"] == 4
+        assert train(resolve_for_job(run_config()), workdir)["step"] == 4
     moved = list((workdir / "checkpoints").glob("corrupt-4-*"))
     assert len(moved) == 1  # kept, never deleted
     assert {name: (moved[0] / name).read_bytes() for name in truncated} == truncated
@@ -158,7 +160,7 @@ def test_when_no_checkpoint_restores_nothing_is_moved(trained_run, tmp_path):
     before = snapshot(workdir)
     with pytest.raises(rundir.WorkdirError, match=r"no checkpoint restores \(step 4: .*\); "
                        "nothing was moved or deleted"):
-        train(run_config(), workdir)
+        train(resolve_for_job(run_config()), workdir)
     assert snapshot(workdir) == before
 
 
@@ -179,7 +181,8 @@ def test_a_resumed_run_logs_each_step_once(trained_run, tmp_path):
     workdir = copy_run(trained_run, tmp_path / "run")
     shutil.rmtree(workdir / "checkpoints" / "4")  # killed after logging step 4, before saving it
     event_files = set((workdir / "tensorboard").iterdir())
-    assert train(run_config(steps=5), workdir)["step"] == 5  # steps may change on resume
+    # steps may change on resume
+    assert train(resolve_for_job(run_config(steps=5)), workdir)["step"] == 5
     assert metric_steps(workdir) == [1, 2, 3, 4, 5]
     (new_file,) = set((workdir / "tensorboard").iterdir()) - event_files
     events = list(read_events(new_file))
@@ -309,7 +312,7 @@ def test_a_step_that_makes_the_state_non_finite_is_not_saved(tmp_path):
     config = run_config(steps=3)
     config.optimizer.update(learning_rate=1e39, warmup_steps=0)
     with pytest.raises(NonFiniteLoss) as error:
-        train(config, tmp_path)
+        train(resolve_for_job(config), tmp_path)
     message = str(error.value)
     assert message.startswith("non-finite state at step 1 (loss=")
     assert "the last finite checkpoint (none) is kept in" in message
@@ -319,11 +322,11 @@ def test_a_step_that_makes_the_state_non_finite_is_not_saved(tmp_path):
 def test_skip_policy_keeps_the_previous_state_and_counts_skipped_steps(tmp_path):
     config = run_config(steps=2, nonfinite_policy="skip")
     config.optimizer.update(learning_rate=1e39, warmup_steps=0)
-    assert train(config, tmp_path)["step"] == 2
+    assert train(resolve_for_job(config), tmp_path)["step"] == 2
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").open()]
     assert [(r["step"], r["skipped_steps"]) for r in records] == [(1, 1), (2, 2)]
     step, params = restored_params(config, tmp_path)
-    initial = jax.device_get(build_program(config).init(config.seed)["params"])
+    initial = jax.device_get(build_program(resolve_for_job(config)).init(config.seed)["params"])
     assert step == 2
     jax.tree.map(np.testing.assert_array_equal, params, initial)
 
@@ -339,7 +342,7 @@ def test_a_second_trainer_is_refused_and_a_stale_lock_is_taken_over(tmp_path, ca
         assert holder.stdout.readline().strip() == "held"
         names = f"in use by pid {holder.pid} on host {socket.gethostname()}"
         with pytest.raises(rundir.WorkdirError, match=re.escape(names)):
-            train(run_config(), tmp_path)
+            train(resolve_for_job(run_config()), tmp_path)
         run = cli("--config", "experiments/quickstart.py", "--workdir", str(tmp_path))
         assert_one_line(run, names)
     finally:

@@ -9,13 +9,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from arch.config import resolve_model
 from arch.ffn import ACTIVATIONS, FFNS, activation
-from config import ConfigError
-from config.model import FFN_WIDTHS
+from config import ConfigError, resolve
+from config.model_rules import FFN_WIDTHS, resolve_model
 from experiments.common import model_config
 from tests.helpers import override, random_tokens, tiny_config, tiny_model
-from train.config import validate
 
 
 def _sigmoid(x):
@@ -172,7 +170,7 @@ def test_same_config_gives_equal_graph_definitions():
 def test_bad_names_give_one_line_listing_the_valid_ones(field, value, valid):
     config = tiny_config(**{f"ffn__{field}": value})
     with pytest.raises(ConfigError) as error:
-        validate(config, 1)
+        config = resolve(config, 1)
     message = str(error.value)
     assert "\n" not in message and message.startswith(f"model.ffn.{field}={value!r} is invalid")
     assert all(name in message for name in valid)

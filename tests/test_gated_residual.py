@@ -17,7 +17,7 @@ from arch.gated_residual import (
     random_write_logits,
     store_fp8,
 )
-from config import ConfigError
+from config import ConfigError, resolve
 from tests.helpers import (
     JittedDecoder,
     prefill_then_decode,
@@ -25,7 +25,6 @@ from tests.helpers import (
     tiny_config,
     tiny_model,
 )
-from train.config import validate
 
 N = 4  # branches (the default model.residual.streams)
 # The model most tests share (one build).
@@ -34,7 +33,7 @@ GATED = dict(residual="gated_residual", gated_residual__mixing=True)
 
 def resolved(**model):
     config = tiny_config(residual="gated_residual", **model)
-    validate(config, 1)
+    config = resolve(config, 1)
     return config.model
 
 

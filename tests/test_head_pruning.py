@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 from arch.model import TransformerLM
+from config import resolve
 from tests.helpers import (
     JittedDecoder,
     prefill_then_decode,
@@ -16,7 +17,6 @@ from tests.helpers import (
     tiny_config,
     tiny_model,
 )
-from train.config import validate
 from train.instruments import head_pruning
 from train.step import next_token_loss
 
@@ -47,7 +47,7 @@ def test_physically_pruned_model_equals_the_masked_one(keep, heads, kv_heads):
     # The config describes the smaller model: it validates and builds the same shapes.
     config = tiny_config(linear_bias=True)
     config.model = pruned_cfg
-    validate(config, 1)
+    config = resolve(config, 1)
     rebuilt = TransformerLM(ml_collections.FrozenConfigDict(config.model), rngs=nnx.Rngs(0))
     assert (jax.tree.map(jnp.shape, nnx.state(rebuilt, nnx.Param))
             == jax.tree.map(jnp.shape, nnx.state(pruned, nnx.Param)))
@@ -108,9 +108,9 @@ def test_structured_rounds_stay_physically_removable():
 
 def test_a_pruned_model_written_as_a_run_restores_and_generates(tmp_path):
     from tests.helpers import write_run
-    from train.generate import generate_text
     from train.instruments import pruning
     from train.restore import restore_for_analysis, restore_run
+    from train.sampling import generate_text
 
     config = tiny_config(linear_bias=True)
     config.mesh.data = -1

@@ -13,11 +13,10 @@ from jax.sharding import PartitionSpec as P
 from arch.bottleneck import softmax_bottleneck
 from arch.heads import HEADS
 from arch.layers import Embedding
-from config import ConfigError
+from config import ConfigError, resolve
 from experiments.common import model_config
 from sharding.mesh import make_mesh
 from tests.helpers import override, random_tokens, tiny_config, tiny_model
-from train.config import validate
 from train.step import TrainProgram, next_token_loss
 
 
@@ -178,7 +177,7 @@ def test_softmax_bottleneck_rank(head):
 def test_mos_components_must_be_positive():
     config = tiny_config(head="mos", head__mos_components=0)
     with pytest.raises(ConfigError, match=r"^model\.head\.mos_components=0 is invalid: .*≥ 1$"):
-        validate(config, 1)
+        config = resolve(config, 1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -216,8 +215,8 @@ def test_mos_under_tensor_parallelism_matches_single_device():
     def program_on(devices, data, fsdp, tensor):
         config = tiny_config(head="mos", head__mos_tied=False, head__bias=True, num_layers=1)
         config.mesh.update(data=data, fsdp=fsdp, tensor=tensor)
-        validate(config, devices)
-        return TrainProgram(config, make_mesh(config.mesh, jax.devices()[:devices]))
+        config = resolve(config, devices)
+        return TrainProgram(config, make_mesh(config, jax.devices()[:devices]))
 
     sharded, single = program_on(8, 2, 2, 2), program_on(1, 1, 1, 1)
     sharded_state = sharded.init(0)

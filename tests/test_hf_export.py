@@ -15,14 +15,14 @@ import transformers
 from flax import nnx
 
 from arch.hf_config import hf_config_from_model
+from config import resolve
+from scripts import export_hf as export_hf_script
 from tests.helpers import tiny_config
 from train.checkpoint import Checkpointer
-from train.config import validate
 from train.data.tokenizer import ByteTokenizer
-from train.interop import export_hf
 from train.interop.hf import load_hf_checkpoint
 from train.restore import restore_run
-from train.step import build_program
+from train.step import build_program, resolve_for_job
 
 TOKENS_BxT = np.random.default_rng(1).integers(0, 256, (2, 16))
 RUNS = {  # name → model overrides of tests.helpers.tiny_config
@@ -40,6 +40,7 @@ def write_run(workdir, **overrides):
     N(0, 0.3²) so that no norm is the identity and attention is sharp."""
     config = tiny_config(**overrides)
     config.mesh.data = -1  # every device, as the trainer would take them
+    config = resolve_for_job(config)
     program = build_program(config)
     state = program.init(0)
     keys = iter(jax.random.split(jax.random.key(7), len(jax.tree.leaves(state["params"]))))
@@ -57,7 +58,7 @@ def write_run(workdir, **overrides):
 def test_transformers_computes_the_exported_runs_logits(name, tmp_path):
     config, model = write_run(tmp_path / "run", **RUNS[name])
     out = tmp_path / "hf"
-    assert export_hf.main(["--workdir", str(tmp_path / "run"), "--out", str(out)]) == 0
+    assert export_hf_script.main(["--workdir", str(tmp_path / "run"), "--out", str(out)]) == 0
     assert json.loads((out / "config.json").read_text())["model_type"] == name.split("_")[0]
     reference = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     with torch.no_grad():
@@ -99,12 +100,13 @@ def test_what_cannot_be_exported_is_refused_naming_the_field(tmp_path, capsys):
             (dict(position="none"), "model.position.name='none' cannot be exported: llama needs "
                                     "'rope', gpt2 'learned'")):
         config = tiny_config(**overrides)
-        validate(config, 1)
+        config = resolve(config, 1)
         with pytest.raises(ValueError) as error:
             hf_config_from_model(config.model)
         assert str(error.value) == message
     write_run(tmp_path / "run", branch_scale="layerscale")
-    assert export_hf.main(["--workdir", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 2
+    assert export_hf_script.main(["--workdir", str(tmp_path / "run"),
+                                  "--out", str(tmp_path / "hf")]) == 2
     assert capsys.readouterr().err == ("error: model.branch_scale.name='layerscale' cannot be "
                                        "exported as llama: its config.json would give 'none'\n")
     assert not (tmp_path / "hf").exists()

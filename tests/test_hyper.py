@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from arch.hyper import HyperConnection, ManifoldHyperConnection, StreamState, WidthBaseline
-from config import ConfigError
+from config import ConfigError, resolve
 from tests.helpers import (
     JittedDecoder,
     prefill_then_decode,
@@ -17,7 +17,6 @@ from tests.helpers import (
     tiny_config,
     tiny_model,
 )
-from train.config import validate
 
 RESIDUAL_MODULES = ("attention_residual", "ffn_residual")
 
@@ -82,7 +81,7 @@ def rms_norm(x, gain, eps=1e-6):
 
 def resolved_model_config(**model):
     config = tiny_config(**model)
-    validate(config, 1)
+    config = resolve(config, 1)
     return config.model
 
 

@@ -7,10 +7,9 @@ import pytest
 from flax import nnx
 
 from arch.init import INITS, group_init
-from config import ConfigError
+from config import ConfigError, resolve
 from experiments.common import use_deepnorm
 from tests.helpers import random_tokens, tiny_config, tiny_model
-from train.config import validate
 
 FAN_IN, FAN_OUT = 256, 512
 
@@ -52,7 +51,7 @@ def test_use_deepnorm_scales_value_output_and_ffn_but_not_query_key():
     config = use_deepnorm(tiny_config(num_layers=6, d_model=64, attention__num_heads=4,
                                       attention__num_kv_heads=4))
     config.mesh.data = 1
-    validate(config, 1)
+    config = resolve(config, 1)
     from arch.model import TransformerLM
 
     model = TransformerLM(config.model, rngs=nnx.Rngs(0))
@@ -69,8 +68,7 @@ def test_use_deepnorm_scales_value_output_and_ffn_but_not_query_key():
 
 
 def test_group_init_uses_the_default_for_unset_groups():
-    cfg = resolved()
-    cfg.init.default = "bert"
+    cfg, _ = tiny_model(num_layers=6, init=dict(default="bert"))
     w = group_init(cfg, "query")(FAN_IN, FAN_OUT)(jax.random.key(0), (FAN_IN, FAN_OUT),
                                                     jnp.float32)
     assert float(jnp.std(w)) == pytest.approx(0.02, rel=0.02)
@@ -82,4 +80,4 @@ def test_unknown_scheme_is_a_config_error(group):
     config.model.init[group] = "orthogonal"
     with pytest.raises(ConfigError, match=f"model.init.{group}='orthogonal' is invalid: valid "
                                           "inits: bert, deepnorm, depth_scaled, fan_in"):
-        validate(config, 1)
+        config = resolve(config, 1)

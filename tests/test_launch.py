@@ -13,11 +13,12 @@ import jax
 import numpy as np
 import pytest
 
-from config import ConfigError
+from config import ConfigError, resolve
+from config.mesh_shape import MESH_AXES, ici_dcn_shapes
 from sharding.launch import multiprocess_launch
-from sharding.mesh import hybrid_device_grid, ici_dcn_shapes, make_mesh
-from sharding.rules import MESH_AXES, logical_to_spec, named_sharding
-from tests.helpers import one_device_env
+from sharding.mesh import AUTO_AXES, hybrid_device_grid
+from sharding.rules import logical_to_spec, named_sharding
+from tests.helpers import one_device_env, tiny_config
 from train.data.in_memory import Dataset
 from train.step import rows_held
 
@@ -155,7 +156,8 @@ def check_process_rows(sharding, devices_by_process, batch=8, seq_len=16) -> lis
 ], ids=str)
 def test_each_simulated_process_loads_exactly_its_devices_rows(axes, processes, expected):
     """Process p owns devices [p·8/P, (p+1)·8/P) (device order of a multi-process launch)."""
-    mesh = make_mesh(sizes(**axes))
+    mesh = jax.make_mesh(tuple(sizes(**axes)[a] for a in MESH_AXES), MESH_AXES,
+                         axis_types=AUTO_AXES)
     sharding = named_sharding(mesh, ("act_batch", None), (8, 17))
     devices = np.array(jax.devices()).reshape(processes, -1)
     assert check_process_rows(sharding, devices) == [list(r) for r in expected]
@@ -192,9 +194,11 @@ def test_dcn_factoring_and_its_errors():
         with pytest.raises(ConfigError) as raised:
             ici_dcn_shapes({"dcn": dcn_cfg}, total, slices)
         assert str(raised.value).startswith(message), str(raised.value)
-    # On one slice (CPU devices have no slice_index) a DCN factor is refused before any mesh.
+    # On one slice (CPU devices have no slice_index) a DCN factor is refused when resolving.
+    config = tiny_config()
+    config.mesh.update(data=8, dcn={"data": 2})
     with pytest.raises(ConfigError, match=r"mesh.dcn=data=2 is invalid: .* ≠ the 1 slice "):
-        make_mesh(sizes(data=8) | {"dcn": {"data": 2}})
+        resolve(config, 8)
 
 
 def test_hybrid_grid_keeps_each_slice_in_one_dcn_block():

@@ -18,7 +18,7 @@ from arch.accounting import (
 )
 from arch.attention import ATTENTION
 from arch.moe import AuxLoss, DroppedFraction
-from config import ConfigError
+from config import ConfigError, resolve
 from tests.helpers import (
     JittedDecoder,
     prefill_then_decode,
@@ -26,7 +26,6 @@ from tests.helpers import (
     tiny_config,
     tiny_model,
 )
-from train.config import validate
 from train.instruments.early_exit import early_exit_losses
 from train.step import next_token_loss
 
@@ -76,7 +75,7 @@ def test_one_loop_is_the_plain_model_and_injection_re_adds_the_embedding():
     x, _ = plain._scan(x0, positions, graphdef, params, states, None)
     for _ in range(LOOPS - 1):
         x, _ = plain._scan(x + x0, positions, graphdef, params, states, None)
-    np.testing.assert_allclose(injected(tokens), plain._output(x), atol=2e-5, rtol=1e-5)
+    np.testing.assert_allclose(injected(tokens), plain.logits_of_hidden(x), atol=2e-5, rtol=1e-5)
 
 
 def test_the_stack_is_traced_once_whatever_the_loop_count():
@@ -139,4 +138,4 @@ def test_config_errors(fields, mesh, message):
     config = tiny_config(**fields)
     config.mesh.update(mesh)
     with pytest.raises(ConfigError, match=message):
-        validate(config, 2 if mesh else 1)
+        config = resolve(config, 2 if mesh else 1)

@@ -13,11 +13,10 @@ from flax import nnx
 from arch.attention import MultiHeadAttention, MultiHeadLatentAttention
 from arch.model import TransformerLM
 from arch.positions import POSITIONS
-from config import ConfigError
+from config import ConfigError, resolve
 from sharding.mesh import make_mesh
 from sharding.rules import LOGICAL_RULES
 from tests.helpers import random_tokens, tiny_config
-from train.config import validate
 from train.step import TrainProgram, next_token_loss
 
 # d = 32, H = 4, attention__head_dim = 8: a latent of 16 + a rotary key of 8 per token and layer.
@@ -63,7 +62,7 @@ def reference_mla(cfg, p, x_BxTxD, positions_BxT):
 
 def resolved(**overrides):
     config = tiny_config(**{**MLA, **overrides})
-    validate(config, 1)
+    config = resolve(config, 1)
     return ml_collections.FrozenConfigDict(config.model)
 
 
@@ -90,8 +89,8 @@ def sharded():
     the model-level tests, so the model is initialized only once)."""
     config = tiny_config(**MLA, mla__q_rank=12)
     config.mesh.update(data=2, fsdp=2, tensor=2)
-    validate(config, 8)
-    program = TrainProgram(config, make_mesh(config.mesh, jax.devices()))
+    config = resolve(config, 8)
+    program = TrainProgram(config, make_mesh(config, jax.devices()))
     state = program.init(0)
     cfg = ml_collections.FrozenConfigDict(config.model)
     abstract = nnx.eval_shape(lambda: TransformerLM(cfg, rngs=nnx.Rngs(0)))
@@ -222,7 +221,7 @@ def test_config_errors(field, value, message):
     config = tiny_config(**{**MLA, field: value})
     name = "model." + field.replace("__", ".")
     with pytest.raises(ConfigError, match=re.escape(f"{name}={value} is invalid: ")) as e:
-        validate(config, 1)
+        config = resolve(config, 1)
     assert message in str(e.value) and "\n" not in str(e.value)
 
 

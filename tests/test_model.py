@@ -139,7 +139,7 @@ def test_unrolled_layer_scan_computes_the_same_logits_and_gradients():
 
     def logits_and_grads(unroll):
         _, model = tiny_model(num_layers=3, execution__scan_unroll=unroll)
-        loss = lambda m: jnp.mean(m(tokens) ** 2)  # noqa: E731
+        loss = lambda m: jnp.mean(m(tokens) ** 2)
         return nnx.jit(lambda m: (m(tokens), nnx.grad(loss)(m)))(model)
 
     for got, expected in zip(jax.tree.leaves(logits_and_grads(2)),

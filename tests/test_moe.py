@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 from arch.accounting import active_parameter_count, matmul_parameter_count, parameter_count
 from arch.ffn import FFNS
 from arch.moe import AuxLoss, DroppedFraction, MixtureOfExperts, balance_loss, z_loss
-from config import ConfigError
+from config import ConfigError, resolve
 from sharding.mesh import make_mesh
 from tests.helpers import (
     JittedDecoder,
@@ -23,7 +23,6 @@ from tests.helpers import (
     tiny_config,
     tiny_model,
 )
-from train.config import validate
 from train.step import TrainProgram
 
 D, T = 32, 16
@@ -31,7 +30,7 @@ D, T = 32, 16
 
 def moe_layer(seed: int = 0, **overrides) -> MixtureOfExperts:
     config = tiny_config(ffn="moe", **overrides)
-    validate(config, 1)
+    config = resolve(config, 1)
     return MixtureOfExperts(ml_collections.FrozenConfigDict(config.model), rngs=nnx.Rngs(seed))
 
 
@@ -156,8 +155,8 @@ def test_train_step_adds_the_aux_losses_and_trains_the_router():
     config = tiny_config(ffn="moe", moe__experts=4)
     config.optimizer.weight_decay = 0.0  # a parameter moves only if its gradient is nonzero
     config.optimizer.warmup_steps = 0  # (and the learning rate of step 0 is not 0)
-    validate(config, 1)
-    program = TrainProgram(config, make_mesh(config.mesh, jax.devices()[:1]))
+    config = resolve(config, 1)
+    program = TrainProgram(config, make_mesh(config, jax.devices()[:1]))
     state = program.init(0)
     batch = program.put_batch(np.asarray(random_tokens((8, T + 1))))
     cross_entropy = float(program.eval_loss(state, batch))  # evaluation: pure cross-entropy
@@ -176,8 +175,8 @@ def test_train_step_adds_the_aux_losses_and_trains_the_router():
 
 def test_dense_models_have_no_aux_metrics():
     config = tiny_config()
-    validate(config, 1)
-    program = TrainProgram(config, make_mesh(config.mesh, jax.devices()[:1]))
+    config = resolve(config, 1)
+    program = TrainProgram(config, make_mesh(config, jax.devices()[:1]))
     state = jax.eval_shape(program._init_state, 0)
     batch = jax.ShapeDtypeStruct((8, T + 1), jnp.int32)
     metrics = jax.eval_shape(program._step, state, batch)[1]
@@ -187,8 +186,8 @@ def test_dense_models_have_no_aux_metrics():
 def _moe_program(devices: int, data: int, expert: int) -> TrainProgram:
     config = tiny_config(ffn="moe", moe__experts=4, moe__top_k=2, moe__dropless=True)
     config.mesh.update(data=data, expert=expert)
-    validate(config, devices)
-    return TrainProgram(config, make_mesh(config.mesh, jax.devices()[:devices]))
+    config = resolve(config, devices)
+    return TrainProgram(config, make_mesh(config, jax.devices()[:devices]))
 
 
 @pytest.mark.slow
@@ -215,14 +214,14 @@ def test_expert_parallel_matches_single_device():
 def _moe_cfg(**overrides):
     config = tiny_config(ffn="moe", moe__experts=4, moe__top_k=2, moe__shared_experts=1,
                          **overrides)
-    validate(config, 1)
+    config = resolve(config, 1)
     return config.model
 
 
 def test_accounting_counts_routed_experts_at_k_over_e():
     cfg = _moe_cfg()
     dense = tiny_config(ffn="swiglu")
-    validate(dense, 1)
+    dense = resolve(dense, 1)
     layers, d, f, experts, k = 2, D, cfg.moe.d_ff, 4, 2
     assert f == cfg.ffn.d_ff == 128
     dense_ffn = 3 * d * f
@@ -237,17 +236,17 @@ def test_accounting_counts_routed_experts_at_k_over_e():
 
 def test_config_errors_are_one_line():
     with pytest.raises(ConfigError, match=r"model.moe.top_k=5 is invalid") as error:
-        validate(tiny_config(ffn="moe", moe__experts=4, moe__top_k=5), 1)
+        resolve(tiny_config(ffn="moe", moe__experts=4, moe__top_k=5), 1)
     assert "\n" not in str(error.value)
     config = tiny_config(ffn="moe", moe__experts=6)
     config.mesh.update(data=2, expert=4)
     with pytest.raises(ConfigError, match=r"model.moe.experts=6 .*mesh.expert=4") as error:
-        validate(config, 8)
+        config = resolve(config, 8)
     assert "\n" not in str(error.value)
     with pytest.raises(ConfigError, match=r"model.moe.capacity_factor=0"):
-        validate(tiny_config(ffn="moe", moe__capacity_factor=0), 1)
+        resolve(tiny_config(ffn="moe", moe__capacity_factor=0), 1)
     with pytest.raises(ConfigError, match=r"model.moe.expert_ffn='moe'"):
-        validate(tiny_config(ffn="moe", moe__expert_ffn="moe"), 1)
+        resolve(tiny_config(ffn="moe", moe__expert_ffn="moe"), 1)
 
 
 def test_every_kth_block_is_moe_and_decoding_matches_the_full_pass():
@@ -275,4 +274,4 @@ def test_interleaving_must_divide_the_depth():
     config = tiny_config(ffn="moe", moe__every=3)  # 2 layers
     with pytest.raises(ConfigError, match=r"^model.moe.every=3 is invalid: must be a positive "
                                           r"divisor of model.num_layers=2$"):
-        validate(config, 1)
+        config = resolve(config, 1)

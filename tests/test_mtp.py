@@ -11,7 +11,7 @@ from flax import nnx
 
 from arch.accounting import flops_per_token, parameter_breakdown
 from arch.attention import ATTENTION
-from config import ConfigError
+from config import ConfigError, resolve
 from sharding.mesh import make_mesh
 from sharding.sequence import stripe_order
 from tests.helpers import (
@@ -21,7 +21,6 @@ from tests.helpers import (
     tiny_config,
     tiny_model,
 )
-from train.config import validate
 from train.step import TrainProgram, multi_token_batch, next_token_loss
 
 T = 16
@@ -30,8 +29,8 @@ T = 16
 def program(devices: int = 1, mesh: dict | None = None, **model) -> TrainProgram:
     config = tiny_config(**model)
     config.mesh.update(mesh or {})
-    validate(config, devices)
-    return TrainProgram(config, make_mesh(config.mesh, jax.devices()[:devices]))
+    config = resolve(config, devices)
+    return TrainProgram(config, make_mesh(config, jax.devices()[:devices]))
 
 
 def loss_and_metrics(program: TrainProgram, tokens_BxT1):
@@ -57,7 +56,7 @@ def test_modules_follow_the_equation_and_the_loss_decomposes():
     # By hand: h'ʲ = M_j [RMSNorm(hʲ⁻¹); RMSNorm(Emb(t_{i+j}))], hʲ = TRM_j(h'ʲ), head(hʲ).
     hidden, _ = model._hidden(inputs_BxT, positions_BxT, None)
     embedding = np.asarray(model.embed.embedding[...])
-    hand_losses = [next_token_loss(model._output(hidden), tokens_BxT1[:, 1:])]
+    hand_losses = [next_token_loss(model.logits_of_hidden(hidden), tokens_BxT1[:, 1:])]
     for j, module in enumerate(model.mtp, start=1):
         future = np.asarray(tokens_BxT1[:, j:j + T - j])      # t_{i+j}, i = 0 … T − 1 − j
         future = np.pad(future, ((0, 0), (0, j)))             # no token: any (here 0)
@@ -66,7 +65,7 @@ def test_modules_follow_the_equation_and_the_loss_decomposes():
                                 axis=-1)
         projected = joined @ np.asarray(module.projection.kernel[...])
         hidden, _ = module.block(jnp.asarray(projected), positions_BxT, model.position.rotate)
-        logits = model._output(hidden)[:, :T - j]              # positions with a target
+        logits = model.logits_of_hidden(hidden)[:, :T - j]              # positions with a target
         hand = optax.softmax_cross_entropy_with_integer_labels(
             logits, tokens_BxT1[:, j + 1:]).mean()
         np.testing.assert_allclose(metrics[f"mtp_loss_{j}"], hand, rtol=1e-5)
@@ -175,4 +174,4 @@ def test_books_count_the_modules_apart_and_in_training_flops_only():
 def test_config_errors(fields, message):
     config = tiny_config(**fields)
     with pytest.raises(ConfigError, match=message):
-        validate(config, 1)
+        config = resolve(config, 1)

@@ -22,10 +22,9 @@ from arch.norms import (
     ScaleNorm,
     make_norm,
 )
-from config import ConfigError
+from config import ConfigError, resolve
 from sharding.rules import LOGICAL_RULES
 from tests.helpers import random_tokens, tiny_config, tiny_model
-from train.config import validate
 
 NEW_NORMS = ["none", "scalenorm", "dyt", "gatednorm"]
 D = 32
@@ -33,7 +32,7 @@ D = 32
 
 def resolved(**model_overrides):
     config = tiny_config(**model_overrides)
-    validate(config, 1)
+    config = resolve(config, 1)
     return config.model
 
 

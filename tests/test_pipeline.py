@@ -11,14 +11,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from config import ConfigError
+from config import ConfigError, resolve
 from sharding.mesh import make_mesh
 from sharding.pipeline import bubble_fraction, stage_transfer_bytes
 from tests.helpers import random_tokens, tiny_config
 from train import loop
-from train.config import validate
 from train.loop import train
-from train.step import TrainProgram, compile_train_step, next_token_loss
+from train.step import TrainProgram, compile_train_step, next_token_loss, resolve_for_job
 
 LAYERS = 8  # 8 layer-scan units: 4 stages × 2 virtual stages
 
@@ -26,8 +25,8 @@ LAYERS = 8  # 8 layer-scan units: 4 stages × 2 virtual stages
 def program_on(devices: int, mesh: dict, **model) -> TrainProgram:
     config = tiny_config(num_layers=LAYERS, **model)
     config.mesh.update(mesh)
-    validate(config, devices)
-    return TrainProgram(config, make_mesh(config.mesh, jax.devices()[:devices]))
+    config = resolve(config, devices)
+    return TrainProgram(config, make_mesh(config, jax.devices()[:devices]))
 
 
 def logits_loss_and_grads(program: TrainProgram, state, tokens):
@@ -160,7 +159,7 @@ def test_bad_pipeline_config_is_one_clear_line(overrides, message):
     config.mesh.data = 8
     config.update(overrides)
     with pytest.raises(ConfigError) as error:
-        validate(config, 8)
+        config = resolve(config, 8)
     assert str(error.value) == message
 
 
@@ -180,7 +179,7 @@ def test_pipelined_training_resumes_on_one_stage(tmp_path, monkeypatch):
     config.update(steps=3, checkpoint_every=1, sample_tokens=4)
     config.mesh.update(fsdp=4, stage=2)
     config.execution.pipeline.microbatches = 2
-    pipelined = train(config, tmp_path / "a")
+    pipelined = train(resolve_for_job(config), tmp_path / "a")
     assert pipelined["sample"].startswith(config.sample_prompt)
     records = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").open()]
     assert [r["pipeline_bubble_fraction"] for r in records] == [1 / 3] * 3  # (2−1)/(2+2−1)
@@ -191,7 +190,7 @@ def test_pipelined_training_resumes_on_one_stage(tmp_path, monkeypatch):
     (tmp_path / "b" / "metrics.jsonl").unlink()
     config.mesh.update(data=8, fsdp=1, stage=1)
     config.sample_tokens = 0
-    resumed = train(config, tmp_path / "b")
+    resumed = train(resolve_for_job(config), tmp_path / "b")
     assert list(losses(tmp_path / "b")) == [2, 3]
     np.testing.assert_allclose([losses(tmp_path / "b")[s] for s in (2, 3)],
                                [losses(tmp_path / "a")[s] for s in (2, 3)], rtol=1e-5)

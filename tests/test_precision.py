@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from config import resolve
 from sharding.mesh import make_mesh
 from tests.helpers import tiny_config
-from train.config import validate
 from train.data import in_memory
 from train.step import TrainProgram, next_token_loss
 
@@ -22,8 +22,8 @@ def program(dtype: str, **overrides) -> TrainProgram:
     config = tiny_config(dtype=dtype, d_model=64, **overrides)
     config.steps = 100
     config.optimizer.update(learning_rate=3e-3, warmup_steps=10)
-    validate(config, 1)
-    return TrainProgram(config, make_mesh(config.mesh, jax.devices()[:1]))
+    config = resolve(config, 1)
+    return TrainProgram(config, make_mesh(config, jax.devices()[:1]))
 
 
 def equations(jaxpr):

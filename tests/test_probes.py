@@ -10,11 +10,11 @@ from flax import nnx
 
 from arch import reference
 from arch.accounting import abstract_model
+from config import resolve
 from tests.helpers import random_tokens, tiny_config, tiny_model
 from tests.test_hyper import perturb_mixing
-from train.config import validate
 from train.instruments import probes
-from train.step import next_token_loss
+from train.step import next_token_loss, resolve_for_job
 
 GAIN = np.linspace(0.5, 1.5, 32)
 
@@ -102,7 +102,7 @@ def test_depth_profile_matches_the_model_captured_by_another_route(edited):
     np.testing.assert_allclose(profile["ffn_dead_units"], np.mean(np.all(units < 0.05, 1), 1))
 
     # ∂loss/∂x_L directly, through the model's own output path.
-    gradient = jax.jit(jax.grad(lambda x: next_token_loss(model._output(x), targets_BxT)))(
+    gradient = jax.jit(jax.grad(lambda x: next_token_loss(model.logits_of_hidden(x), targets_BxT)))(
         final_BxTxD)
     assert profile["gradient_rms"][-1] == pytest.approx(rms(gradient), rel=1e-5)
     # Block 1 is the identity, so ∂loss/∂x_1 = ∂loss/∂x_2.
@@ -151,22 +151,22 @@ def test_identity_block_has_no_influence_and_pruning_it_keeps_the_logits(edited)
 
 def test_unsupported_models_give_one_clear_line():
     config = tiny_config(reversible=True)
-    validate(config, 1)
+    config = resolve(config, 1)
     with pytest.raises(ValueError, match="model.reversible=True: the probes walk the residual"):
         probes.depth_profile(abstract_model(config.model), random_tokens((2, 17)))
     config = tiny_config(residual="deepnorm")
-    validate(config, 1)
+    config = resolve(config, 1)
     with pytest.raises(ValueError, match="model.residual.name='deepnorm': pruning changes"):
         probes.prune_blocks(abstract_model(config.model), [0])
     # width, n = 4: without block 0 (2 sublayers) block 1 would write into other branches.
     config = tiny_config(residual="width")
-    validate(config, 1)
+    config = resolve(config, 1)
     with pytest.raises(ValueError,
                        match=r"model.residual.name='width': dropping blocks \[0\] moves"):
         probes.prune_blocks(abstract_model(config.model), [0])
     # AttnRes blocks of S = 4 sublayers: {0..3}, {4, 5}; without block 0, 2..5 would be one.
     config = tiny_config(residual="block_attnres", num_layers=3)
-    validate(config, 1)
+    config = resolve(config, 1)
     with pytest.raises(ValueError, match=r"'block_attnres': dropping blocks \[0\] regroups"):
         probes.prune_blocks(abstract_model(config.model), [0])
 
@@ -189,7 +189,7 @@ def test_pure_attention_without_skips_collapses_to_rank_one_and_prenorm_does_not
 def test_train_step_memory_counts_parameters_and_adam_moments():
     config = tiny_config()
     config.mesh.data = 8  # data parallel: every device holds all parameters and moments
-    memory = probes.train_step_memory(config)
+    memory = probes.train_step_memory(resolve_for_job(config))
     assert memory["devices"] == 8
     assert memory["parameter_bytes"] == 4 * memory["parameter_count"]  # float32
     counters = memory["optimizer_state_bytes"] - 2 * memory["parameter_bytes"]  # μ and ν

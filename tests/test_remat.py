@@ -9,10 +9,9 @@ import jax
 import pytest
 
 from arch.remat import REMAT_POLICIES, host_offload_supported
-from config import ConfigError
+from config import ConfigError, resolve
 from sharding.mesh import make_mesh
 from tests.helpers import random_tokens, tiny_config
-from train.config import validate
 from train.step import TrainProgram, compile_train_step
 
 POLICIES = [name for name in REMAT_POLICIES if name != "offload" or host_offload_supported()]
@@ -22,8 +21,8 @@ RESIDUALS = {"prenorm": dict(), "block_attnres": dict(residual="block_attnres",
 
 def _program(**model) -> TrainProgram:
     config = tiny_config(**model)
-    validate(config, 1)
-    return TrainProgram(config, make_mesh(config.mesh, jax.devices()[:1]))
+    config = resolve(config, 1)
+    return TrainProgram(config, make_mesh(config, jax.devices()[:1]))
 
 
 def _loss_and_grads(**model):
@@ -61,4 +60,4 @@ def test_temp_memory_is_ordered_as_the_policies_save():
 
 def test_unknown_policy_is_one_clear_line():
     with pytest.raises(ConfigError, match="execution.remat='nope' is invalid: valid: none, "):
-        validate(tiny_config(execution__remat="nope"), 1)
+        resolve(tiny_config(execution__remat="nope"), 1)

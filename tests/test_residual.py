@@ -10,8 +10,8 @@ from flax import nnx
 from arch.init import INITS
 from arch.norms import LayerNorm
 from arch.residual import RESIDUALS
+from config import resolve
 from tests.helpers import random_tokens, tiny_config, tiny_model
-from train.config import validate
 
 
 def mechanism(name, **overrides):
@@ -48,7 +48,7 @@ def test_placements_compose_with_the_model_and_stay_causal(residual, use_ffn):
 @pytest.mark.parametrize("blocks", [1, 6, 24, 100])
 def test_deepnorm_constants(blocks):
     config = tiny_config(num_layers=blocks, residual="deepnorm")
-    validate(config, 1)
+    config = resolve(config, 1)
     assert RESIDUALS["deepnorm"](config.model, rngs=nnx.Rngs(0)).alpha == pytest.approx(
         (2 * blocks) ** 0.25)
     weights = INITS["deepnorm"](config.model, 256, 256)(jax.random.key(0), (256, 256),

@@ -22,9 +22,10 @@ from arch.accounting import (
 from arch.layers import Dense
 from arch.model import TransformerLM
 from arch.residual import RESIDUALS, PreNormSum, ResidualMechanism, SumStream, record
+from config import resolve
 from config.defaults import model_config
+from scripts import depth_mixing as depth_mixing_script
 from tests.helpers import override, random_tokens, tiny_config, tiny_model, write_run
-from train.config import validate
 from train.instruments import depth_mixing
 from train.restore import restore_run
 
@@ -32,7 +33,7 @@ from train.restore import restore_run
 def resolved(**model):
     """A validated tiny model config (nothing built: accounting works from shapes alone)."""
     config = tiny_config(**model)
-    validate(config, 1)
+    config = resolve(config, 1)
     return config.model
 
 
@@ -246,7 +247,7 @@ def test_depth_mixing_script_plots_and_writes_the_captured_numbers(tmp_path, cap
         config.mesh.data = -1
         write_run(config, tmp_path, step=2)
         out = tmp_path / "plots" / "mixing.png"
-        assert depth_mixing.main(["--workdir", str(tmp_path), "--out", str(out),
+        assert depth_mixing_script.main(["--workdir", str(tmp_path), "--out", str(out),
                                   "--batch", "8"]) == 0
         program, step, state = restore_run(tmp_path)
         model = nnx.merge(program.graphdef, state["params"], state["model_state"])
@@ -294,7 +295,7 @@ def test_depth_mixing_refuses_plain_sums_and_missing_runs(tmp_path, capsys):
         ml_collections.FrozenConfigDict(cfg), rngs=nnx.Rngs(0)), nnx.Intermediate)(tokens)[1],
         random_tokens((2, 8)))
     assert depth_mixing.mixing_quantities(captured, batch=2, seq_len=8, d_model=32) == {}
-    assert depth_mixing.main(["--workdir", str(tmp_path)]) == 2
+    assert depth_mixing_script.main(["--workdir", str(tmp_path)]) == 2
     assert "holds no config.json" in capsys.readouterr().err
 
 

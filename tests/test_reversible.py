@@ -10,10 +10,9 @@ from flax import nnx
 
 from arch.model import TransformerLM
 from arch.reversible import branches, invert
-from config import ConfigError
+from config import ConfigError, resolve
 from tests.helpers import random_tokens, tiny_config, tiny_model
 from tests.test_sharding import program_on
-from train.config import validate
 from train.step import next_token_loss
 
 
@@ -32,7 +31,7 @@ def explicit_coupling(model: TransformerLM, tokens_BxT):
         y2 = x2 + block.ffn(block.ffn_residual.read(y1))
         streams.append((y1, y2))
     y1, y2 = streams[-1]
-    return model._output((y1 + y2) / 2), streams
+    return model.logits_of_hidden((y1 + y2) / 2), streams
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +84,7 @@ def gradient_temp_bytes(reversible: bool, num_layers: int) -> int:
     """XLA's compiled scratch memory for the parameter gradient of the LM loss."""
     config = tiny_config(reversible=reversible, d_model=64, num_layers=num_layers)
     config.seq_len, config.batch_size = 128, 8
-    validate(config, 1)
+    config = resolve(config, 1)
     cfg = ml_collections.FrozenConfigDict(config.model)
     abstract = nnx.eval_shape(lambda: TransformerLM(cfg, rngs=nnx.Rngs(0)))
     graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
@@ -160,5 +159,5 @@ def test_train_step_on_2x2x2_mesh_matches_one_device():
 def test_invalid_configs(overrides, message):
     config = tiny_config(reversible=True, **overrides)
     with pytest.raises(ConfigError) as error:
-        validate(config, 1)
+        config = resolve(config, 1)
     assert str(error.value) == message

@@ -22,7 +22,7 @@ from train.step import next_token_loss
 def output_path_logits(model, tokens_BxT):
     """The network without its blocks: embedding, position, final norm, head."""
     positions_BxT = jnp.broadcast_to(jnp.arange(tokens_BxT.shape[1]), tokens_BxT.shape)
-    return model._output(model.position.embed(model.embed(tokens_BxT), positions_BxT))
+    return model.logits_of_hidden(model.position.embed(model.embed(tokens_BxT), positions_BxT))
 
 
 def test_read_and_write_follow_the_equation():

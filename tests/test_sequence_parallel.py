@@ -10,12 +10,11 @@ from jax.sharding import PartitionSpec as P
 
 from arch.residual import RESIDUALS as RESIDUALS_REGISTRY
 from arch.residual import constrain_state
-from config import ConfigError
+from config import ConfigError, resolve
 from sharding.mesh import make_mesh
 from sharding.rules import STREAM, logical_to_spec
 from sharding.sequence import any_causal_pair, stripe_batch, stripe_order
 from tests.helpers import override, random_tokens, tiny_config
-from train.config import validate
 from train.step import TrainProgram, next_token_loss
 
 RESIDUALS = {"prenorm": {}, "block_attnres": dict(attnres__block_size=2), "mhc": {},
@@ -27,8 +26,8 @@ def program_on(mesh: dict, residual: str, **model) -> TrainProgram:
     config = tiny_config(residual=residual, **RESIDUALS[residual], **model)
     config.mesh.update({"data": 1, **mesh})
     devices = int(np.prod(list(mesh.values()))) if mesh else 1
-    validate(config, devices)
-    return TrainProgram(config, make_mesh(config.mesh, jax.devices()[:devices]))
+    config = resolve(config, devices)
+    return TrainProgram(config, make_mesh(config, jax.devices()[:devices]))
 
 
 def loss_grads_logits(program: TrainProgram, params, model_state, decode: bool = False):
@@ -142,11 +141,11 @@ def test_sequence_parallel_matches_single_device(residual, attention, mesh, sing
 def test_block_attnres_history_is_sharded_over_sequence():
     config = tiny_config(residual="block_attnres", attnres__block_size=2)
     config.mesh.update(data=2, sequence=2, tensor=2)
-    validate(config, 8)
+    config = resolve(config, 8)
     cfg = config.model
     stream = RESIDUALS_REGISTRY["block_attnres"].stream(cfg, rngs=nnx.Rngs(0))
     x_BxTxD = jax.random.normal(jax.random.key(0), (8, 16, cfg.d_model))
-    mesh = make_mesh(config.mesh, jax.devices())
+    mesh = make_mesh(config, jax.devices())
     with jax.set_mesh(mesh):
         state = jax.jit(lambda x: constrain_state(stream.begin(x)))(x_BxTxD)
     slots = 3  # the embedding and N = 2 blocks (4 sublayers, S = 2)
@@ -168,7 +167,7 @@ def test_sequence_parallel_config_errors():
         config.seq_len = overrides.pop("seq_len", config.seq_len)
         override(config, **overrides)
         with pytest.raises(ConfigError) as raised:
-            validate(config, int(np.prod(list(sizes.values()))))
+            config = resolve(config, int(np.prod(list(sizes.values()))))
         return str(raised.value)
 
     assert error(mesh=dict(sequence=4), seq_len=12) == (

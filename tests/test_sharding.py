@@ -6,18 +6,18 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from config import resolve
 from sharding.mesh import make_mesh
 from sharding.rules import logical_to_spec
 from tests.helpers import random_tokens, tiny_config
-from train.config import validate
 from train.step import TrainProgram
 
 
 def program_on(devices: int, data: int, fsdp: int, tensor: int, **model) -> TrainProgram:
     config = tiny_config(**model)
     config.mesh.update(data=data, fsdp=fsdp, tensor=tensor)
-    validate(config, devices)
-    return TrainProgram(config, make_mesh(config.mesh, jax.devices()[:devices]))
+    config = resolve(config, devices)
+    return TrainProgram(config, make_mesh(config, jax.devices()[:devices]))
 
 
 def logits_and_grads(program: TrainProgram, state, tokens):

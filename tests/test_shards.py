@@ -16,6 +16,7 @@ import pytest
 import sentencepiece
 
 from config import ConfigError
+from scripts.train_tokenizer import main as train_tokenizer_main
 from tests.helpers import one_device_env, tiny_config
 from tests.test_data import ToyDocs
 from train.data import in_memory
@@ -25,10 +26,10 @@ from train.data.shards import (
     load_split,
     prepare,
     read_documents,
-    train_tokenizer_main,
 )
-from train.data.tokenizer import check_vocab, load_tokenizer, train_bpe
+from train.data.tokenizer import check_vocab, load_tokenizer, tokenizer_of, train_bpe
 from train.loop import train
+from train.step import resolve_for_job
 
 REPO = Path(__file__).resolve().parents[1]
 TEXTS = ["In the beginning God created the heaven and the earth.", "héllo wörld — 世界 🙂\n\nx",
@@ -267,8 +268,9 @@ def test_training_from_shards_resumes_after_sigkill_and_reshards_identically(
     step-2 checkpoint and rerun: the same loss at every step."""
     config = shard_config(kjv_bpe, bpe)
     config.mesh.data = -1
-    uninterrupted = train(config, tmp_path / "eight")
+    check_vocab(config.model, tokenizer_of(config.data))  # as the CLI does before resolving
     assert config.model.vocab_size == 320  # taken from the tokenizer
+    uninterrupted = train(resolve_for_job(config), tmp_path / "eight")
     assert uninterrupted["step"] == 6
 
     workdir = tmp_path / "one"

@@ -13,11 +13,10 @@ from flax import nnx
 from arch.accounting import books, kv_cache_bytes_per_token
 from arch.attention import EMPTY_SLOT, attend, mean_visible_keys
 from arch.kernels.attention_implementations import blocked_attention
-from config import ConfigError
+from config import ConfigError, resolve
 from sharding.sequence import ring_attention, stripe_order
 from tests.helpers import prefill_then_decode, random_tokens, tiny_config, tiny_model
-from train.config import validate
-from train.generate import generate_tokens
+from train.sampling import generate_tokens
 
 WINDOW = 4
 MLA = dict(attention="mla", mla__kv_rank=16, mla__rope_dim=8)
@@ -174,6 +173,6 @@ def test_accounting_reports_the_bounded_cache():
 def test_window_config_errors():
     config = tiny_config(attention__window=-1)
     with pytest.raises(ConfigError) as error:
-        validate(config, 1)
+        config = resolve(config, 1)
     assert str(error.value) == ("model.attention.window=-1 is invalid: must be a non-negative "
                                 "integer (0: full causal attention)")

@@ -11,9 +11,9 @@ import transformers
 
 from tests.test_shards import kjv_texts
 from train.data.tokenizer import load_tokenizer, train_bpe
-from train.generate import generate_text
 from train.interop import import_hf
 from train.restore import bytes_per_token, restore_for_analysis, restore_run
+from train.sampling import generate_text
 
 PROMPT = "And God said, Let there be light"
 

@@ -17,14 +17,13 @@ import optax
 import pytest
 
 from arch.residual import RESIDUALS, MixingParam
-from config import ConfigError
+from config import ConfigError, resolve
 from tests.helpers import one_device_env, tiny_config, tiny_model
 from train.checkpoint import Checkpointer
-from train.config import validate
 from train.data import in_memory
 from train.loop import NonFiniteLoss, train
 from train.optim import decay_mask, make_optimizer, schedule
-from train.step import build_program
+from train.step import build_program, resolve_for_job
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -42,7 +41,7 @@ def data_parallel_config(**fields):
 
 
 def test_resume_after_preemption_reproduces_the_uninterrupted_run(tmp_path, monkeypatch):
-    uninterrupted = train(data_parallel_config(), tmp_path / "a")
+    uninterrupted = train(resolve_for_job(data_parallel_config()), tmp_path / "a")
     assert uninterrupted["step"] == 5 and not uninterrupted["preempted"]
 
     original_batch = in_memory.Dataset.batch
@@ -53,15 +52,15 @@ def test_resume_after_preemption_reproduces_the_uninterrupted_run(tmp_path, monk
         return original_batch(self, step, *args, **kwargs)
 
     monkeypatch.setattr(in_memory.Dataset, "batch", batch_then_sigterm)
-    stopped = train(data_parallel_config(), tmp_path / "b")
+    stopped = train(resolve_for_job(data_parallel_config()), tmp_path / "b")
     assert stopped == {"step": 3, "eval_loss": stopped["eval_loss"], "sample": "",
                        "preempted": True}
     with Checkpointer(tmp_path / "b") as checkpointer:
         assert checkpointer.latest_step() == 3
     monkeypatch.setattr(in_memory.Dataset, "batch", original_batch)
     with pytest.raises(ConfigError, match="holds a run with a different config \\(seed: 0 → 1\\)"):
-        train(data_parallel_config(seed=1), tmp_path / "b")
-    resumed = train(data_parallel_config(), tmp_path / "b")
+        train(resolve_for_job(data_parallel_config(seed=1)), tmp_path / "b")
+    resumed = train(resolve_for_job(data_parallel_config()), tmp_path / "b")
     assert resumed["step"] == 5
     assert list(losses(tmp_path / "b")) == [1, 2, 3, 4, 5]
     np.testing.assert_allclose(list(losses(tmp_path / "b").values()),
@@ -71,12 +70,12 @@ def test_resume_after_preemption_reproduces_the_uninterrupted_run(tmp_path, monk
 # Orbax leaves a callback on its closed event loop after the failed restore: harmless noise.
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_checkpoint_restores_onto_another_mesh_and_skips_a_corrupted_latest(tmp_path, caplog):
-    train(data_parallel_config(steps=3, checkpoint_every=1), tmp_path)
+    train(resolve_for_job(data_parallel_config(steps=3, checkpoint_every=1)), tmp_path)
     restored = {}
     for mesh in ((8, 1, 1), (2, 2, 2), (1, 4, 2)):
         config = tiny_config()
         config.mesh.update(data=mesh[0], fsdp=mesh[1], tensor=mesh[2])
-        program = build_program(config)
+        program = build_program(resolve_for_job(config))
         with Checkpointer(tmp_path) as checkpointer:
             step, state, position = checkpointer.restore_latest(program.abstract_state())
         assert step == 3 and position == {"next_step": 3, "seed": 0, "skipped_steps": 0}
@@ -92,7 +91,7 @@ def test_checkpoint_restores_onto_another_mesh_and_skips_a_corrupted_latest(tmp_
         if item.is_dir():
             shutil.rmtree(item)
     (tmp_path / "checkpoints" / "4").mkdir()  # a partial save: the directory and nothing else
-    program = build_program(data_parallel_config())
+    program = build_program(resolve_for_job(data_parallel_config()))
     with Checkpointer(tmp_path) as checkpointer:
         step, _, _ = checkpointer.restore_latest(program.abstract_state())
     assert step == 2
@@ -104,9 +103,9 @@ def test_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_pa
     config = data_parallel_config(checkpoint_every=1)
     config.optimizer.update(learning_rate=1e30, warmup_steps=0)
     with pytest.raises(NonFiniteLoss, match=r"at step (\d)") as error:
-        train(config, tmp_path)
+        train(resolve_for_job(config), tmp_path)
     bad_step = int(re.search(r"at step (\d+)", str(error.value)).group(1))
-    program = build_program(config)
+    program = build_program(resolve_for_job(config))
     with Checkpointer(tmp_path) as checkpointer:
         assert checkpointer.latest_step() == bad_step - 1
         _, state, _ = checkpointer.restore_latest(program.abstract_state())
@@ -132,7 +131,7 @@ def test_bad_config_is_one_clear_line(overrides, message):
     config = data_parallel_config()
     config.update(overrides)
     with pytest.raises(ConfigError) as error:
-        validate(config, 8)
+        config = resolve(config, 8)
     assert message in str(error.value) and "\n" not in str(error.value)
 
 
@@ -302,8 +301,8 @@ def test_muon_trains_and_a_sharded_step_equals_one_device():
         config = tiny_config()
         config.optimizer.update(name="muon", warmup_steps=0)
         config.mesh.update(mesh)
-        validate(config, devices)
-        program = TrainProgram(config, make_mesh(config.mesh, jax.devices()[:devices]))
+        config = resolve(config, devices)
+        program = TrainProgram(config, make_mesh(config, jax.devices()[:devices]))
         state, tokens = program.init(0), program.put_batch(np.asarray(random_tokens((8, 17))))
         losses = []
         for _ in range(4):

@@ -32,9 +32,8 @@ from train import rundir
 from train.checkpoint import Checkpointer
 from train.data import in_memory, shards
 from train.data.in_memory import VALIDATION_SEED
-from train.data.tokenizer import check_vocab, tokenizer_of
-from train.generate import generate_text
 from train.metrics import MetricsWriter, measure_matmul_peak
+from train.sampling import generate_text
 from train.step import TrainProgram, build_program
 
 log = logging.getLogger(__name__)
@@ -165,25 +164,29 @@ class _Preemption:
         signal.signal(signal.SIGTERM, self.previous)
 
 
-def train(config, workdir: str | Path) -> dict:
-    """Train `config` in `workdir` (resuming if it holds checkpoints of the same run).
+def train(config, workdir: str | Path, *, checked: bool = False) -> dict:
+    """Train the resolved `config` (`config.resolve`, or `train.step.resolve_for_job`) in
+    `workdir`, resuming if it holds checkpoints of the same run.
 
-    Holds the workdir lock for the whole run; refuses (one-line `ConfigError`) a workdir whose
-    run has a different config. Returns {"step", "eval_loss", "sample", "preempted"}, and
-    "eval_loss_ema" with optimizer.ema_decay > 0. Raises
-    `NonFiniteLoss` (with nonfinite_policy="stop") when a step makes the loss or state
-    non-finite; that state is never saved.
+    First the checks of a training run (`config.validate.check_training`: data, final sample)
+    and of its run directory (writable; the same config as its checkpoints', one-line
+    `ConfigError` if not), unless the caller made them (`checked`: the CLI does, before JAX
+    loads). Holds the workdir lock for the whole run. Returns {"step", "eval_loss", "sample",
+    "preempted"}, and "eval_loss_ema" with optimizer.ema_decay > 0. Raises `NonFiniteLoss` (with
+    nonfinite_policy="stop") when a step makes the loss or state non-finite; that state is never
+    saved.
     """
     workdir = Path(workdir)
-    check_vocab(config.model, tokenizer_of(config.data))  # model.vocab_size=0: the tokenizer's
-    program = build_program(config)  # every config error surfaces here, before compiling
-    check_training(config)
-    rundir.check_workdir(workdir)
+    program = build_program(config)
+    if not checked:
+        check_training(config)
+        rundir.check_workdir(workdir)
     workdir.mkdir(parents=True, exist_ok=True)  # on every host (per-host disks)
     with contextlib.ExitStack() as run:
         if jax.process_index() == 0:  # one lock per run, also on a shared filesystem
             run.enter_context(rundir.WorkdirLock(workdir))
-            rundir.check_resume(workdir, config, resolved=True)
+            if not checked:
+                rundir.check_resume(workdir, config, resolved=True)
         return _train_locked(program, config, workdir)
 
 

@@ -14,18 +14,18 @@ import json
 from pathlib import Path
 
 import jax
-import ml_collections
 import numpy as np
 from flax import nnx
 
 from config import ConfigError
 from config.defaults import base_config
+from config.resolution import unresolved
 from train.checkpoint import Checkpointer
 from train.data import in_memory, shards
 from train.data.in_memory import VALIDATION_SEED
 from train.data.tokenizer import tokenizer_of
 from train.rundir import saved_config
-from train.step import build_program
+from train.step import build_program, resolve_for_job
 
 # Analysis runs on all local devices along the data axis, whatever mesh the run trained on.
 ANALYSIS_MESH = dict(data=-1, fsdp=1, tensor=1, sequence=1, stage=1, expert=1)
@@ -49,7 +49,7 @@ def restore_run(workdir: str | Path, step: int | None = None):
                                 "first with python -m train")
     config.update(saved)
     config.mesh = ANALYSIS_MESH
-    program = build_program(config)
+    program = build_program(resolve_for_job(config))
     with Checkpointer(workdir) as checkpointer:
         abstract_state = program.abstract_state()
         restored = checkpointer.restore_latest(
@@ -125,9 +125,9 @@ def initialization_for_analysis(config, batch: int, seq_len: int | None = None):
     """`restore_for_analysis` of the model a run of `config` starts from: its step-0 state
     (`TrainProgram.init(config.seed)`, what `python -m train` initializes), on all local devices
     along the data axis; nothing is read from disk but the validation text."""
-    config = ml_collections.ConfigDict(config.to_dict())
+    config = unresolved(config)
     config.mesh = ANALYSIS_MESH
-    program = build_program(config)
+    program = build_program(resolve_for_job(config))
     return _for_analysis(program, 0, program.init(config.seed), batch, seq_len, None)
 
 

@@ -34,7 +34,7 @@ LOCK_FILE = "lock"
 MAY_CHANGE_ON_RESUME = ("steps", "log_every", "eval_every", "eval_batches", "checkpoint_every",
                         "keep_checkpoints", "sample_tokens", "sample_prompt", "temperature",
                         "top_k", "mesh", "data.data_dir", "resume_mode", "finetune_from",
-                        "nonfinite_policy", "accumulation_steps", "execution")
+                        "nonfinite_policy", "accumulation_steps", "execution", "resolved")
 
 
 class WorkdirError(ConfigError):

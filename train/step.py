@@ -36,7 +36,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import optax
 from flax import nnx
@@ -46,11 +45,13 @@ from arch import dropout
 from arch.model import TransformerLM
 from arch.moe import AuxLoss, DroppedFraction
 from arch.quantized import quantized_structure
+from arch.remat import host_offload_supported
+from config import check, resolve
 from config.defaults import quantization_config
+from config.resolution import require_resolved
 from sharding.mesh import make_mesh, maybe_initialize_distributed, slice_count
 from sharding.rules import constrain, named_sharding
 from sharding.sequence import stripe_batch, stripe_order
-from train.config import validate
 from train.optim import make_optimizer, schedule
 
 
@@ -105,7 +106,7 @@ def multi_token_batch(tokens_BxT1: jax.Array, depth: int, shards: int = 1
     batch, length = tokens_BxT1.shape[0], tokens_BxT1.shape[1] - 1
     padded_BxP = jnp.pad(tokens_BxT1, ((0, 0), (0, depth + 1)))
     order = stripe_order(length, shards)
-    stripe = (lambda x: x[..., order]) if shards > 1 else (lambda x: x)  # noqa: E731
+    stripe = (lambda x: x[..., order]) if shards > 1 else (lambda x: x)
     future, targets, valid = [], [], []
     for j in range(1, depth + 1):
         future.append(stripe(padded_BxP[:, j:j + length]))
@@ -128,10 +129,10 @@ class TrainProgram:
     """
 
     def __init__(self, config, mesh: jax.sharding.Mesh):
+        require_resolved(config, "TrainProgram")
         self.config, self.mesh = config, mesh
         self.sequence_shards = mesh.shape["sequence"]
-        self.model_cfg = ml_collections.FrozenConfigDict(config.model)
-        self.execution = ml_collections.FrozenConfigDict(config.execution)
+        self.model_cfg, self.execution = config.model, config.execution
         abstract = nnx.eval_shape(lambda: self._model(nnx.Rngs(0)))
         self.graphdef, abstract_params, abstract_model_state = nnx.split(abstract, nnx.Param, ...)
         self.optimizer = make_optimizer(config.optimizer, config.steps)
@@ -379,11 +380,21 @@ class TrainProgram:
         return rows_held(self.batch_sharding, global_shape, self.batch_sharding.addressable_devices)
 
 
-def build_program(config) -> TrainProgram:
-    """Validate the config against this machine's devices, then build mesh and program."""
+def resolve_for_job(config):
+    """`config.resolve` for the devices of this job, all its processes' (`jax.distributed`
+    initialized first when launched as several), in their TPU slices."""
     maybe_initialize_distributed()
-    validate(config, jax.device_count(), slice_count(jax.devices()))
-    return TrainProgram(config, make_mesh(config.mesh))
+    return resolve(config, jax.device_count(), slice_count(jax.devices()))
+
+
+def build_program(config) -> TrainProgram:
+    """The program of a resolved `config` on the job's devices (`make_mesh`). The one check left
+    is of the devices themselves: `execution.remat='offload'` needs pinned host memory."""
+    require_resolved(config, "build_program")
+    check(config.execution.remat != "offload" or host_offload_supported(), "execution.remat",
+          config.execution.remat, "the default device has no pinned_host memory to offload to; "
+          "use save_attention_and_ffn_outputs")
+    return TrainProgram(config, make_mesh(config))
 
 
 def rows_held(sharding: jax.sharding.Sharding, global_shape: tuple[int, ...],

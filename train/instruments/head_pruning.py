@@ -45,9 +45,10 @@ from flax import nnx
 
 from arch.accounting import abstract_model
 from arch.model import TransformerLM, interleaves_moe
+from config.resolution import unresolved
 from train.instruments.probes import _split_tokens
 from train.instruments.timing import paired_ratio, time_interleaved
-from train.step import build_program, next_token_loss
+from train.step import build_program, next_token_loss, resolve_for_job
 
 STRUCTURES = ("heads", "per_group", "whole_groups")
 ATTENTION_PARAMS = {"query", "key", "value", "output"}
@@ -260,9 +261,9 @@ def step_time_ratios(config, pruned_model_cfg, *, steps: int = 20, block: int = 
     "train_s", "decode_s": {"intact", "pruned"} median seconds}."""
     runners, decoders = {}, {}
     for label, model_cfg in (("intact", config.model), ("pruned", pruned_model_cfg)):
-        full = ml_collections.ConfigDict(config.to_dict())
-        full.model = ml_collections.ConfigDict(model_cfg.to_dict())
-        program = build_program(full)
+        full = unresolved(config)
+        full.model = unresolved(model_cfg)
+        program = build_program(resolve_for_job(full))
         state = {"train": program.init(full.seed)}
         batch = program.put_batch(np.zeros((full.batch_size, full.seq_len + 1), np.int32))
 

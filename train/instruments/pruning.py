@@ -40,16 +40,16 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import optax
 from flax import nnx
 
 from arch.layers import Dense
 from arch.model import TransformerLM, interleaves_moe
+from config.resolution import unresolved
 from train.checkpoint import Checkpointer
 from train.instruments.probes import _split_tokens, require_probeable
-from train.step import build_program, next_token_loss
+from train.step import build_program, next_token_loss, resolve_for_job
 
 Adapters = dict[str, dict[str, jax.Array]]
 
@@ -230,9 +230,9 @@ def write_run(config, model: TransformerLM, workdir) -> None:
     workdir = Path(workdir)
     if (workdir / "config.json").exists() or (workdir / "checkpoints").exists():
         raise FileExistsError(f"{workdir} already holds a run; write into a new directory")
-    config = ml_collections.ConfigDict(config.to_dict())
-    config.model = ml_collections.ConfigDict(model.cfg.to_dict())
-    program = build_program(config)  # validates the smaller shapes before anything is written
+    config = unresolved(config)
+    config.model = unresolved(model.cfg)
+    program = build_program(resolve_for_job(config))  # the smaller shapes checked before writing
     params, model_state = nnx.state(model, nnx.Param), nnx.state(model, nnx.Not(nnx.Param))
 
     def initial_state(params, model_state):

@@ -1,17 +1,15 @@
 """Import a local Hugging Face checkpoint as a blockbench run directory.
 
-    python scripts/import_hf.py --checkpoint DIR --workdir OUT [--seq_len N]
-
-DIR holds config.json and model.safetensors (or a sharded model.safetensors.index.json) of a
-Llama-family (model_type "llama", or "mistral": its sliding window is attention.window) or GPT-2
-model; `train.interop.hf.load_hf_checkpoint` converts it (what maps to what, and what
-raises: its docstring and `arch.hf_config`'s). Nothing is downloaded. OUT must not hold a run
-yet. The script writes
+`import_checkpoint(DIR, OUT)` (the command line: scripts/import_hf.py). DIR holds config.json
+and model.safetensors (or a sharded model.safetensors.index.json) of a Llama-family (model_type
+"llama", or "mistral": its sliding window is attention.window) or GPT-2 model;
+`train.interop.hf.load_hf_checkpoint` converts it (what maps to what, and what raises: its
+docstring and `arch.hf_config`'s). Nothing is downloaded. OUT must not hold a run yet. It writes
 
   OUT/config.json      the full training config, as `python -m train` writes it:
                        `config.defaults.base_config()` with the imported model section. Its
                        seq_len is the model's context (max_position_embeddings / n_positions)
-                       capped at 1024, or --seq_len; data is base_config's (the embedded King
+                       capped at 1024, or `seq_len`; data is base_config's (the embedded King
                        James Bible) tokenized with the checkpoint's own tokenizer: DIR's
                        tokenizer.json (data.tokenizer="hf:OUT/tokenizer.json") or SentencePiece
                        tokenizer.model ("sentencepiece:OUT/tokenizer.model"), copied into OUT;
@@ -25,28 +23,25 @@ yet. The script writes
 so that `train.restore.restore_run(OUT)` restores the model and every script that reads a run
 (`python -m train.generate`, scripts/depth_mixing.py, ...) works on it unchanged. Memory: about
 four copies of the float32 parameters at peak (tensors read, parameters, two optimizer moments).
-Exit status: 0 done, 2 bad arguments or a checkpoint that cannot be imported exactly.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from config.cli import ArgumentParser
 from config.defaults import base_config
 from train.checkpoint import Checkpointer
 from train.data.tokenizer import check_vocab, load_tokenizer
 from train.interop.hf import load_hf_checkpoint, read_hf_config
-from train.step import build_program
+from train.step import build_program, resolve_for_job
 
-DEFAULT_MAX_SEQ_LEN = 1024  # cap on the run's seq_len when --seq_len is not given
+DEFAULT_MAX_SEQ_LEN = 1024  # cap on the run's seq_len when `seq_len` is not given
 TOKENIZER_FILES = {"tokenizer.json": "hf", "tokenizer.model": "sentencepiece"}  # in this order
 
 
@@ -69,7 +64,8 @@ def import_checkpoint(checkpoint: str | Path, workdir: str | Path,
         kind = TOKENIZER_FILES[tokenizer_file.name]
         config.data.tokenizer = f"{kind}:{(workdir / tokenizer_file.name).absolute()}"
         check_vocab(config.model, load_tokenizer(f"{kind}:{tokenizer_file}"))
-    program = build_program(config)  # validates (seq_len ≤ max_seq_len, mesh) before writing
+    program = build_program(resolve_for_job(config))  # checked (seq_len ≤ max_seq_len, mesh)
+    # before anything is written
     params, model_state = nnx.state(model, nnx.Param), nnx.state(model, nnx.Not(nnx.Param))
 
     def initial_state(params, model_state):  # the structure TrainProgram.init gives, step 0
@@ -90,24 +86,3 @@ def import_checkpoint(checkpoint: str | Path, workdir: str | Path,
     config_path = workdir / "config.json"
     config_path.write_text(config.to_json_best_effort(indent=2) + "\n")
     return config_path
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = ArgumentParser("python scripts/import_hf.py", __doc__)
-    parser.add_argument("--checkpoint", required=True, help="local Hugging Face checkpoint dir")
-    parser.add_argument("--workdir", required=True, help="run directory to create")
-    parser.add_argument("--seq_len", type=int, default=None,
-                        help=f"the run's seq_len; default min(model context, "
-                             f"{DEFAULT_MAX_SEQ_LEN})")
-    args = parser.parse_args(argv)
-    try:
-        config_path = import_checkpoint(args.checkpoint, args.workdir, args.seq_len)
-    except (FileNotFoundError, ValueError) as error:  # ConfigError is a ValueError
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    print(f"wrote {config_path} and a step-0 checkpoint in {Path(args.workdir) / 'checkpoints'}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

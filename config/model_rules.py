@@ -1,14 +1,11 @@
-"""The rules of the `model` and `execution` sections that need no JAX: every field's type and
-range, and every rule between fields (heads divide the width, a residual mechanism's options,
-what reversible blocks need, ...). `python -m train` runs them on a copy of the config before JAX
-loads, so a bad value is reported in a fraction of a second.
+"""The rules of the `model` and `execution` sections: every field's type and range, and every
+rule between fields (heads divide the width, a residual mechanism's options, what reversible
+blocks need, ...), run by `config.resolve` before JAX loads.
 
 `resolve_model` also fills the derived fields that are arithmetic on the config: the attention
-head width and width, the MLA and Gated DeltaNet widths, the branch scale's default. What needs a
-registered component stays with the registries (`arch.config.resolve_model`, which runs this
-first): names checked against the live registries, the FFN width derived from the FFN's
-projection count, the mechanisms that allow looped depth. So does what needs the devices
-(host offload).
+head width and width, the MLA and Gated DeltaNet widths, the FFN and expert widths, the branch
+scale's default. What a rule needs to know of a component (an FFN's projection count, which
+residual mechanisms carry one stream) is in `config.catalogue`.
 
 A residual mechanism's options are a section of `config/defaults.py`; their rules are a function
 in `RESIDUAL_RULES`, under the mechanism's registered name. Imports only `config`.
@@ -16,9 +13,11 @@ in `RESIDUAL_RULES`, under the mechanism's registered name. Imports only `config
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 from config import ConfigError, check, is_int
+from config.catalogue import FFN_PROJECTIONS, SINGLE_STREAM_RESIDUALS, check_names, names
 from config.derived import (
     DELTANET,
     PATTERN_LETTERS,
@@ -28,7 +27,7 @@ from config.derived import (
 )
 
 # Choices of the fields that are not registries.
-FFN_WIDTHS = ("ratio", "match_mlp")  # arch.ffn.hidden_width
+FFN_WIDTHS = ("ratio", "match_mlp")  # hidden_width
 BRANCH_SCALES = ("none", "layerscale", "fixed")  # arch.branch_scale
 DROPOUT_SITES = ("embedding", "attention_probs", "attention_output", "ffn_hidden", "residual")
 ATTNRES_WEIGHTS = ("softmax", "sigmoid", "static")  # arch.attnres
@@ -38,6 +37,8 @@ GR_INITS = ("graded", "random")
 # arch.kernels.attention_implementations
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "blocked", "cudnn", "splash")
 SEQUENCE_ATTENTIONS = ("all_gather", "ring")  # sharding.sequence
+PIPELINE_SCHEDULES = ("gpipe", "circular")  # sharding.pipeline
+PIPELINE_TRANSFERS = ("cached", "full")
 # What a block keeps for its backward pass (arch.remat binds each name to a jax.checkpoint policy).
 REMAT_POLICIES: dict[str, str] = {
     # Everything autodiff keeps; no recomputation. Most memory, no extra compute.
@@ -77,10 +78,29 @@ def default_multiplier(cfg) -> float:
     return sublayer_count(cfg) ** -0.5
 
 
+def hidden_width(cfg) -> int:
+    """d_ff derived from the `model` section (when `model.ffn.d_ff` is not given).
+
+    `ffn.width="ratio"`: d_ff = ffn.ratio·d. `"match_mlp"`: d_ff = (2 / n)·ffn.ratio·d for an FFN
+    with n d × d_ff matrices (`config.catalogue.FFN_PROJECTIONS`), so that n·d·d_ff equals the
+    two-projection FFN's 2·d·(ffn.ratio·d): 2/3 of the ratio for the gated FFNs (Shazeer 2020
+    §2: d_ff 3072 → 2048), unchanged for `mlp`. Rounded to the nearest integer, then up to a
+    multiple of `ffn.multiple_of`.
+    """
+    width = cfg.ffn.ratio * cfg.d_model
+    if cfg.ffn.width == "match_mlp":
+        width *= 2 / FFN_PROJECTIONS[cfg.ffn.name]
+    multiple = cfg.ffn.multiple_of
+    return multiple * math.ceil(int(round(width)) / multiple)
+
+
 def resolve_model(cfg) -> None:
-    """Check every rule of the `model` section (`cfg`) that needs no registered component, and
-    fill the arithmetic derived fields; `ConfigError` in one line naming the field, the value and
-    the fix. Component names are not checked here (`config.registered`, `arch.config`)."""
+    """Check the `model` section (`cfg`): its component names (`config.catalogue`) and every
+    rule, and fill the derived fields; `ConfigError` in one line naming the field, the value and
+    the fix."""
+    check_names(cfg)
+    check(is_int(cfg.vocab_size) and cfg.vocab_size > 0, "model.vocab_size", cfg.vocab_size,
+          "must be a positive integer")
     check(cfg.dtype in ("float32", "bfloat16"), "model.dtype", cfg.dtype, "use float32 or bfloat16")
     check(_positive_int(cfg.norm.gated_rank), "model.norm.gated_rank", cfg.norm.gated_rank,
           "must be a positive integer")
@@ -106,7 +126,9 @@ def resolve_model(cfg) -> None:
           f"valid widths: {', '.join(FFN_WIDTHS)}")
     check(_positive_int(ffn.multiple_of), "model.ffn.multiple_of", ffn.multiple_of,
           "must be a positive integer")
-    check(ffn.d_ff is None or ffn.d_ff > 0, "model.ffn.d_ff", ffn.d_ff, "must be positive")
+    if ffn.d_ff is None:
+        ffn.d_ff = hidden_width(cfg)
+    check(ffn.d_ff > 0, "model.ffn.d_ff", ffn.d_ff, "must be positive")
     if cfg.linear_bias:  # biases exist in MultiHeadAttention and the dense FFNs only
         check(cfg.attention.name == "mha", "model.linear_bias", True,
               f"model.attention.name={cfg.attention.name!r} has no biases; use "
@@ -130,6 +152,11 @@ def resolve_model(cfg) -> None:
           "must be True or False")
     check(cfg.loop_count == 1 or not cfg.reversible, "model.loop_count", cfg.loop_count,
           "looped depth does not run reversible blocks; set model.reversible=False")
+    check(cfg.loop_count == 1 or cfg.residual.name in SINGLE_STREAM_RESIDUALS, "model.loop_count",
+          cfg.loop_count, "looped depth needs a single-stream model.residual.name "
+          f"({', '.join(sorted(SINGLE_STREAM_RESIDUALS))}); got {cfg.residual.name!r} (the "
+          "depth-attention histories and multi-stream states are sized and parameterized for "
+          "one pass)")
     rules = RESIDUAL_RULES.get(cfg.residual.name)
     if rules is not None:
         rules(cfg)
@@ -137,8 +164,8 @@ def resolve_model(cfg) -> None:
 
 def check_execution(execution) -> None:
     """Check the `execution` section: the attention kernel and its tile, sequence attention, the
-    remat policy and the layer scan's unroll. The pipeline fields are checked with the mesh
-    (`sharding.pipeline.validate_pipeline`), host offload with the devices (`arch.config`)."""
+    remat policy, the layer scan's unroll and the pipeline's fields (what they ask of the mesh:
+    `config.resolve`; host offload, a property of the devices: `train.step.build_program`)."""
     check(execution.attention_implementation in ATTENTION_IMPLEMENTATIONS,
           "execution.attention_implementation", execution.attention_implementation,
           f"valid: {', '.join(ATTENTION_IMPLEMENTATIONS)}")
@@ -149,6 +176,17 @@ def check_execution(execution) -> None:
           execution.sequence_attention, f"valid: {', '.join(SEQUENCE_ATTENTIONS)}")
     check(execution.remat in REMAT_POLICIES, "execution.remat", execution.remat,
           f"valid: {', '.join(REMAT_POLICIES)}")
+    pipeline = execution.pipeline
+    check(pipeline.schedule in PIPELINE_SCHEDULES, "execution.pipeline.schedule",
+          pipeline.schedule, f"valid schedules: {', '.join(PIPELINE_SCHEDULES)}")
+    for field in ("microbatches", "virtual_stages"):
+        check(_positive_int(pipeline[field]), f"execution.pipeline.{field}", pipeline[field],
+              "must be a positive integer")
+    check(pipeline.transfer in PIPELINE_TRANSFERS, "execution.pipeline.transfer",
+          pipeline.transfer, f"valid: {', '.join(PIPELINE_TRANSFERS)}")
+    check(pipeline.schedule == "circular" or pipeline.virtual_stages == 1,
+          "execution.pipeline.virtual_stages", pipeline.virtual_stages,
+          "gpipe runs one chunk per device; use 1 or execution.pipeline.schedule='circular'")
 
 
 def _resolve_attention(cfg) -> None:
@@ -200,9 +238,15 @@ def _resolve_mla(cfg) -> None:
 
 
 def _resolve_moe(cfg) -> None:
-    """Mixture-of-experts fields (`arch.moe.MixtureOfExperts`); the expert FFNs' names and the
-    default `moe.d_ff` are `arch.config`'s."""
+    """Mixture-of-experts fields (`arch.moe.MixtureOfExperts`): the expert and dense FFNs are
+    dense FFNs; `moe.d_ff` defaults to `ffn.d_ff`."""
     moe = cfg.moe
+    dense = sorted(set(names("ffn")) - {"moe"})
+    for field in ("dense_ffn", "expert_ffn"):
+        check(moe[field] in dense, f"model.moe.{field}", moe[field],
+              f"valid dense ffns: {', '.join(dense)}")
+    if moe.d_ff is None:
+        moe.d_ff = cfg.ffn.d_ff
     check(_positive_int(moe.every) and cfg.num_layers % moe.every == 0, "model.moe.every",
           moe.every, f"must be a positive divisor of model.num_layers={cfg.num_layers}")
     check(_positive_int(moe.experts), "model.moe.experts", moe.experts,
