@@ -146,28 +146,19 @@ def parameter_breakdown(model_cfg) -> dict[str, int]:
             "tying_savings": parameter_count(untied) - parameter_count(tied)}
 
 
-def _cache_per_token(attention: str, model_cfg) -> bool:
-    """Whether layers of `attention` cache something per token (False: a recurrent state)."""
-    per_token = getattr(ATTENTION[attention], "cache_per_token", None)
-    return True if per_token is None else per_token(model_cfg)
-
-
 def kv_cache_bytes_per_token(model_cfg, dtype: str | None = None) -> int:
     """Bytes the KV cache holds per token, over the layers whose cache grows with the sequence
-    (`config.derived.layer_attentions`): each attention class's `cache_shapes` per position
-    (MHA/GQA/MQA: keys and values, 2·h_kv·p; MLA: the latent and the decoupled rotary key,
-    d_c + d_r), × the itemsize of `dtype` (default the compute dtype `model.dtype`). Per
-    sequence: × the positions it holds, its length, or with a sliding window W at most W
-    (`cache_positions`). Gated DeltaNet layers add nothing per token: their constant state is
-    `recurrent_state_bytes`. Looped depth (`model.loop_count` = R) keeps one cache per loop
-    and layer: × R."""
-    elements = 0
-    for attention in layer_attentions(model_cfg):
-        if _cache_per_token(attention, model_cfg):
-            shapes = ATTENTION[attention].cache_shapes(model_cfg, 1, 1)
-            elements += sum(math.prod(shape) for shape in shapes.values())
-    loops = model_cfg.get("loop_count", 1)
-    return loops * elements * jnp.dtype(dtype or model_cfg.dtype).itemsize
+    (`config.derived.layer_attentions`, `TokenMixer.cache_per_token`): each token mixer's
+    `cache_bytes` of one position (MHA/GQA/MQA: keys and values, 2·h_kv·p; MLA: the latent and
+    the decoupled rotary key, d_c + d_r) at the itemsize of `dtype` (default the compute dtype
+    `model.dtype`). Per sequence: × the positions it holds, its length, or with a sliding
+    window W at most W (`cache_positions`). Gated DeltaNet layers add nothing per token: their
+    constant state is `recurrent_state_bytes`. Looped depth (`model.loop_count` = R) keeps one
+    cache per loop and layer: × R."""
+    mixers = [ATTENTION[attention] for attention in layer_attentions(model_cfg)]
+    total = sum(mixer.cache_bytes(model_cfg, dtype or model_cfg.dtype) for mixer in mixers
+                if mixer.cache_per_token(model_cfg))
+    return model_cfg.get("loop_count", 1) * total
 
 
 def recurrent_state_bytes(model_cfg, dtype: str | None = None) -> int:
@@ -175,14 +166,9 @@ def recurrent_state_bytes(model_cfg, dtype: str | None = None) -> int:
     float32, and the convolutions' last W − 1 inputs, (W − 1)·H·(2K + V) at `dtype`, default
     `model.dtype`), over the layers that keep one (× `model.loop_count`); the same at any
     sequence length."""
-    total = 0
-    for attention in layer_attentions(model_cfg):
-        if not _cache_per_token(attention, model_cfg):
-            kind = ATTENTION[attention]
-            kept = getattr(kind, "float32_cache", ())
-            for name, shape in kind.cache_shapes(model_cfg, 1, 1).items():
-                itemsize = 4 if name in kept else jnp.dtype(dtype or model_cfg.dtype).itemsize
-                total += math.prod(shape) * itemsize
+    mixers = [ATTENTION[attention] for attention in layer_attentions(model_cfg)]
+    total = sum(mixer.cache_bytes(model_cfg, dtype or model_cfg.dtype) for mixer in mixers
+                if not mixer.cache_per_token(model_cfg))
     return model_cfg.get("loop_count", 1) * total
 
 

@@ -1,6 +1,9 @@
-"""Attention. Registry: `ATTENTION[name](cfg, execution=..., rngs=...)` (the model section and
-the `execution` section: kernel, tile, sequence attention; default `execution_config()`); called as
-`attention(x_BxTxD, positions_BxT, rotate, cache) -> (y_BxTxD, cache)`.
+"""Token mixers: softmax attention and its variants, and the protocol every mixer implements.
+Registry: `ATTENTION[name](cfg, execution=..., rngs=...)` (the model section and the `execution`
+section: kernel, tile, sequence attention; default `execution_config()`); called as
+`attention(x_BxTxD, positions_BxT, rotate, cache) -> (y_BxTxD, cache)`. What the model, the decode
+cache, accounting and the probes ask of a mixer is declared on `TokenMixer`; a new mixer is its
+file, its test and a line of `config.catalogue`.
 
 Shapes: B batch, T query positions, S key positions, D = d_model, H query heads, K key/value
 heads (H = K·G, G queries per KV head), P head width; MLA adds C (the key/value latent), C' (the
@@ -8,6 +11,9 @@ query latent), N / R / V (per-head non-rotary, rotary and value widths).
 """
 
 from __future__ import annotations
+
+import math
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +38,84 @@ from sharding.rules import constrain
 from sharding.sequence import ring_attention, sequence_shards
 
 ATTENTION = Registry("attention")
+
+
+class TokenMixer(nnx.Module):
+    """The base class of the token mixers in `ATTENTION`, and the class that declares everything
+    the framework asks of one, so that the model, the decode cache, accounting, the probes and
+    the sharding rules name no mixer. Subclasses implement `__call__`, `cache_shapes` and
+    `score_flops_per_token`; every other hook has the default documented on it.
+
+        build        `__init__(cfg, *, execution=None, rngs)`: `cfg` the `model` section (the
+                     mixer's options: `model.attention`, or a section of its own such as
+                     `model.deltanet`, with its rules in `config.model_rules`), `execution` the
+                     `execution` section (attention kernel, tile, sequence attention)
+        forward      `__call__(x_BxTxD, positions_BxT, rotate, cache=None) -> (y_BxTxD, cache)`:
+                     `rotate` is the position module's hook for queries and keys; training passes
+                     no cache and gets None back, decoding passes the layer's cache and gets it
+                     updated (the block's positions continue the cached ones)
+        cache        `cache_shapes(cfg, batch, length)`, `cache_per_token(cfg)` (True: it grows
+                     with the sequence, a KV cache; False: a recurrent state of constant size),
+                     `float32_cache` (entries kept in float32 whatever the compute dtype),
+                     `init_cache` (zeros; `SoftmaxAttention` adds a sliding window's slot
+                     positions), `cache_bytes`
+        accounting   `score_flops_per_token(cfg, seq_len)`: forward FLOPs per token beyond the
+                     Dense projections, which accounting counts from the built model's kernels
+                     (`arch.accounting`); parameters are measured from the built module
+                     (component "attention")
+        probes       `records_attention_weights`: under `nnx.capture(mixer, AttentionWeights)` the
+                     forward records "attention_weights", B×K×G×T×S probabilities over
+                     `attention.num_heads` = K·G heads (default False: the probes refuse a stack
+                     with this mixer); head ablation zeroes H-slices of a Dense `output` whose
+                     kernel is H×…×D
+        sharding     parameters carry logical axis names of `sharding.rules.LOGICAL_RULES` ("heads"
+                     and "kv_heads" over `tensor`, "embed" over `fsdp`), activations are pinned with
+                     `sharding.rules.constrain`; the mesh rules (`config.resolve`) check the head
+                     counts against `mesh.tensor`
+    """
+
+    # Cache entries kept in float32 whatever the compute dtype (a recurrent state).
+    float32_cache: ClassVar[tuple[str, ...]] = ()
+    # Whether the forward records the attention probabilities for the probes (see above).
+    records_attention_weights: ClassVar[bool] = False
+
+    def __call__(self, x_BxTxD: jax.Array, positions_BxT: jax.Array, rotate,
+                 cache: dict | None = None) -> tuple[jax.Array, dict | None]:
+        raise NotImplementedError(f"{type(self).__name__} implements no forward pass")
+
+    @classmethod
+    def cache_shapes(cls, cfg, batch: int, length: int) -> dict[str, tuple[int, ...]]:
+        """The shape of each cache entry of one layer for `batch` sequences of `length`
+        positions."""
+        raise NotImplementedError(f"{cls.__name__} declares no cache shapes")
+
+    @classmethod
+    def cache_per_token(cls, cfg) -> bool:
+        """Whether the cache grows with the sequence (default True; False: a recurrent state)."""
+        return True
+
+    @classmethod
+    def init_cache(cls, cfg, batch: int, length: int, dtype=jnp.float32,
+                   stack: tuple[int, ...] = ()) -> dict[str, jax.Array]:
+        """One layer's zeroed cache with leading `stack` axes (the stacked layers), in `dtype`
+        but for the `float32_cache` entries."""
+        return {name: jnp.zeros((*stack, *shape),
+                                jnp.float32 if name in cls.float32_cache else dtype)
+                for name, shape in cls.cache_shapes(cfg, batch, length).items()}
+
+    @classmethod
+    def cache_bytes(cls, cfg, dtype, length: int = 1) -> int:
+        """Bytes of one layer's cache for one sequence of `length` positions: the entries of
+        `cache_shapes` at `dtype`'s itemsize, the `float32_cache` entries at 4."""
+        itemsize = jnp.dtype(dtype).itemsize
+        return sum(math.prod(shape) * (4 if name in cls.float32_cache else itemsize)
+                   for name, shape in cls.cache_shapes(cfg, 1, length).items())
+
+    @classmethod
+    def score_flops_per_token(cls, cfg, seq_len: int) -> float:
+        """Forward FLOPs per token beyond the Dense projections, averaged over a causal sequence
+        of `seq_len` positions (attention scores and mixing, a recurrence's state updates)."""
+        raise NotImplementedError(f"{cls.__name__} declares no score FLOPs")
 
 
 def causal_mask(query_positions_BxT: jax.Array, key_positions_BxS: jax.Array,
@@ -120,8 +204,8 @@ def dot_product_attention(q_BxTxHxP, k_BxSxKxP, v_BxSxKxV, mask_BxTxS,
     b, t, h, p = q_BxTxHxP.shape
     k = k_BxSxKxP.shape[2]
     # Without grouping (H = K) the group axis is left out rather than kept at size 1: XLA:CPU
-    # reduces an array with a size-1 axis many times slower (docs/performance.md, "Reductions
-    # with a size-1 axis"). `g` names the group axis in the einsums where there is one.
+    # reduces an array with a size-1 axis slower (docs/performance.md, "Reductions with a size-1
+    # axis"). `g` names the group axis in the einsums where there is one.
     g, group = ("g", ("act_heads",)) if h != k else ("", ())
     q_BxTxKxGxP = q_BxTxHxP.reshape(b, t, k, h // k, p) if g else q_BxTxHxP
     scores_BxKxGxTxS = jnp.einsum(
@@ -188,8 +272,26 @@ def attend(q_BxTxHxP, k_BxSxKxP, v_BxSxKxV, query_positions_BxT, key_positions_B
                                  scale=scale, recorder=recorder)
 
 
+class SoftmaxAttention(TokenMixer):
+    """What the softmax-attention mixers share: they record their probabilities for the probes,
+    and with `attention.window` W > 0 their KV cache is a ring of min(length, W) slots, with
+    "position" (B×R int32, `EMPTY_SLOT` until written; `write_cache`) beside the entries of
+    `cache_shapes`."""
+
+    records_attention_weights = True
+
+    @classmethod
+    def init_cache(cls, cfg, batch: int, length: int, dtype=jnp.float32,
+                   stack: tuple[int, ...] = ()) -> dict[str, jax.Array]:
+        cache = super().init_cache(cfg, batch, length, dtype, stack)
+        if cfg.attention.window:
+            cache["position"] = jnp.full((*stack, batch, cache_slots(cfg, length)), EMPTY_SLOT,
+                                         jnp.int32)
+        return cache
+
+
 @ATTENTION.register("mha")
-class MultiHeadAttention(nnx.Module):
+class MultiHeadAttention(SoftmaxAttention):
     """Multi-head attention with H query and K key/value heads (Vaswani et al. 2017 §3.2;
     GQA: Ainslie et al. 2023; MQA: Shazeer 2019): MHA is K = H, MQA is K = 1, GQA between.
 
@@ -270,7 +372,7 @@ class MultiHeadAttention(nnx.Module):
 
 
 @ATTENTION.register("mla")
-class MultiHeadLatentAttention(nnx.Module):
+class MultiHeadLatentAttention(SoftmaxAttention):
     """Multi-head Latent Attention (DeepSeek-AI 2024, "DeepSeek-V2", §2.1.2–2.1.3, eqs. 9–19).
 
     Keys and values of all H heads are read from one shared per-token latent c_KV (width C =
@@ -302,7 +404,7 @@ class MultiHeadLatentAttention(nnx.Module):
     (W_UV) and attention_output (W_O), default variance 1/fan_in; norm gains 1.
 
     Sequence parallelism: keys and values (after up-projection) are all-gathered over `sequence`;
-    `execution.sequence_attention="ring"` is not available for MLA (train/config.py rejects it).
+    `execution.sequence_attention="ring"` is not available for MLA (`config.resolve` rejects it).
 
     KV cache: {"latent": B×S_max×C, "rope_key": B×S_max×R}, the normalized c_KV and the rotated
     k^R. An input block at positions t₀..t₀+T−1 writes its slots and attends to every slot at or

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from arch.attention import ATTENTION
+from arch.attention import ATTENTION, TokenMixer
 from arch.init import group_init
 from arch.layers import Dense, param
 from arch.residual import MixingParam
@@ -57,7 +57,7 @@ def gated_delta_recurrence(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxH, beta_BxTxH,
         state = state + (beta[..., None] * error_BxHxV)[..., None] * k[..., None, :]
         return state, jnp.einsum("bhvk,bhk->bhv", state, q)
 
-    f32 = lambda x: jnp.moveaxis(x.astype(jnp.float32), 1, 0)  # noqa: E731  time-major
+    f32 = lambda x: jnp.moveaxis(x.astype(jnp.float32), 1, 0)  # time-major
     state, o_TxBxHxV = jax.lax.scan(
         step, state_BxHxVxK.astype(jnp.float32),
         tuple(map(f32, (q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxH, beta_BxTxH))))
@@ -126,7 +126,7 @@ def gated_delta_chunked(q_BxTxHxK, k_BxTxHxK, v_BxTxHxV, g_BxTxH, beta_BxTxH,
 
     if state_BxHxVxK is None:
         state_BxHxVxK = jnp.zeros((b, h, p_v, p_k), jnp.float32)
-    chunk_major = lambda x: jnp.moveaxis(x, 2, 0)  # noqa: E731  B×H×N×… → N×B×H×…
+    chunk_major = lambda x: jnp.moveaxis(x, 2, 0)  # B×H×N×… → N×B×H×…
     state, o_NxBxHxCxV = jax.lax.scan(
         step, state_BxHxVxK.astype(jnp.float32),
         tuple(map(chunk_major, (u_prime, w, scores, q_decayed, k_to_end, last))))
@@ -156,7 +156,7 @@ def _time_step_bias_init(key, shape, dtype=jnp.float32):
 
 
 @ATTENTION.register("gated_deltanet")
-class GatedDeltaNet(nnx.Module):
+class GatedDeltaNet(TokenMixer):
     """Gated DeltaNet token mixer (Yang, Kautz & Hatamizadeh 2024, §3 and Fig. 1; the block of the
     authors' NVlabs/GatedDeltaNet code and of flash-linear-attention's `GatedDeltaNet`):
 
@@ -214,7 +214,7 @@ class GatedDeltaNet(nnx.Module):
         self.decay.bias[...] = _time_step_bias_init(rngs.params(), (h,))  # b_Δ
         self.log_rate = param(rngs, _log_rate_init, (h,), ("heads",), MixingParam)  # log A
         conv_init = nnx.initializers.uniform(2 / math.sqrt(width))
-        shift = lambda init: (lambda key, shape, dtype: init(key, shape, dtype)  # noqa: E731
+        shift = lambda init: (lambda key, shape, dtype: init(key, shape, dtype)
                               - 1 / math.sqrt(width))
         self.query_conv = param(rngs, shift(conv_init), (width, h, p_k), (None, *heads))
         self.key_conv = param(rngs, shift(conv_init), (width, h, p_k), (None, *heads))

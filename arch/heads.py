@@ -1,5 +1,7 @@
 """Output heads: final hidden state → vocabulary scores. Registry: `HEADS[name](cfg, rngs=...)`,
-called as `head(x_BxTxD, embedding) -> BxTxV`.
+called as `head(x_BxTxD, embedding) -> BxTxV`. What the model, the loss, accounting and the
+softmax-bottleneck math ask of a head is declared on `OutputHead`; a new head is its file (or
+class here), its test and a line of `config.catalogue`.
 
 A head returns either logits or normalized log-probabilities: the loss
 (`optax.softmax_cross_entropy_with_integer_labels`) applies log_softmax, which leaves normalized
@@ -30,6 +32,47 @@ from arch.registry import Registry
 HEADS = Registry("head")
 
 
+class OutputHead(nnx.Module):
+    """The base class of the output heads in `HEADS`, and the class that declares everything the
+    framework asks of one, so that no caller names a head. Subclasses implement `__call__`;
+    every other hook has the default documented on it.
+
+        build        `__init__(cfg, *, rngs)`: `cfg` the `model` section, `model.head` its
+                     options (rules in `config.model_rules`)
+        scores       `__call__(x_BxTxD, embedding) -> B×T×V`, from the final norm's output and
+                     the model's token `Embedding` (a tied head multiplies by its table): logits
+                     or normalized log-probabilities, which the cross-entropy loss, sampling and
+                     distillation treat alike (log_softmax leaves log-probabilities unchanged)
+        loss terms   the training loss is the cross-entropy of these scores; a head adds a term of
+                     its own by holding an `arch.moe.AuxLoss` variable that its forward pass
+                     overwrites (the train step adds every one, as for MoE's balancing losses)
+        training-only modules
+                     multi-token prediction (`model.head.mtp_depth`, arch/mtp.py) is built by the
+                     model beside the head, runs only in the training loss
+                     (`TransformerLM.multi_token_logits`) and reads every depth's scores through
+                     this same head; accounting counts its parameters as component "mtp" and its
+                     FLOPs in training only
+        bottleneck   `rank_bounded`: whether the log-probability matrix over contexts has rank
+                     ≤ d + 1, one softmax of a d-dimensional context (`arch.bottleneck`)
+        accounting   `reused_matmul_parameters(cfg)`: weights a token multiplies beyond each
+                     Dense kernel once; parameters are measured from the built module
+                     (component "head"; a tied table counts as "embedding")
+        sharding     parameters carry logical axis names ("vocab" over `tensor`, "embed" over
+                     `fsdp`); the model pins the scores to (act_batch, act_seq, act_vocab)
+    """
+
+    rank_bounded: ClassVar[bool] = True
+
+    def __call__(self, x_BxTxD: jax.Array, embedding: Embedding) -> jax.Array:
+        raise NotImplementedError(f"{type(self).__name__} implements no scores")
+
+    @classmethod
+    def reused_matmul_parameters(cls, cfg) -> int:
+        """Weights a token multiplies beyond each Dense kernel once (FLOP accounting). Default
+        0: the head's matmuls are its own Dense kernels."""
+        return 0
+
+
 def _output_bias(cfg, rngs: nnx.Rngs) -> nnx.Param | None:
     """b ∈ R^V, zero-initialized, logical axis `vocab`; None unless `model.head.bias`."""
     return param(rngs, nnx.initializers.zeros, (cfg.vocab_size,), ("vocab",)) if cfg.head.bias \
@@ -37,19 +80,16 @@ def _output_bias(cfg, rngs: nnx.Rngs) -> nnx.Param | None:
 
 
 @HEADS.register("tied")
-class TiedHead(nnx.Module):
+class TiedHead(OutputHead):
     """Tied head (Press & Wolf 2017, "Using the Output Embedding to Improve Language Models"):
     logits = x Eᵀ (+ b) with E the input embedding. No parameters besides the optional bias b
     (`model.head.bias`, zero-initialized)."""
-
-    rank_bounded: ClassVar[bool] = True
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         self.bias = _output_bias(cfg, rngs)
 
     @staticmethod
     def reused_matmul_parameters(cfg) -> int:
-        """Weights a token multiplies beyond each Dense kernel once (for FLOP accounting)."""
         return cfg.vocab_size * cfg.d_model  # E, used again as the output projection
 
     def __call__(self, x_BxTxD: jax.Array, embedding: Embedding) -> jax.Array:
@@ -60,20 +100,14 @@ class TiedHead(nnx.Module):
 
 
 @HEADS.register("untied")
-class UntiedHead(nnx.Module):
+class UntiedHead(OutputHead):
     """Untied head: logits = x W_out (+ b), W_out ∈ R^{d×V} initialized by `model.init.head`
     (default variance 1/d), b ∈ R^V zero-initialized when `model.head.bias`."""
-
-    rank_bounded: ClassVar[bool] = True
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         self.output = Dense((cfg.d_model,), (cfg.vocab_size,), ("embed",), ("vocab",), rngs=rngs,
                             dtype=jnp.dtype(cfg.dtype), use_bias=cfg.head.bias,
                             init=group_init(cfg, "head"))
-
-    @staticmethod
-    def reused_matmul_parameters(cfg) -> int:
-        return 0
 
     def __call__(self, x_BxTxD: jax.Array, embedding: Embedding) -> jax.Array:
         del embedding
@@ -100,7 +134,7 @@ class SigSoftmaxHead(TiedHead):
         return jax.nn.log_softmax(z_BxTxV + jax.nn.log_sigmoid(z_BxTxV), axis=-1)
 
 
-class _MixtureHead(nnx.Module):
+class _MixtureHead(OutputHead):
     """Parameters shared by `mos` and `moc` (Yang et al. 2018, "Breaking the Softmax Bottleneck:
     A High-Rank RNN Language Model", ICLR, §3.2–3.3), with K = `model.head.mos_components`:
 
@@ -115,8 +149,6 @@ class _MixtureHead(nnx.Module):
     head_mixture), W_k (embed, head_mixture, head_context) — the context width is sharded over
     `tensor` like an MLP hidden layer.
     """
-
-    rank_bounded: ClassVar[bool] = True
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         d, k, v = cfg.d_model, cfg.head.mos_components, cfg.vocab_size

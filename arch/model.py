@@ -28,7 +28,7 @@ import ml_collections
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from arch.attention import ATTENTION, EMPTY_SLOT, cache_slots
+from arch.attention import ATTENTION
 from arch.branch_scale import BranchScale
 from arch.dropout import Dropout
 from arch.dropout import active as dropout_active
@@ -207,34 +207,27 @@ class TransformerLM(nnx.Module):
         modules run without it)."""
         hidden_BxTxD, _ = self._hidden(tokens_BxT, positions_BxT, None,
                                        Dropout.for_model(self.cfg, dropout_key))
-        logits = [self._output(hidden_BxTxD)]
+        logits = [self.logits_of_hidden(hidden_BxTxD)]
         for module, future_BxT in zip(self.mtp, future_tokens_KxBxT, strict=True):
             hidden_BxTxD = module(hidden_BxTxD, self.embed(future_BxT), positions_BxT,
                                   self.position.rotate)
-            logits.append(self._output(hidden_BxTxD))
+            logits.append(self.logits_of_hidden(hidden_BxTxD))
         return logits
 
     def init_cache(self, batch: int, length: int, dtype=jnp.float32) -> dict | tuple:
         """Zeroed KV cache for `length` positions, stacked over layers (groups × k when the scan
         runs `BlockGroup`s), and with looped depth (`model.loop_count` = R > 1) over loops first:
-        one cache per (loop, layer). In `dtype` but for an attention class's `float32_cache`
-        entries (Gated DeltaNet's recurrent state). A group whose blocks differ in attention
-        (`model.layer_pattern`) gets a tuple of k caches, each stacked over (loops,) groups. With
-        `attention.window` W > 0 an attention cache holds min(length, W) slots, a ring buffer,
-        and "position" (the position in each slot, `EMPTY_SLOT` until written)."""
+        one cache per (loop, layer). Each layer's is its token mixer's `TokenMixer.init_cache`:
+        in `dtype` but for the mixer's `float32_cache` entries (Gated DeltaNet's recurrent
+        state); with `attention.window` W > 0 a softmax attention's holds min(length, W) slots, a
+        ring buffer, and their positions. A group whose blocks differ in attention
+        (`model.layer_pattern`) gets a tuple of k caches, each stacked over (loops,) groups."""
         attentions = layer_attentions(self.cfg)[:blocks_per_unit(self.cfg)]
         loops = self.cfg.get("loop_count", 1)
         loop = (loops,) if loops > 1 else ()
 
         def zeros(attention: str, stack: tuple[int, ...]) -> dict:
-            kind = ATTENTION[attention]
-            kept = getattr(kind, "float32_cache", ())
-            cache = {name: jnp.zeros((*stack, *shape), jnp.float32 if name in kept else dtype)
-                     for name, shape in kind.cache_shapes(self.cfg, batch, length).items()}
-            if self.cfg.attention.window and attention == self.cfg.attention.name:
-                cache["position"] = jnp.full(  # a ring buffer: each slot's position (write_cache)
-                    (*stack, batch, cache_slots(self.cfg, length)), EMPTY_SLOT, jnp.int32)
-            return cache
+            return ATTENTION[attention].init_cache(self.cfg, batch, length, dtype, stack)
 
         if len(set(attentions)) == 1:
             return zeros(attentions[0], loop + self.stack_shape)
@@ -252,7 +245,7 @@ class TransformerLM(nnx.Module):
 
     def _forward(self, tokens_BxT, positions_BxT, cache, dropout: Dropout | None = None):
         hidden_BxTxD, cache = self._hidden(tokens_BxT, positions_BxT, cache, dropout)
-        return self._output(hidden_BxTxD), cache
+        return self.logits_of_hidden(hidden_BxTxD), cache
 
     def _hidden(self, tokens_BxT, positions_BxT, cache, dropout: Dropout | None = None,
                 loop_exits: bool = False):
@@ -370,7 +363,7 @@ class TransformerLM(nnx.Module):
         if x_BxTxD.shape[0] % microbatches:
             raise ValueError(f"batch {x_BxTxD.shape[0]} is invalid: execution.pipeline.microbatches"
                              f"={microbatches} must divide it")
-        begin = lambda x: constrain_state(self.residual_stream.begin(x))  # noqa: E731
+        begin = lambda x: constrain_state(self.residual_stream.begin(x))
         states_M = jax.vmap(begin)(pipeline.to_microbatches(x_BxTxD, microbatches))
         positions_M = pipeline.to_microbatches(positions_BxT, microbatches)
 
@@ -388,8 +381,8 @@ class TransformerLM(nnx.Module):
         if schedule.transfer == "cached":
             sublayers = cfg.num_layers * (2 if cfg.use_ffn else 1)
             lag = (stages - 1) * sublayers // (stages * schedule.virtual_stages)
-            send = lambda state: residual_stream.stage_message(state, lag)  # noqa: E731
-            rebuild = lambda cached, message: residual_stream.stage_merge(  # noqa: E731
+            send = lambda state: residual_stream.stage_message(state, lag)
+            rebuild = lambda cached, message: residual_stream.stage_merge(
                 cached, message, lag)
         else:
             send, rebuild = (lambda state: state), (lambda cached, message: message)
@@ -400,8 +393,9 @@ class TransformerLM(nnx.Module):
         nnx.update(self.blocks, layer_states)  # MoE auxiliary losses: mean over microbatches
         return pipeline.from_microbatches(jax.vmap(self.residual_stream.end)(states_M))
 
-    def _output(self, x_BxTxD):
-        """Float32 logits from the stack's output: final norm (if any), then the head."""
+    def logits_of_hidden(self, x_BxTxD):
+        """Float32 logits of the stack's output (or of any hidden state B×T×D: the probes' early
+        exits): the final norm (if any), then the head."""
         if self.final_norm is not None:
             x_BxTxD = self.final_norm(x_BxTxD)
         logits = self.head(x_BxTxD, self.embed)

@@ -16,9 +16,9 @@ from arch.heads import HEADS
 from arch.init import INITS
 from arch.norms import NORMS
 from arch.residual import RESIDUALS
+from config import resolve
 from sharding.mesh import make_mesh
 from tests.helpers import tiny_config
-from train.config import validate
 from train.data import in_memory
 from train.step import TrainProgram
 
@@ -58,10 +58,14 @@ VARIANTS = {
                      residual=0.1)),
 }
 
-# A residual mechanism no combination above rides with trains alone, with the defaults: every
-# registered mechanism is covered without editing this file.
+# A residual mechanism or token mixer no combination above rides with trains alone, with the
+# defaults: every registered mechanism and mixer is covered without editing this file.
 VARIANTS.update({f"{name}-alone": dict(residual=name) for name in RESIDUALS
                  if name != "prenorm" and name not in {v["residual"] for v in VARIANTS.values()}})
+_MIXERS = ({v.get("attention") for v in VARIANTS.values()}
+           | {"gated_deltanet" for v in VARIANTS.values() if "L" in v.get("layer_pattern", "")})
+VARIANTS.update({f"{name}-alone": dict(attention=name) for name in ATTENTION
+                 if name != "mha" and name not in _MIXERS})
 
 
 def test_variants_cover_every_registered_choice():
@@ -85,8 +89,8 @@ def train_losses(devices: int, mesh, model: dict, steps: int = 20) -> list[float
     config.steps = steps
     config.optimizer.update(learning_rate=1e-2, warmup_steps=2)
     config.mesh.update(data=mesh[0], fsdp=mesh[1], tensor=mesh[2])
-    validate(config, devices)
-    program = TrainProgram(config, make_mesh(config.mesh, jax.devices()[:devices]))
+    config = resolve(config, devices)
+    program = TrainProgram(config, make_mesh(config, jax.devices()[:devices]))
     corpus = in_memory.load({"name": "kjv"}, "train")
     state, losses = program.init(0), []
     for step in range(steps):

@@ -24,7 +24,7 @@ from train.step import next_token_loss
 def _losses(model: TransformerLM, tokens_BxT1: jax.Array) -> jax.Array:
     inputs_BxT, targets_BxT = tokens_BxT1[:, :-1], tokens_BxT1[:, 1:]
     hidden_RxBxTxD = model.loop_hidden_states(inputs_BxT)
-    return jax.lax.map(lambda hidden: next_token_loss(model._output(hidden), targets_BxT),
+    return jax.lax.map(lambda hidden: next_token_loss(model.logits_of_hidden(hidden), targets_BxT),
                        hidden_RxBxTxD)
 
 

@@ -39,9 +39,9 @@ at the block boundaries (single stream) or, at `Block.sublayer`'s capture point 
 (the others), so that one `jax.value_and_grad` gives the gradient at every depth; readouts h_i
 off the loss path (i < L) are taken from a stop-gradient copy of the state. The update F is read
 at the same capture point; inputs of norms and of FFN down projections by wrapping those modules
-in the probe's own merged copy of each block; attention probabilities are recorded by
-`arch.attention.dot_product_attention` under `nnx.capture` of the attention module. The training
-path is untouched.
+in the probe's own merged copy of each block; attention probabilities are recorded by the token
+mixer under `nnx.capture` of it (`TokenMixer.records_attention_weights`; softmax attention's in
+`arch.attention.dot_product_attention`). The training path is untouched.
 """
 
 from __future__ import annotations
@@ -57,11 +57,11 @@ import numpy as np
 from flax import nnx
 
 from arch.accounting import abstract_model, parameter_count
-from arch.attention import AttentionWeights
+from arch.attention import ATTENTION, AttentionWeights
 from arch.layers import Dense
 from arch.model import TransformerLM, interleaves_moe
 from arch.residual import RESIDUALS
-from config.derived import DELTANET
+from config.derived import layer_attentions
 from sharding.rules import STREAM, constrain
 from train.step import build_program, compile_train_step, next_token_loss
 
@@ -72,8 +72,9 @@ NORM_STATISTICS = ("input_mean", "input_variance", "input_rms", "gain_mean", "ga
 
 def require_probeable(cfg) -> None:
     """ValueError for the reversible stack, whose two coupled streams the probes do not walk,
-    and for looped depth, whose R passes they do not repeat (`train.instruments.early_exit`
-    probes it by pass)."""
+    for looped depth, whose R passes they do not repeat (`train.instruments.early_exit`
+    probes it by pass), for hybrid stacks, and for a token mixer that records no attention
+    probabilities (Gated DeltaNet)."""
     if cfg.get("loop_count", 1) > 1:
         raise ValueError(f"model.loop_count={cfg.loop_count}: the probes walk one pass of the "
                          "block stack; use train.instruments.early_exit for looped depth")
@@ -81,10 +82,13 @@ def require_probeable(cfg) -> None:
         raise ValueError("model.reversible=True: the probes walk the residual mechanisms of "
                          "arch/residual.py, not the reversible stack; probe the model with "
                          "model.reversible=False")
-    if cfg.layer_pattern or cfg.attention.name == DELTANET:
-        raise ValueError("model.layer_pattern / gated_deltanet: the probes read softmax "
-                         "attention blocks in stacks of one kind; probe a model with "
-                         "layer_pattern='' and a softmax attention")
+    silent = sorted({name for name in layer_attentions(cfg)
+                     if not ATTENTION[name].records_attention_weights})
+    if cfg.layer_pattern or silent:
+        raise ValueError(f"model.layer_pattern / {', '.join(silent) or cfg.attention.name}: the "
+                         "probes read attention probabilities in stacks of one kind "
+                         "(`TokenMixer.records_attention_weights`); probe a model with "
+                         "layer_pattern='' and a mixer that records them")
 
 
 def _split_tokens(tokens_BxT1: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -294,7 +298,7 @@ def _walk(model: TransformerLM, tokens_BxT1, perturbations, threshold):
     final = {**_boundary_statistics(x_BxTxD), "norm": (
         _norm_statistics(model.final_norm, x_BxTxD) if model.final_norm is not None
         else dict.fromkeys(NORM_STATISTICS, jnp.float32(jnp.nan)))}
-    loss = next_token_loss(model._output(x_BxTxD), targets_BxT)
+    loss = next_token_loss(model.logits_of_hidden(x_BxTxD), targets_BxT)
     return loss, (per_block, final)
 
 
@@ -570,8 +574,8 @@ def _per_device_bytes(tree) -> int:
 
 
 def train_step_memory(config) -> dict:
-    """XLA's memory analysis of the compiled train step of a full training config (validated in
-    place, compiled against abstract state: nothing is allocated or run), per device.
+    """XLA's memory analysis of the compiled train step of a resolved training config (compiled
+    against abstract state: nothing is allocated or run), per device.
 
     Returns a dict of ints:
       parameter_bytes        one device's shards of the parameters (float32: 4 × parameter_count
