@@ -34,6 +34,9 @@ this framework's parts (63.1M; the paper's Table 3 rounds to 65M), parameters on
 --seq_len defaults to the experiment's seq_len, else 2,048 (capped at the model's max_seq_len).
 --format markdown (default) prints one table per model; json one object {name: books}; csv one
 row per (model, quantity). --out writes to a file instead of stdout.
+
+A bad argument is one line on stderr and exit status 2; the config (`config.resolve`), --seq_len
+and --out are checked before JAX loads, --shape's names after (they live in arch).
 """
 
 from __future__ import annotations
@@ -45,7 +48,10 @@ import math
 import sys
 from pathlib import Path
 
+from config import ConfigError, resolve
 from config.cli import ArgumentParser, parse_with_config
+from config.mesh_shape import MESH_AXES
+from train.data.arguments import output_file
 
 
 def shape_books(name: str, seq_len: int) -> dict:
@@ -115,27 +121,30 @@ def main(argv: list[str] | None = None) -> int:
                         help="output format")
     parser.add_argument("--out", default=None, help="write to this file instead of stdout")
     config, args = parse_with_config(parser, argv, required=False)
+    if config is None and not args.shape:
+        parser.error("give --config PATH and/or --shape NAME (or --shape all)")
+    if args.seq_len is not None and args.seq_len < 1:
+        parser.error(f"--seq_len={args.seq_len} is invalid: must be a positive integer")
+    try:
+        if args.out:
+            output_file(args.out)
+        if config is not None:
+            # The books need no devices: resolve for the mesh the config asks for.
+            sizes = [config.mesh[axis] for axis in MESH_AXES]
+            slices = math.prod(config.mesh.dcn[axis] for axis in MESH_AXES)
+            config = resolve(config, math.prod(size for size in sizes if size > 0), slices)
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    # JAX loads here, after the checks: the reference shapes' names live in arch.
     names = shape_names() if "all" in args.shape else list(args.shape)
     unknown = sorted(set(names) - set(shape_names()))
     if unknown:
         parser.error(f"--shape: unknown {unknown}; known: all, {', '.join(shape_names())}")
-    if config is None and not names:
-        parser.error("give --config PATH and/or --shape NAME (or --shape all)")
     from arch.accounting import books
-    from config import ConfigError
-    from sharding.rules import MESH_AXES
-    from train.config import validate
 
     all_books = {}
     if config is not None:
-        try:
-            # The books need no devices: validate against the mesh the config asks for.
-            sizes = [config.mesh[axis] for axis in MESH_AXES]
-            slices = math.prod(config.mesh.dcn[axis] for axis in MESH_AXES)
-            validate(config, math.prod(size for size in sizes if size > 0), slices)
-        except ConfigError as error:
-            print(f"error: {error}", file=sys.stderr)
-            return 2
         all_books[Path(args.config.partition(":")[0]).stem] = books(
             config.model, args.seq_len or config.seq_len, max(1, config.mesh.sequence))
     for name in names:

@@ -2,13 +2,47 @@
 
     python scripts/export_hf.py --workdir RUN --out DIR
 
-A thin command line over `train/interop/export_hf.py` (the same as
-`python -m train.interop.export_hf`), whose docstring says what it reads and writes.
+Writes DIR/config.json, DIR/model.safetensors and the run's tokenizer from RUN's newest
+checkpoint (`train.interop.export_hf.export_run`, whose module docstring says what it reads and
+writes and which models export exactly). DIR must not exist or be empty.
+
+Exit status: 0 done; 2 a bad argument, a run that does not restore or a model that cannot be
+exported exactly, one line on stderr. The arguments are checked before JAX loads.
 """
+
+from __future__ import annotations
 
 import sys
 
-from train.interop.export_hf import main
+from config import ConfigError
+from config.cli import ArgumentParser
+from train.data.arguments import output_directory, saved_run
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = ArgumentParser("python scripts/export_hf.py", __doc__)
+    parser.add_argument("--workdir", required=True, help="the run directory to export")
+    parser.add_argument("--out", required=True, help="the Hugging Face checkpoint directory")
+    args = parser.parse_args(argv)
+    try:
+        saved_run(args.workdir)
+        out = output_directory(args.out)
+        if out.is_dir() and any(out.iterdir()):
+            raise ConfigError(f"--out={out} is not empty; export into a new directory")
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    from train.interop.export_hf import export_run  # JAX loads here, after the checks
+    from train.interop.hf import SINGLE_FILE
+
+    try:
+        export_run(args.workdir, out)
+    except (FileNotFoundError, ValueError) as error:  # ConfigError is a ValueError
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(f"wrote {out / 'config.json'}, {out / SINGLE_FILE} and the tokenizer")
+    return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())

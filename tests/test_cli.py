@@ -231,18 +231,13 @@ def test_apply_overrides_in_order(experiment):
     assert (config.steps, config.width) == (2, 4)
 
 
-ENTRY_POINTS = ["train.__main__", "train.generate", "scripts.dry_run", "scripts.accounting",
-                "scripts.bench", "scripts.attention_bench", "train.instruments.probe_report",
-                "train.instruments.depth_mixing", "train.instruments.gr_paths",
-                "train.interop.import_hf",
-                "train.data.shards:train_tokenizer_main", "train.data.shards:prepare_main",
-                "train.data.memory"]
+ENTRY_POINTS = ["train.__main__", "train.generate",
+                *(f"scripts.{path.stem}" for path in sorted((ROOT / "scripts").glob("*.py")))]
 
 
 @pytest.mark.parametrize("module", ENTRY_POINTS)
 def test_every_entry_point_has_help_and_one_line_usage_errors(capsys, module):
-    module, _, name = module.partition(":")
-    main = getattr(importlib.import_module(module), name or "main")
+    main = importlib.import_module(module).main
     program = ["prog"] if module == "train.__main__" else []  # it takes sys.argv whole
     with pytest.raises(SystemExit) as exit_:
         main([*program, "--help"])

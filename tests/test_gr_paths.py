@@ -8,6 +8,7 @@ import pytest
 from flax import nnx
 
 from arch.residual import PathTerm
+from scripts import gr_paths as gr_paths_script
 from tests.helpers import random_tokens, tiny_config, tiny_model, write_run
 from tests.test_gated_residual import randomize
 from train.instruments import gr_paths
@@ -86,7 +87,7 @@ def test_script_writes_json_and_png_and_refuses_other_mechanisms(tmp_path, capsy
     config.mesh.data = -1  # the 8 simulated devices
     write_run(config, tmp_path / "gr", step=3)
     out = tmp_path / "plots" / "paths.png"
-    assert gr_paths.main(["--workdir", str(tmp_path / "gr"), "--out", str(out),
+    assert gr_paths_script.main(["--workdir", str(tmp_path / "gr"), "--out", str(out),
                           "--batch", "8"]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     written = json.loads(out.with_suffix(".json").read_text())
@@ -106,13 +107,13 @@ def test_script_writes_json_and_png_and_refuses_other_mechanisms(tmp_path, capsy
     write_run(config, tmp_path / "gr", step=5)
     for step, expected in ((None, 5), (3, 3)):
         flags = [] if step is None else ["--step", str(step)]
-        assert gr_paths.main(["--workdir", str(tmp_path / "gr"), "--out", str(out),
+        assert gr_paths_script.main(["--workdir", str(tmp_path / "gr"), "--out", str(out),
                               "--batch", "8", *flags]) == 0
         again = json.loads(out.with_suffix(".json").read_text())
         assert again["step"] == expected
         assert (again["contribution"] == written["contribution"]) == (expected == 3)
     capsys.readouterr()
-    assert gr_paths.main(["--workdir", str(tmp_path / "gr"), "--step", "4"]) == 2
+    assert gr_paths_script.main(["--workdir", str(tmp_path / "gr"), "--step", "4"]) == 2
     err = capsys.readouterr().err
     assert err == (f"error: --workdir={tmp_path / 'gr'} holds no restorable checkpoint at step 4 "
                    "(its checkpoints: [3, 5])\n")
@@ -120,7 +121,7 @@ def test_script_writes_json_and_png_and_refuses_other_mechanisms(tmp_path, capsy
     prenorm = tiny_config(residual="prenorm")
     prenorm.mesh.data = -1
     write_run(prenorm, tmp_path / "prenorm", step=1)
-    assert gr_paths.main(["--workdir", str(tmp_path / "prenorm"), "--batch", "8"]) == 2
+    assert gr_paths_script.main(["--workdir", str(tmp_path / "prenorm"), "--batch", "8"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: model.residual.name='prenorm' records no read gates/write "
                           "strengths")

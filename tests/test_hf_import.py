@@ -16,11 +16,11 @@ import torch
 import transformers
 from flax import nnx
 
-from arch.config import resolve_model
 from arch.hf_config import model_config_from_hf
 from config import ConfigError
+from config.model_rules import resolve_model
 from experiments.common import model_config
-from train.interop import import_hf
+from scripts import import_hf as import_hf_script
 from train.interop.hf import (
     load_hf_checkpoint,
     params_from_hf,
@@ -191,7 +191,7 @@ def test_missing_and_unexpected_tensors_are_listed(checkpoints, tmp_path):
 def test_import_script_writes_a_run_that_restore_run_restores(checkpoints, tmp_path, capsys):
     directory, _ = checkpoints["gpt2"]
     workdir = tmp_path / "run"
-    assert import_hf.main(["--checkpoint", str(directory), "--workdir", str(workdir)]) == 0
+    assert import_hf_script.main(["--checkpoint", str(directory), "--workdir", str(workdir)]) == 0
     program, step, state = restore_run(workdir)
     assert step == 0 and program.config.seq_len == 32  # the model's context, n_positions
     # The same model config and bit-equal parameters as the imported model, whose logits equal
@@ -206,5 +206,5 @@ def test_import_script_writes_a_run_that_restore_run_restores(checkpoints, tmp_p
     assert source["hf_config"]["model_type"] == "gpt2"
     assert ml_collections.ConfigDict(json.loads((workdir / "config.json").read_text())) \
         .data.name == "kjv"
-    assert import_hf.main(["--checkpoint", str(directory), "--workdir", str(workdir)]) == 2
+    assert import_hf_script.main(["--checkpoint", str(directory), "--workdir", str(workdir)]) == 2
     assert "already holds a run" in capsys.readouterr().err

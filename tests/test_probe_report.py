@@ -9,10 +9,12 @@ import numpy as np
 import pytest
 
 from arch.accounting import parameter_count
+from scripts import probe_report as probe_report_script
 from tests.helpers import tiny_config, write_run
 from train.data import in_memory
-from train.instruments import probe_report, probes
+from train.instruments import probes
 from train.restore import restore_for_analysis
+from train.step import resolve_for_job
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -22,6 +24,7 @@ def run(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("run")
     config = tiny_config(num_layers=3)
     config.mesh.data = -1
+    config = resolve_for_job(config)
     write_run(config, workdir, step=3)
     # Prepare the embedded corpus here, once: its first preparation reports progress on stderr,
     # which the one-line checks below would otherwise see in whichever test runs first.
@@ -33,8 +36,8 @@ def run(tmp_path_factory):
 def test_report_files_and_numbers(run, capsys):
     workdir, config = run
     out = workdir / "report"
-    assert probe_report.main(["--workdir", str(workdir), "--out", str(out), "--batch", "8",
-                              "--prune", "1", "--bottleneck_tokens", "40"]) == 0
+    assert probe_report_script.main(["--workdir", str(workdir), "--out", str(out), "--batch",
+                                     "8", "--prune", "1", "--bottleneck_tokens", "40"]) == 0
     for name in ("depth.png", "heads.png", "spectrum.png"):
         assert (out / name).read_bytes()[:8] == PNG
     report = json.loads((out / "report.json").read_text())
@@ -71,7 +74,7 @@ def test_report_files_and_numbers(run, capsys):
 ])
 def test_bad_input_exits_2_with_one_line(run, capsys, flag, message):
     workdir, _ = run
-    assert probe_report.main(["--workdir", str(workdir), flag]) == 2
+    assert probe_report_script.main(["--workdir", str(workdir), flag]) == 2
     error = capsys.readouterr().err.strip()
     assert "\n" not in error and error.startswith("error: ")
     assert re.search(message, error), error

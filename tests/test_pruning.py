@@ -85,9 +85,10 @@ def test_prune_heal_command_line(tmp_path, capsys):
     numbers equal to the library's, and an impossible fraction refused in one line."""
     import json
 
+    from scripts import prune_heal
     from tests.helpers import tiny_config, write_run
     from train.data import in_memory
-    from train.instruments import probes, pruning_report
+    from train.instruments import probes
     from train.restore import restore_for_analysis
 
     config = tiny_config()
@@ -97,7 +98,7 @@ def test_prune_heal_command_line(tmp_path, capsys):
     out = tmp_path / "out"
     args = ["--workdir", str(tmp_path / "run"), "--out", str(out), "--heal_steps", "1",
             "--batch", "8", "--eval_batches", "1"]
-    assert pruning_report.main_blocks([*args, "--fractions", "0.5"]) == 0
+    assert prune_heal.main([*args, "--fractions", "0.5"]) == 0
     report = json.loads((out / "blocks.json").read_text())
     assert (out / "blocks.png").read_bytes()[:4] == b"\x89PNG"
     assert [r["selection"] for r in report["rows"]] == ["influence", "angular"]
@@ -108,6 +109,6 @@ def test_prune_heal_command_line(tmp_path, capsys):
         assert row["loss_pruned"] == pytest.approx(probes.batch_loss(pruned, tokens_BxT1),
                                                    rel=1e-6)
     capsys.readouterr()
-    assert pruning_report.main_blocks([*args, "--fractions", "1.0"]) == 2
+    assert prune_heal.main([*args, "--fractions", "1.0"]) == 2
     assert capsys.readouterr().err == ("error: --fractions=1.0 is invalid: it drops 2 of 2 "
                                        "blocks; expected 1 ≤ round(f·L) < L\n")

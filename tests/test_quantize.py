@@ -19,9 +19,9 @@ from config import ConfigError
 from config.validate import check_training
 from tests.helpers import tiny_config, write_run
 from train.data.in_memory import VALIDATION_SEED
-from train.generate import generate_text
 from train.interop import quantize
 from train.restore import evaluation_split, restore_run
+from train.sampling import generate_text
 
 RNG = np.random.default_rng(0)
 

@@ -1,7 +1,5 @@
 """The memory-bound demonstration: a training run's peak RSS as its dataset grows, streamed from
-prepared shards against the in-memory pipeline.
-
-    python scripts/data_memory.py --out runs/data_memory [--scales 1,10,100] [--steps 20]
+prepared shards against the in-memory pipeline (the command line: scripts/data_memory.py).
 
 For each scale k it writes the embedded corpus k times over as a .jsonl file (k × 4.1 MB of
 text), prepares it into byte-token shards (`train.data.shards.prepare`; kept between runs), then
@@ -21,7 +19,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-from config.cli import ArgumentParser
 from train.data.shards import SourceReport, prepare, read_documents
 
 QUICKSTART = "experiments/quickstart.py"
@@ -58,27 +55,24 @@ def train_peak_rss(overrides: list[str], workdir: Path, steps: int) -> tuple[int
     return exit_status, usage.ru_maxrss * 1024  # Linux reports kilobytes
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = ArgumentParser("python scripts/data_memory.py", __doc__)
-    parser.add_argument("--out", required=True, help="directory for corpora, shards and runs")
-    parser.add_argument("--scales", default="1,10,100", help="corpus repetitions")
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--workers", type=int, default=2, help="tokenizing processes")
-    args = parser.parse_args(argv)
-    out = Path(args.out)
+def run(out: str | Path, scales: list[int], steps: int, workers: int) -> int:
+    """The demonstration (module docstring) into the directory `out`: one JSON line per run on
+    stdout, all of them in OUT/data_memory.json. Returns 0, or 1 if a training run failed. The
+    command line: scripts/data_memory.py."""
+    out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     results = []
-    for scale in (int(s) for s in args.scales.split(",")):
+    for scale in scales:
         corpus, shards = out / f"kjv-x{scale}.jsonl", out / f"kjv-x{scale}"
         write_corpus(corpus, scale)
-        metadata = prepare(str(corpus), "byte", shards, workers=args.workers,
+        metadata = prepare(str(corpus), "byte", shards, workers=workers,
                            docs_per_shard=4096, progress=False)
         tokens = sum(info["tokens"] for info in metadata["splits"].values())
         disk = sum(f.stat().st_size for f in shards.iterdir())
         for mode, overrides in (
                 ("prepared", ["--config.data.name=prepared", f"--config.data.path={shards}"]),
                 ("in_memory", ["--config.data.name=text", f"--config.data.path={corpus}"])):
-            status, peak = train_peak_rss(overrides, out / "run", args.steps)
+            status, peak = train_peak_rss(overrides, out / "run", steps)
             result = {"scale": scale, "mode": mode, "dataset_tokens": tokens,
                       "shard_bytes": disk, "corpus_bytes": corpus.stat().st_size,
                       "peak_rss_bytes": peak, "exit_status": status}

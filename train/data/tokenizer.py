@@ -204,13 +204,18 @@ def check_vocab(model_config: Any, tokenizer: Tokenizer) -> None:
             f"model.vocab_size={tokenizer.vocab_size} (or 0 to take it from the tokenizer)")
 
 
+def check_bpe_vocab_size(vocab_size: int) -> None:
+    """A byte-level BPE's vocabulary holds the 256 bytes, the separator and at least one merge."""
+    if vocab_size < 257 + 1:
+        raise ConfigError(f"--vocab_size={vocab_size} is invalid: a byte-level BPE needs at "
+                          "least 258 (256 bytes, the separator and one merge)")
+
+
 def train_bpe(texts: Iterable[str], vocab_size: int, out_dir: str | Path) -> Path:
     """Train a byte-level BPE on ``texts`` with the ``tokenizers`` library; writes
     ``out_dir/tokenizer.json`` (``<|endoftext|>`` is id 0, the document separator) and
     returns its path. Every byte is in the initial alphabet, so any text round-trips."""
-    if vocab_size < 257 + 1:
-        raise ConfigError(f"--vocab_size={vocab_size} is invalid: a byte-level BPE needs at "
-                          "least 258 (256 bytes, the separator and one merge)")
+    check_bpe_vocab_size(vocab_size)
     tokenizer = tokenizers.Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()

@@ -6,4 +6,5 @@
 
 They sit above the trainer: an instrument may import the trainer's core, its data, `arch`,
 `sharding` and `config`; the trainer's core and data never import it (the import-linter contracts
-in pyproject.toml). The scripts in scripts/ are thin command lines over these modules."""
+in pyproject.toml). The scripts in scripts/ are the command lines over these modules: each parses
+its arguments and checks them without JAX (`train.data.arguments`), then imports the module."""

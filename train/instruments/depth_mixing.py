@@ -1,10 +1,8 @@
 """Depth-mixing heatmaps of a trained run: which sources each sublayer reads, how it writes.
 
-    python scripts/depth_mixing.py --workdir runs/X [--out mixing.png] [--batch 4] [--seq_len 128]
-        [--step N]
-
-Restores the newest checkpoint of the run in --workdir, or the one at --step
-(`train.restore.restore_run`, as `python -m train.generate` does), runs the model on the first
+`run` (the command line: scripts/depth_mixing.py) restores the newest checkpoint of a run, or
+the one at a given step (`train.restore.restore_run`, as `python -m train.generate` does), runs
+the model on the first
 batch of the run's validation data under `nnx.capture(model, nnx.Intermediate)`, and plots
 every quantity the residual mechanism recorded with `arch.residual.record` (depth_weights,
 read_weights, write_strengths, mixing_matrix, read_gates, ...), one heatmap per quantity:
@@ -21,9 +19,9 @@ labels, the per-row shape after averaging and the per-row values. For weights ov
 sources (AttnRes's depth_weights) the JSON's "summary" and the printed lines state the AttnRes
 report's qualitative claims as figures (`depth_summary`). For mixing matrices (mHC) the JSON's
 "stochastic_error" and a printed line give their distance from doubly stochastic over every
-token, before averaging (`stochastic_error`). Plain sums record nothing: the
-script then exits with status 1 and one line saying so. --seq_len defaults to the run's seq_len;
---batch must be divisible by the mesh's data axis (all local devices, as in generation).
+token, before averaging (`stochastic_error`). Plain sums record nothing: `run` then says so in
+one line and returns 1. The batch must be divisible by the mesh's data axis (all local devices,
+as in generation).
 """
 
 from __future__ import annotations
@@ -36,8 +34,6 @@ import jax
 import numpy as np
 from flax import nnx
 
-from config import ConfigError
-from config.cli import ArgumentParser
 from train.restore import restore_for_analysis
 
 RESIDUAL_MODULES = ("attention_residual", "ffn_residual")
@@ -231,30 +227,13 @@ def to_json(quantities: dict[str, dict], **header) -> dict:
         for name, q in quantities.items()}}
 
 
-def analysis_run(prog: str, doc: str, png_name: str, argv: list[str] | None):
-    """The command line shared by the scripts that analyse a run (--workdir, --out, --batch,
-    --seq_len, --step) and the run it names (`restore_for_analysis`): (args, program, step, model,
-    tokens B×(T+1)), with args.out a Path (default WORKDIR/`png_name`). Raises
-    FileNotFoundError or ConfigError in one line."""
-    parser = ArgumentParser(prog, doc)
-    parser.add_argument("--workdir", required=True)
-    parser.add_argument("--out", default=None, help=f"PNG path; default WORKDIR/{png_name}")
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq_len", type=int, default=None, help="default: the run's seq_len")
-    parser.add_argument("--step", type=int, default=None,
-                        help="the checkpoint to read; default: the newest")
-    args = parser.parse_args(argv)
-    args.out = Path(args.out) if args.out else Path(args.workdir) / png_name
-    return (args, *restore_for_analysis(args.workdir, args.batch, args.seq_len, step=args.step))
-
-
-def main(argv: list[str] | None = None) -> int:
-    try:
-        args, program, step, model, tokens_BxT1 = analysis_run(
-            "python scripts/depth_mixing.py", __doc__, "mixing.png", argv)
-    except (FileNotFoundError, ConfigError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+def run(workdir: str | Path, out: Path, batch: int, seq_len: int | None = None,
+        step: int | None = None) -> int:
+    """The heatmaps of the run in `workdir` (its checkpoint at `step`, default the newest) on a
+    batch of `batch` × `seq_len` (default the run's) validation tokens, written to the PNG `out`
+    and its JSON beside it, with the summaries printed (module docstring). Returns 0, or 1 when
+    the mechanism records nothing; raises FileNotFoundError or ConfigError in one line."""
+    program, step, model, tokens_BxT1 = restore_for_analysis(workdir, batch, seq_len, step=step)
     config, seq_len = program.config, tokens_BxT1.shape[1] - 1
     with jax.set_mesh(program.mesh):
         quantities, intermediates = capture_mixing(model, tokens_BxT1[:, :-1])
@@ -263,10 +242,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"model.residual.name={mechanism!r} records no mixing weights (a plain sum has "
               "none); nothing to plot", file=sys.stderr)
         return 1
-    png_path = args.out
+    png_path = Path(out)
     png_path.parent.mkdir(parents=True, exist_ok=True)
     plot_mixing(quantities, png_path, f"{mechanism}, step {step}")
-    header = dict(mechanism=mechanism, step=step, batch=args.batch, seq_len=seq_len)
+    header = dict(mechanism=mechanism, step=step, batch=batch, seq_len=seq_len)
     if "depth_weights" in quantities:
         header["summary"] = summary = depth_summary(**quantities["depth_weights"])
         breadth = ", ".join(f"{k} {v:.2f}" for k, v in summary["breadth"].items())
@@ -276,14 +255,10 @@ def main(argv: list[str] | None = None) -> int:
     if "mixing_matrix" in quantities:
         header["stochastic_error"] = error = stochastic_error(
             recorded(intermediates)[0]["mixing_matrix"]["values"])
-        print(f"mixing matrices, distance from doubly stochastic over {args.batch}×{seq_len} "
+        print(f"mixing matrices, distance from doubly stochastic over {batch}×{seq_len} "
               f"tokens: columns max {error['column_max']:.2e}, mean {error['column_mean']:.2e}; "
               f"rows max {error['row_max']:.2e}")
     json_path = png_path.with_suffix(".json")
     json_path.write_text(json.dumps(to_json(quantities, **header)) + "\n")
     print(f"wrote {png_path} and {json_path}: {', '.join(quantities)}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

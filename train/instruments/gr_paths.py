@@ -1,7 +1,5 @@
 """Path decomposition of Gated Residual reads: how much of each write reaches each later read.
-
-    python scripts/gr_paths.py --workdir runs/X [--out gr_paths.png] [--batch 4] [--seq_len 128]
-        [--step N]
+The command line: scripts/gr_paths.py (`run`).
 
 The Gated Residual report's matched 20-layer probe decomposes each write into the later reads
 it reaches, through the gates the forward pass took, and reports the normalized contribution of
@@ -47,8 +45,8 @@ block (2 with attention and FFN).
 Per layer [ours]: C_layer[a, b] is the mean over layer b's reads j of Σ_{i in layer a} C[i, j].
 Source rows: embedding, layer 0, …; columns still sum to 1.
 
-The script restores the newest checkpoint in --workdir (or the one at --step) and runs the
-first batch of the run's validation data (`train.restore.restore_for_analysis`, as
+`run` restores the newest checkpoint of a run (or the one at a given step) and runs the first
+batch of the run's validation data (`train.restore.restore_for_analysis`, as
 scripts/depth_mixing.py does) under `nnx.capture`. It reads kind `nnx.Intermediate` (read
 gates, write strengths, mixing) and kind `arch.residual.PathTerm` (the other terms above).
 Outputs:
@@ -59,15 +57,15 @@ Outputs:
 - a printed summary line: layer 0's contribution to the last layer's read, and the skip length
   per branch.
 
-A run whose mechanism records no read gates/write strengths (or the other terms) exits with
-status 2 and one line. Memory: the captured terms are about (4n + 3)·B·T·d float32 values per
-sublayer with channelwise gates, so keep --batch and --seq_len small.
+A run whose mechanism records no read gates/write strengths (or the other terms) is refused in
+one line (`run` raises ConfigError). Memory: the captured terms are about (4n + 3)·B·T·d float32
+values per sublayer with channelwise gates, so keep the batch and the length small.
 """
 
 from __future__ import annotations
 
 import json
-import sys
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -75,7 +73,8 @@ from flax import nnx
 
 from arch.residual import PathTerm, sublayers_per_block
 from config import ConfigError
-from train.instruments.depth_mixing import analysis_run, plot_mixing, recorded
+from train.instruments.depth_mixing import plot_mixing, recorded
+from train.restore import restore_for_analysis
 
 GATES = ("read_gates", "write_strengths")  # nnx.Intermediate
 TERMS = ("read_inverse_rms", "branch_gains", "sublayer_output", "read")  # PathTerm
@@ -179,29 +178,28 @@ def _listed(values: np.ndarray) -> list:
     return [None if np.isnan(v) else float(v) for v in values]
 
 
-def main(argv: list[str] | None = None) -> int:
-    try:
-        args, program, step, model, tokens_BxT1 = analysis_run(
-            "python scripts/gr_paths.py", __doc__, "gr_paths.png", argv)
-    except (FileNotFoundError, ConfigError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+def run(workdir: str | Path, out: Path, batch: int, seq_len: int | None = None,
+        step: int | None = None) -> None:
+    """The decomposition of the run in `workdir` (its checkpoint at `step`, default the newest)
+    on a batch of `batch` × `seq_len` (default the run's) validation tokens: the heatmap PNG
+    `out`, the JSON beside it and the printed summary (module docstring). Raises
+    FileNotFoundError or ConfigError in one line (a mechanism without the terms included)."""
+    program, step, model, tokens_BxT1 = restore_for_analysis(workdir, batch, seq_len, step=step)
     config, seq_len = program.config, tokens_BxT1.shape[1] - 1
     mechanism = config.model.residual.name
     try:
         with jax.set_mesh(program.mesh):
             result = capture_paths(model, tokens_BxT1[:, :-1])
     except MissingTerms as error:
-        print(f"error: model.residual.name={mechanism!r} {error}: no path decomposition",
-              file=sys.stderr)
-        return 2
+        raise ConfigError(f"model.residual.name={mechanism!r} {error}: no path "
+                          "decomposition") from None
     per_block = sublayers_per_block(config.model)
     layers = per_layer(result["contribution"], per_block)
-    png_path = args.out
+    png_path = Path(out)
     png_path.parent.mkdir(parents=True, exist_ok=True)
     plot_mixing(_heatmaps(result), png_path, f"{mechanism}, step {step}: path contributions")
     written = dict(
-        mechanism=mechanism, step=step, batch=args.batch, seq_len=seq_len,
+        mechanism=mechanism, step=step, batch=batch, seq_len=seq_len,
         reads=result["rows"], sources=result["sources"],
         contribution=result["contribution"].tolist(),
         branch_contribution=result["branch_contribution"].tolist(),
@@ -220,8 +218,3 @@ def main(argv: list[str] | None = None) -> int:
           f"branch (layers): {listed(written['skip_layers'])} (writes only: "
           f"{listed(written['skip_writes_layers'])}); read error {result['read_error']:.1e}")
     print(f"wrote {png_path} and {json_path}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

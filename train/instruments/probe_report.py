@@ -1,16 +1,13 @@
 """The instrument panel of a run: accounting, per-depth probes, pruning, head ablation, the softmax
 bottleneck and compiled memory, as a Markdown report with PNG plots and a JSON file of every number.
 
-    python scripts/probe_report.py --workdir runs/X [--out DIR] [--batch 8] [--seq_len T]
-        [--prune 1] [--bottleneck_tokens M] [--sparsity_threshold 0.01] [--text PATH]
-
-Restores the newest checkpoint of the run in --workdir (a trained run, or a Hugging Face import
-from scripts/import_hf.py) and measures it on the first validation batch of --batch sequences
-(`train.restore.restore_for_analysis`; --seq_len defaults to the run's) of --text (a local text
-file or a prepared directory), or of the run's validation split, tokenized with the run's
-tokenizer (an imported checkpoint's own). The loss on that batch is reported per token and per
-byte of text (`train.restore.bytes_per_token`), so runs with different tokenizers compare.
-Writes into --out (default WORKDIR/report):
+The command line: scripts/probe_report.py. `measure` restores the newest checkpoint of a run (a
+trained run, or a Hugging Face import from scripts/import_hf.py) and measures it on the first
+validation batch of B sequences (`train.restore.restore_for_analysis`; the length defaults to
+the run's) of a text (a local text file or a prepared directory), or of the run's validation
+split, tokenized with the run's tokenizer (an imported checkpoint's own). The loss on that batch
+is reported per token and per byte of text (`train.restore.bytes_per_token`), so runs with
+different tokenizers compare. `write_report` writes into a directory:
 
   report.md         the tables below and the plots, with the step, batch and definitions
   report.json       every number (NaN written as null)
@@ -23,13 +20,13 @@ Writes into --out (default WORKDIR/report):
 
 Sections: accounting (`arch.accounting.books` at the batch's length); compiled train-step
 memory per device (`probes.train_step_memory`, the run's batch size); per-depth table and
-normalization statistics; ShortGPT pruning of the --prune lowest-influence blocks, loss before
+normalization statistics; ShortGPT pruning of the `prune` lowest-influence blocks, loss before
 and after (0 skips it); head ablation; the bottleneck diagnostic. Per-depth probes cover every
 residual mechanism but the reversible stack (multi-stream ones through the readout h_i of their
 state, `train/instruments/probes.py`); where the probes or the pruning are not defined (the
 reversible stack; pruning deepnorm, MoE groups, or width/block_attnres blocks whose removal would
 move write targets or AttnRes blocks) the report says why and keeps the rest. Progress goes to
-stderr; exit status 2 on bad input.
+stderr.
 """
 
 from __future__ import annotations
@@ -44,10 +41,10 @@ import numpy as np
 
 from arch import accounting, bottleneck
 from arch.residual import RESIDUALS
-from config import ConfigError
-from config.cli import ArgumentParser
+from config.resolution import unresolved
 from train.instruments import probes
 from train.restore import bytes_per_token, restore_for_analysis
+from train.step import resolve_for_job
 
 
 def log(message: str) -> None:
@@ -57,25 +54,22 @@ def log(message: str) -> None:
 def measure(workdir: str, batch: int, seq_len: int | None, prune: int,
             bottleneck_tokens: int | None,
             sparsity_threshold: float, text: str | None = None) -> dict:
-    """Every measurement of the report, as a nested dict of numpy arrays and numbers."""
+    """Every measurement of the report, as a nested dict of numpy arrays and numbers: `prune`
+in [0, num_layers), `bottleneck_tokens` None or in [1, vocab_size) (scripts/probe_report.py
+checks them against the run's config.json). Raises FileNotFoundError or ConfigError in one
+line (a run that does not restore, a batch the devices do not divide)."""
     program, step, model, tokens_BxT1 = restore_for_analysis(workdir, batch, seq_len, text)
     cfg = program.config.model
     layers = cfg.num_layers
-    if not 0 <= prune < layers:
-        raise ConfigError(f"--prune={prune} is invalid: must be in [0, {layers - 1}] "
-                          f"(the model has {layers} blocks)")
-    if bottleneck_tokens is not None and not 1 <= bottleneck_tokens < cfg.vocab_size:
-        raise ConfigError(f"--bottleneck_tokens={bottleneck_tokens} is invalid: must be in "
-                          f"[1, {cfg.vocab_size - 1}] (vocab_size − 1)")
     length = tokens_BxT1.shape[1] - 1
     report = {"workdir": str(workdir), "step": step, "residual": cfg.residual.name,
               "batch": tokens_BxT1.shape[0], "seq_len": length}
     log("accounting")
     report["accounting"] = accounting.books(cfg, length)
     log("compiled train-step memory")
-    training_config = program.config.copy_and_resolve_references()
+    training_config = unresolved(program.config)
     training_config.quantization.method = "none"  # a quantized run's float32 model: it trains
-    report["memory"] = probes.train_step_memory(training_config)
+    report["memory"] = probes.train_step_memory(resolve_for_job(training_config))
     with jax.set_mesh(program.mesh):
         if cfg.reversible:
             report["depth_skipped"] = ("model.reversible=True: the per-depth probes walk the "
@@ -343,33 +337,3 @@ def write_report(report: dict, out: Path) -> list[Path]:
     (out / "report.json").write_text(json.dumps(_plain(report), indent=1) + "\n")
     return [*written, out / "heads.png", out / "spectrum.png", out / "report.md",
             out / "report.json"]
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = ArgumentParser("python scripts/probe_report.py", __doc__)
-    parser.add_argument("--workdir", required=True)
-    parser.add_argument("--out", default=None, help="default: WORKDIR/report")
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq_len", type=int, default=None, help="default: the run's seq_len")
-    parser.add_argument("--prune", type=int, default=1, help="blocks to prune (0: skip)")
-    parser.add_argument("--bottleneck_tokens", type=int, default=None,
-                        help="default: min(vocab − 1, 2(d + 1)), enough to test the bound")
-    parser.add_argument("--sparsity_threshold", type=float, default=1e-2)
-    parser.add_argument("--text", default=None,
-                        help="evaluation text: a text file or a prepared directory (default: "
-                             "the run's validation split)")
-    args = parser.parse_args(argv)
-    try:
-        report = measure(args.workdir, args.batch, args.seq_len, args.prune,
-                         args.bottleneck_tokens, args.sparsity_threshold, args.text)
-    except (FileNotFoundError, ConfigError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    out = Path(args.out) if args.out else Path(args.workdir) / "report"
-    written = write_report(report, out)
-    print(f"wrote {', '.join(str(path) for path in written)}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

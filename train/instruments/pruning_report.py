@@ -1,28 +1,21 @@
 """Pruning studies of a run, as Markdown + JSON + PNG: block pruning with healing, and head
-pruning with speedups.
+pruning with speedups. The command lines: scripts/prune_heal.py (`measure_blocks`,
+`write_blocks`) and scripts/prune_heads.py (`measure_heads`, `write_heads`).
 
-    python scripts/prune_heal.py --workdir RUN --out DIR [--fractions 0.125,0.25,0.5]
-        [--selection influence,angular] [--heal_steps 200] [--rank 8] [--learning_rate 1e-3]
-        [--batch 8] [--eval_batches 4]
-    python scripts/prune_heads.py --workdir RUN --out DIR
-        [--structures heads,per_group,whole_groups]
-        [--step_fraction 0.1] [--max_fraction 0.9] [--calibration_batches 2] [--batch 8]
-        [--eval_batches 4] [--timing_steps 10] [--timing_batch B]
-
-Data: the evaluation loss is the mean next-token loss (nats) over the first `--eval_batches`
-validation batches of `--batch` sequences of the run's seq_len (`train.restore.evaluation_split`,
+Data: the evaluation loss is the mean next-token loss (nats) over the first `eval_batches`
+validation batches of `batch` sequences of the run's seq_len (`train.restore.evaluation_split`,
 VALIDATION_SEED); calibration (block selection, head importance) and healing read the run's
 training split with seeds of their own (config.seed + 1, + 2), never the evaluation batches.
 
 Block pruning (`train.instruments.pruning`): for each selection and fraction f, n = round(f·L)
 blocks are dropped (influence: the n lowest Block Influence; angular: the contiguous n minimizing
 d(x^l, x^{l+n})), the loss is measured, the model is healed with rank-r adapters for
-`--heal_steps` steps and measured again. Writes blocks.md, blocks.json, blocks.png.
+`heal_steps` steps and measured again. Writes blocks.md, blocks.json, blocks.png.
 
 Head pruning (`train.instruments.head_pruning`): iterative pruning for each structure, the loss
 at every round; for the physically removable rounds ("per_group", "whole_groups") the heads are
 removed, the removed model's loss is checked against the masked one, and the train-step
-(`--timing_batch` × seq_len, AdamW) and one-token decode-step time ratios pruned/intact are
+(`timing_batch` × seq_len, AdamW) and one-token decode-step time ratios pruned/intact are
 measured interleaved. Writes heads.md, heads.json, heads.png.
 """
 
@@ -33,14 +26,12 @@ import platform
 import subprocess
 import sys
 import time
-from argparse import ArgumentParser
 from pathlib import Path
 
 import jax
 import ml_collections
 import numpy as np
 
-from config import ConfigError
 from train.data import shards
 from train.data.in_memory import VALIDATION_SEED
 from train.instruments import head_pruning, pruning
@@ -90,13 +81,11 @@ def _mean_loss(model, batches) -> float:
 def measure_blocks(workdir: str, fractions: list[float], selections: list[str], heal_steps: int,
                    rank: int, learning_rate: float, batch: int, eval_batches: int,
                    control: bool = True) -> dict:
+    """The block-pruning report (module docstring): each fraction f drops 1 ≤ round(f·L) < L
+    of the L blocks, each selection one of `SELECTIONS` (scripts/prune_heal.py checks them
+    against the run's config.json)."""
     program, step, model, evaluation, train_batch = _data(workdir, batch, eval_batches)
     layers = model.cfg.num_layers
-    for fraction in fractions:
-        if not 1 <= round(fraction * layers) < layers:
-            raise ConfigError(f"--fractions={fraction} is invalid: it drops "
-                              f"{round(fraction * layers)} of {layers} blocks; expected "
-                              "1 ≤ round(f·L) < L")
     calibration = train_batch(0, 1)
     intact = _mean_loss(model, evaluation)
     log(f"intact model: {layers} blocks, loss {intact:.4f}")
@@ -164,6 +153,16 @@ def blocks_markdown(report: dict) -> str:
         f"Commit {report['commit']}, {report['machine']}; command: `{report['command']}`", ""])
 
 
+def write_blocks(report: dict, out: str | Path) -> None:
+    """OUT/blocks.md, .json and .png of a `measure_blocks` report, and a line saying so."""
+    _write(report, Path(out), "blocks", blocks_markdown, plot_blocks)
+
+
+def write_heads(report: dict, out: str | Path) -> None:
+    """OUT/heads.md, .json and .png of a `measure_heads` report, and a line saying so."""
+    _write(report, Path(out), "heads", heads_markdown, plot_heads)
+
+
 def _write(report: dict, out: Path, name: str, markdown, plot) -> None:
     """OUT/<name>.md, .json and .png of a report, and a line saying so."""
     out.mkdir(parents=True, exist_ok=True)
@@ -197,55 +196,13 @@ def plot_blocks(report: dict, path: Path) -> None:
     plt.close(figure)
 
 
-def _floats(text: str, flag: str) -> list[float]:
-    try:
-        return [float(x) for x in text.split(",") if x]
-    except ValueError:
-        raise ConfigError(f"{flag}={text} is invalid: expected comma-separated numbers") from None
-
-
-def _names(text: str, flag: str, allowed: tuple[str, ...]) -> list[str]:
-    names = [x for x in text.split(",") if x]
-    bad = [x for x in names if x not in allowed]
-    if bad or not names:
-        raise ConfigError(f"{flag}={text} is invalid: expected a comma-separated subset of "
-                          f"{','.join(allowed)}")
-    return names
-
-
-def main_blocks(argv: list[str] | None = None) -> int:
-    parser = ArgumentParser("python scripts/prune_heal.py", __doc__)
-    parser.add_argument("--workdir", required=True)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--fractions", default="0.125,0.25,0.5",
-                        help="'' (empty): only the control")
-    parser.add_argument("--selection", default="influence,angular",
-                        help="influence, angular or both (comma-separated)")
-    parser.add_argument("--heal_steps", type=int, default=200)
-    parser.add_argument("--rank", type=int, default=8)
-    parser.add_argument("--learning_rate", type=float, default=1e-3)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--eval_batches", type=int, default=4)
-    parser.add_argument("--no_control", action="store_true",
-                        help="skip healing the intact model (the control)")
-    args = parser.parse_args(argv)
-    try:
-        report = measure_blocks(args.workdir, _floats(args.fractions, "--fractions"),
-                                _names(args.selection, "--selection", SELECTIONS),
-                                args.heal_steps, args.rank, args.learning_rate, args.batch,
-                                args.eval_batches, control=not args.no_control)
-    except (FileNotFoundError, ConfigError, ValueError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    _write(report, Path(args.out), "blocks", blocks_markdown, plot_blocks)
-    return 0
-
-
 # Head pruning -------------------------------------------------------------------------------------
 
 def measure_heads(workdir: str, structures: list[str], step_fraction: float, max_fraction: float,
                   calibration_batches: int, batch: int, eval_batches: int, timing_steps: int,
                   timing_batch: int | None) -> dict:
+    """The head-pruning report (module docstring) for each structure of
+    `head_pruning.STRUCTURES` named (scripts/prune_heads.py checks the names)."""
     program, step, model, evaluation, train_batch = _data(workdir, batch, eval_batches)
     cfg = model.cfg
     calibration = [train_batch(i, 1) for i in range(calibration_batches)]
@@ -316,30 +273,3 @@ def plot_heads(report: dict, path: Path) -> None:
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
-
-
-def main_heads(argv: list[str] | None = None) -> int:
-    parser = ArgumentParser("python scripts/prune_heads.py", __doc__)
-    parser.add_argument("--workdir", required=True)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--structures", default=",".join(head_pruning.STRUCTURES))
-    parser.add_argument("--step_fraction", type=float, default=0.1)
-    parser.add_argument("--max_fraction", type=float, default=0.9)
-    parser.add_argument("--calibration_batches", type=int, default=2)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--eval_batches", type=int, default=4)
-    parser.add_argument("--timing_steps", type=int, default=10, help="0: skip the timing")
-    parser.add_argument("--timing_batch", type=int, default=None,
-                        help="train-step batch for the timing (default: the run's)")
-    args = parser.parse_args(argv)
-    try:
-        report = measure_heads(args.workdir,
-                               _names(args.structures, "--structures", head_pruning.STRUCTURES),
-                               args.step_fraction, args.max_fraction, args.calibration_batches,
-                               args.batch, args.eval_batches, args.timing_steps,
-                               args.timing_batch)
-    except (FileNotFoundError, ConfigError, ValueError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    _write(report, Path(args.out), "heads", heads_markdown, plot_heads)
-    return 0

@@ -1,9 +1,8 @@
 """Export a blockbench run as a Hugging Face checkpoint that `transformers` loads.
 
-    python scripts/export_hf.py --workdir RUN --out DIR
-
-RUN is a run directory (`python -m train`, or an import); its newest checkpoint's parameters are
-restored (`train.restore.restore_run`: never the optimizer state). A model that a Llama or GPT-2
+`export_run(RUN, DIR)` (the command line: scripts/export_hf.py). RUN is a run directory
+(`python -m train`, or an import); its newest checkpoint's parameters are restored
+(`train.restore.restore_run`: never the optimizer state). A model that a Llama or GPT-2
 checkpoint represents exactly is written (RoPE → "llama", learned positions → "gpt2":
 `arch.hf_config.hf_config_from_model`; anything else is refused in one line naming the field,
 e.g. an AttnRes stream or a MoE FFN). DIR must not exist or be empty. It gets
@@ -17,21 +16,18 @@ e.g. an AttnRes stream or a MoE FFN). DIR must not exist or be empty. It gets
                          without merges whose ids are the byte values.
 
 so that `transformers.AutoModelForCausalLM.from_pretrained(DIR)` computes the run's logits, and
-`scripts/import_hf.py --checkpoint DIR` gives back the same parameters. Exit status: 0 done, 2
-a bad argument, a missing run or a model that cannot be exported exactly.
+`scripts/import_hf.py --checkpoint DIR` gives back the same parameters.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 from safetensors.numpy import save_file
 
 from arch.hf_config import hf_config_from_model
-from config.cli import ArgumentParser
 from train.data.tokenizer import ByteTokenizer, HuggingFaceTokenizer, tokenizer_of
 from train.interop.hf import SINGLE_FILE, hf_tensors_from_params
 from train.restore import restore_run
@@ -58,21 +54,3 @@ def export_run(workdir: str | Path, out: str | Path) -> Path:
             else "tokenizer.model"
         shutil.copyfile(tokenizer.path, out / name)
     return out
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = ArgumentParser("python scripts/export_hf.py", __doc__)
-    parser.add_argument("--workdir", required=True, help="the run directory to export")
-    parser.add_argument("--out", required=True, help="the Hugging Face checkpoint directory")
-    args = parser.parse_args(argv)
-    try:
-        out = export_run(args.workdir, args.out)
-    except (FileNotFoundError, ValueError) as error:  # ConfigError is a ValueError
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    print(f"wrote {out / 'config.json'}, {out / SINGLE_FILE} and the tokenizer")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,7 +1,5 @@
-"""Post-training quantization of a run: `python scripts/quantize.py`.
-
-    python scripts/quantize.py --workdir RUN --method int8|llm_int8|gptq4|gptq3|int4|int3 \
-        --out RUN_Q [--group_size G] [--calibration_batches N] [--threshold 6.0] [--measure]
+"""Post-training quantization of a run: `quantize_run(RUN, RUN_Q, method)` and `measure` (the
+command line: scripts/quantize.py).
 
 Reads RUN's parameters (`restore_run`), quantizes the attention and FFN projections of the layer
 stack (`arch/quantized.py` says which layers and how they compute), and writes RUN_Q: RUN's
@@ -27,14 +25,15 @@ Methods:
   (calibration max |x_j| > threshold) multiplied in float32; reports the share of multiply-adds
   done in 8 bits.
 
-Calibration (llm_int8, gptq): `--calibration_batches` batches of the run's training split
+Calibration (llm_int8, gptq): `calibration_batches` batches of the run's training split
 (batch_size × seq_len tokens each), through the float32 model with every quantized layer's input
 statistics (H = Σ xᵀx and max |x| per feature) accumulated as non-parameter layer state, which the
 layer scan carries out as it does BatchNorm statistics.
 
-`--measure` also evaluates both runs on the run's validation batches (the trainer's eval_batches),
+`measure` evaluates both runs on the run's validation batches (the trainer's eval_batches),
 counts weight bytes and times one decode step of each model interleaved (ABBA,
-`train.instruments.timing`), and writes RUN_Q/quantization.json.
+`train.instruments.timing`); the command line writes its figures, with `quantize_run`'s report,
+to RUN_Q/quantization.json.
 """
 
 from __future__ import annotations
@@ -43,7 +42,6 @@ import functools
 import json
 import math
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -71,7 +69,6 @@ from arch.quantized import (
     storage_dtype,
     swap_dense,
 )
-from config.cli import ArgumentParser
 from train.checkpoint import Checkpointer
 from train.data import shards
 from train.data.in_memory import VALIDATION_SEED
@@ -250,7 +247,7 @@ def llm_int8_layer(dense: Dense, outliers: np.ndarray, capacity: int) -> LLMInt8
         weight[:len(index)] = w_IxO[index]
         indices.append(padded)
         rows.append(weight)
-    shaped = lambda arrays: jnp.asarray(np.stack(arrays).reshape(*stack, *arrays[0].shape))  # noqa: E731
+    shaped = lambda arrays: jnp.asarray(np.stack(arrays).reshape(*stack, *arrays[0].shape))
     return LLMInt8Dense(shaped(qvalues), shaped(scales),
                         jnp.asarray(outliers.reshape(*stack, -1).astype(np.int8)),
                         shaped(indices), shaped(rows), _bias(dense), in_shape=in_shape,
@@ -430,36 +427,3 @@ def measure(workdir: str | Path, out: str | Path, *, steps: int = 200, block: in
             "checkpoint_bytes_on_disk": disk,
             "decode_step_seconds": {name: float(np.median(t)) for name, t in times.items()},
             "decode_time_ratio": paired_ratio(times, "quantized", "float32", block)}
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = ArgumentParser("python scripts/quantize.py", __doc__)
-    parser.add_argument("--workdir", required=True, help="the float32 run to quantize")
-    parser.add_argument("--method", required=True, help=" | ".join(METHODS))
-    parser.add_argument("--out", required=True, help="the quantized run directory to create")
-    parser.add_argument("--group_size", type=int, default=0,
-                        help="int8/gptq: input rows per scale; 0 (default): one per channel")
-    parser.add_argument("--calibration_batches", type=int, default=8,
-                        help="llm_int8/gptq: training batches the calibration reads")
-    parser.add_argument("--threshold", type=float, default=6.0,
-                        help="llm_int8: outlier threshold on calibration max |activation|")
-    parser.add_argument("--measure", action="store_true",
-                        help="also measure loss delta, weight bytes and decode time ratio; "
-                             "writes OUT/quantization.json")
-    args = parser.parse_args(argv)
-    try:
-        report = quantize_run(args.workdir, args.out, args.method, group_size=args.group_size,
-                              calibration_batches=args.calibration_batches,
-                              threshold=args.threshold)
-    except (FileNotFoundError, ValueError) as error:  # ConfigError is a ValueError
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    if args.measure:
-        report.update(measure(args.workdir, args.out))
-    (Path(args.out) / "quantization.json").write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps({k: v for k, v in report.items() if k != "outlier_features"}, indent=2))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

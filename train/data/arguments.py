@@ -1,0 +1,164 @@
+"""The checks of the scripts' arguments that need no heavy import: every script in scripts/ runs
+them after parsing its command line and before it imports JAX, Flax, Orbax, grain or
+tensorflow_datasets, so a bad argument is one line on stderr (exit status 2) in a fraction of a
+second. Each raises `config.ConfigError` with one line naming the flag, the value and the fix.
+
+- `saved_run`: a --workdir that holds a training run (its config.json and a checkpoint);
+- `check_analysis`: the --batch and --seq_len of a script that measures a run on a batch;
+- `check_text`: an evaluation --text (a text file or a prepared directory);
+- `output_directory`, `output_file`: where a script writes;
+- `source_files`, `check_source`: a corpus source of scripts/prepare_data.py and
+  scripts/train_tokenizer.py (`train.data.shards.read_documents` reads it);
+- `check_config`: a --config resolved (`config.resolve`) for the devices the environment names.
+
+In `train.data`, the lowest layer that the scripts' library modules share; it imports only the
+standard library, `config`, `sharding.launch`, `train.rundir` and `train.data.tokenizer`.
+"""
+
+from __future__ import annotations
+
+import glob
+import math
+import os
+from pathlib import Path
+
+import ml_collections
+
+from config import ConfigError, resolve
+from config.defaults import base_config
+from config.mesh_shape import MESH_AXES
+from sharding.launch import device_count_from_environment
+from train.data.tokenizer import check_vocab, tokenizer_of
+from train.rundir import checkpoint_steps, saved_config
+
+
+def saved_run(workdir: str | Path, step: int | None = None) -> dict:
+    """The config.json of the training run in `workdir` as JSON data over `base_config()`'s
+    defaults (what `train.restore.restore_run` rebuilds the run from), once `workdir` is known
+    to hold a checkpoint (the one at `step`, when given). Whether the checkpoint restores is
+    the restore's to find out."""
+    if not Path(workdir).is_dir():
+        raise ConfigError(f"--workdir={workdir} is not a directory; pass a run directory "
+                          "(python -m train --workdir DIR writes one)")
+    saved = saved_config(workdir, base_config().to_dict())
+    if saved is None:
+        raise ConfigError(f"--workdir={workdir} holds no config.json; train a model there first "
+                          "with python -m train")
+    steps = checkpoint_steps(workdir)
+    if step is not None and step not in steps:
+        raise ConfigError(f"--workdir={workdir} holds no restorable checkpoint at step {step} "
+                          f"(its checkpoints: {steps or 'none'})")
+    if not steps:
+        raise ConfigError(f"--workdir={workdir} holds no checkpoint; train a model there first "
+                          "with python -m train")
+    return saved
+
+
+def context_length(saved: dict) -> int:
+    """The longest sequence the saved run's model takes: model.max_seq_len (seq_len when
+    unset)."""
+    return saved["model"].get("max_seq_len") or saved["seq_len"]
+
+
+def check_analysis(saved: dict, batch: int, seq_len: int | None = None) -> None:
+    """--batch and --seq_len of a script that measures the saved run on a batch of its
+    validation data (`train.restore.restore_for_analysis`): a positive batch (a multiple of the
+    local devices, when the environment names their count) and a length in [2, the model's
+    context]."""
+    devices = device_count_from_environment(os.environ) or 1
+    if batch <= 0 or batch % devices:
+        raise ConfigError(f"--batch={batch} is invalid: must be a positive multiple of the "
+                          f"{devices} devices of the mesh's data axis")
+    context = context_length(saved)
+    if seq_len is not None and not 2 <= seq_len <= context:
+        raise ConfigError(f"--seq_len={seq_len} is invalid: must be in [2, {context}] (the "
+                          "model's max_seq_len)")
+
+
+def check_text(text: str | Path | None) -> None:
+    """An evaluation --text: a text file or a prepared directory (None: the run's own)."""
+    path = Path(text) if text is not None else None
+    if path is not None and not (path / "metadata.json").is_file() and not path.is_file():
+        raise ConfigError(f"--text={text} is invalid: it is neither a text file nor a prepared "
+                          "directory (scripts/prepare_data.py)")
+
+
+def _creatable(path: Path, flag: str) -> None:
+    """`path` can be created: its nearest existing ancestor is a directory this user may write."""
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"{flag}={path} cannot be created: {existing} is a file")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        where = "" if existing == path else f" ({existing} is where it would be created)"
+        raise ConfigError(f"{flag}={path} is not writable{where}; pass a directory you can "
+                          "write to")
+
+
+def output_directory(path: str | Path, flag: str = "--out") -> Path:
+    """`path` as a directory a script writes into: an existing directory, or one it can create."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{flag}={path} is a file, not a directory; pass a directory (it is "
+                          "created if missing)")
+    _creatable(path, flag)
+    return path
+
+
+def output_file(path: str | Path, flag: str = "--out") -> Path:
+    """`path` as a file a script writes (its directory is created if missing)."""
+    path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"{flag}={path} is a directory; pass the path of a file to write, "
+                          f"e.g. {path / 'plot.png'}")
+    if not path.exists():
+        _creatable(path, flag)
+    elif not os.access(path, os.W_OK):
+        raise ConfigError(f"{flag}={path} is not writable; pass a file you can write")
+    return path
+
+
+def source_files(source: str, flag: str = "--source") -> list[str]:
+    """The files a source of comma-separated globs names, sorted; ConfigError when none."""
+    patterns = [os.path.expanduser(p.strip()) for p in source.split(",") if p.strip()]
+    files = sorted({f for p in patterns for f in glob.glob(p, recursive=True)
+                    if os.path.isfile(f)})
+    if not files:
+        raise ConfigError(f"{flag}={source!r} is invalid: it matches no file; pass 'kjv', "
+                          "'tfds:NAME', 'hf_disk:PATH' or globs of .txt/.jsonl/.parquet files")
+    return files
+
+
+def check_source(source: str, flag: str = "--source") -> None:
+    """A corpus source (`train.data.shards.read_documents`): "kjv", "tfds:NAME",
+    "hf_disk:PATH" (a directory) or globs that match a file. Whether a tfds dataset is prepared
+    and a saved dataset loads is the reader's to find out."""
+    if source == "kjv":
+        return
+    if source.startswith("tfds:"):
+        if not source[len("tfds:"):]:
+            raise ConfigError(f"{flag}={source!r} is invalid: name the dataset, tfds:NAME")
+        return
+    if source.startswith("hf_disk:"):
+        path = os.path.expanduser(source[len("hf_disk:"):])
+        if not os.path.isdir(path):
+            raise ConfigError(f"{flag}={source!r} is invalid: {path} is not a directory; pass "
+                              "hf_disk:PATH of a dataset saved with save_to_disk")
+        return
+    source_files(source, flag)
+
+
+def check_config(config: ml_collections.ConfigDict) -> ml_collections.FrozenConfigDict:
+    """`config` (its model.vocab_size 0 filled from its tokenizer, in place) resolved without
+    JAX: for the devices the environment names (`sharding.launch.device_count_from_environment`:
+    a CPU-only JAX), else for the fewest devices its mesh allows (its fixed axes, in ∏ mesh.dcn
+    slices), so every rule but the real device count's arithmetic is checked before JAX loads.
+    Raises ConfigError in one line."""
+    check_vocab(config.model, tokenizer_of(config.data))
+    devices = device_count_from_environment(os.environ)
+    if devices is not None:
+        return resolve(config, devices)
+    slices = math.prod(config.mesh.dcn[axis] for axis in MESH_AXES)
+    fixed = math.prod(size for size in (config.mesh[axis] for axis in MESH_AXES) if size > 0)
+    return resolve(config, math.lcm(fixed, slices), slices)
