@@ -266,6 +266,11 @@ def base_config() -> ml_collections.ConfigDict:
             read_threads=2,       # name="prepared": threads reading those batches
             data_dir="",          # tfds data dir; default ~/.cache/blockbench/tfds
             validation_fraction=0.05,  # name="text": the tail kept for validation
+            tuning_fraction=0.0,  # f > 0: hold out the last fraction f of the train split as a
+                                  # tuning split; the run trains on the rest and evaluates on it
+                                  # instead of validation (a learning-rate sweep, scripts/
+                                  # sweep.py --tune). 0: train on all of it, evaluate on
+                                  # validation. Not for name="prepared"
             text_key=ml_collections.FieldReference(None, field_type=str),  # tfds text feature
         ),
         # Total size of each mesh axis; one may be -1: the remaining devices.

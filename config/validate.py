@@ -1,9 +1,9 @@
 """The config checks that need no JAX: every training, optimizer, data and sampling field, and the
 arguments of generation. `python -m train` runs them before it imports JAX, so a bad field is
-reported in a fraction of a second. `check_fields` is also the first part of
-`train.config.validate` (then come the checks that need the component registries and the
-devices); `check_training` (vocabulary, data, final sample) is run by the CLI and by
-`train.loop.train`, not for a run that is only restored.
+reported in a fraction of a second. `check_fields` is the first part of `config.resolve`
+(then come the component names, the model's rules and the mesh); `check_training` (vocabulary,
+data, final sample) is run by the CLI and by `train.loop.train`, not for a run that is only
+restored.
 
 Imports only the standard library and `config`.
 """
@@ -60,7 +60,7 @@ def check_fields(config) -> None:
 def check_training(config) -> None:
     """Check what only training needs (after `check_fields` and `train.data.tokenizer.check_vocab`):
     data that can be split into windows, and the final sample's arguments. Not
-    part of `train.config.validate`, which also serves runs that are only restored (e.g. an
+    part of `config.resolve`, which also serves runs that are only restored (e.g. an
     imported checkpoint with its own vocabulary, or a run whose text files have moved)."""
     model = config.model
     method = config.get("quantization", {}).get("method", "none")
@@ -133,7 +133,20 @@ def text_split_sizes(total_tokens: int, validation_fraction: float) -> tuple[int
     return total_tokens - validation, validation
 
 
+def tuning_split_sizes(train_tokens: int, tuning_fraction: float) -> tuple[int, int]:
+    """(train, tuning) token counts of a train split with `data.tuning_fraction`: its tail is the
+    tuning split (`train.data.in_memory.tuning_split`)."""
+    tuning = int(train_tokens * tuning_fraction)
+    return train_tokens - tuning, tuning
+
+
 def _check_data(data, seq_len: int) -> None:
+    fraction = data.get("tuning_fraction", 0.0)
+    check(_is_number(fraction) and 0 <= fraction < 1, "data.tuning_fraction", fraction,
+          "must be in [0, 1): the tail of the train split held out for tuning (0: none)")
+    check(fraction == 0 or data.name != "prepared", "data.tuning_fraction", fraction,
+          "is not supported for data.name='prepared' (its shards stream whole documents); "
+          "tune on an in-memory source, or set it to 0")
     if data.name != "text":
         return
     check(_is_number(data.validation_fraction) and 0 < data.validation_fraction < 1,
@@ -142,12 +155,16 @@ def _check_data(data, seq_len: int) -> None:
     files = text_files(data.path)
     check(bool(files), "data.path", data.path, "matches no file; pass a glob of text files")
     total = sum(os.path.getsize(f) for f in files) + len(files) - 1  # documents joined by b"\n"
-    for split, tokens in zip(("train", "validation"),
-                             text_split_sizes(total, data.validation_fraction), strict=True):
+    train, validation = text_split_sizes(total, data.validation_fraction)
+    sizes = {"train": train, "validation": validation}
+    if fraction:
+        sizes["train"], sizes["tuning"] = tuning_split_sizes(train, fraction)
+    for split, tokens in sizes.items():
+        field = "tuning_fraction" if fraction else "validation_fraction"
         check(tokens >= seq_len + 1, "data.path", data.path,
               f"holds {total} bytes of text, leaving {tokens} for the {split} split: too few "
               f"for one window of seq_len + 1 = {seq_len + 1} tokens; add text, lower seq_len "
-              "or change data.validation_fraction")
+              f"or change data.{field}")
 
 
 def check_generation(vocab_size: int, position: str, context: int, prompt_tokens: int,

@@ -47,7 +47,7 @@ Commands (results: docs/results/attnres_ablation/):
     python scripts/study_report.py --root runs/attnres_ablation
 """
 
-from experiments.common import arm_and_scale, base_config
+from experiments.common import arm_and_scale, base_config, claim
 
 ARMS = ("baseline", "full", "block", "block2", "block8", "block16", "window", "input_query",
         "input_query_scaled", "heads4", "sigmoid", "no_key_norm", "static", "mhc")
@@ -56,21 +56,39 @@ SEEDS = (0, 1, 2)
 SCALES = ("cpu", "paper")
 PAPER = {"baseline": 1.766, "full": 1.737, "block": 1.746, "mhc": 1.747}
 PAPER_METRIC = "final validation loss (16-layer ablation table)"
-CLAIMS = (  # (arm, "<" lower loss / ">" higher loss, reference, the claim)
-    ("full", "<", "baseline", "Full AttnRes beats the Pre-Norm baseline (1.737 vs 1.766)"),
-    ("block", "<", "baseline", "Block AttnRes, S = 4, beats the baseline (1.746 vs 1.766)"),
-    ("mhc", "<", "baseline", "mHC beats the baseline (1.747 vs 1.766)"),
-    ("full", "<", "block", "Full beats Block (1.737 vs 1.746)"),
-    ("block2", "<", "block", "a finer block partition approaches Full"),
-    ("block16", ">", "block", "one block loses most of the gain"),
-    ("window", ">", "block", "a window of recent sources only is worse than distant summaries"),
-    ("input_query", "<", "block", "an input-dependent query helps a little"),
-    ("input_query_scaled", "<", "block", "an input-dependent query helps a little (W·k̂ / d)"),
-    ("heads4", ">", "block", "more depth-attention heads do not help"),
-    ("sigmoid", ">", "block", "sigmoid weights are worse than softmax"),
-    ("no_key_norm", ">", "block", "removing the key norm is worse"),
-    ("static", ">", "block", "DenseFormer-style static weights are worse than AttnRes"),
+# The registered claims (docs/studies.md). Sources as this docstring gives them: the report's
+# 16-layer ablation table and its text (paraphrased above); the table's number is not cited.
+_TABLE_SOURCE = "Kimi Team 2026, Attention Residuals, 16-layer ablation table (table not cited)"
+_TEXT_SOURCE = "Kimi Team 2026, Attention Residuals, text, paraphrased (table not cited)"
+# n: the seeds every arm of the family has in docs/results/attnres_ablation. The table's
+# family: 4 (baseline, block and full have seeds 0-3; mHC has 0-2, so its claim is exploratory
+# until it has seed 3). The variants: 3 (each variant has seeds 0-2; Block has 0-3, so every
+# variant's claim is exploratory until the variants have seed 3 and n is raised to 4 here).
+_TABLE = dict(source=_TABLE_SOURCE, family="AttnRes table", n=4)
+_VARIANTS = dict(source=_TEXT_SOURCE, family="AttnRes variants", n=3)
+CLAIMS = (
+    claim("full", "<", "baseline", quote="Full AttnRes beats the Pre-Norm baseline (1.737 vs "
+          "1.766)", **_TABLE),
+    claim("block", "<", "baseline", quote="Block AttnRes, S = 4, beats the baseline (1.746 vs "
+          "1.766)", **_TABLE),
+    claim("mhc", "<", "baseline", quote="mHC beats the baseline (1.747 vs 1.766)", **_TABLE),
+    claim("full", "<", "block", quote="Full beats Block (1.737 vs 1.746)", **_TABLE),
+    claim("block2", "<", "block", quote="a finer block partition approaches Full", **_VARIANTS),
+    claim("block16", ">", "block", quote="one block loses most of the gain", **_VARIANTS),
+    claim("window", ">", "block", quote="a window of recent sources only is worse than distant "
+          "summaries", **_VARIANTS),
+    claim("input_query", "<", "block", quote="an input-dependent query helps a little",
+          **_VARIANTS),
+    claim("input_query_scaled", "<", "block", quote="an input-dependent query helps a little "
+          "(W·k̂ / d)", **_VARIANTS),
+    claim("heads4", ">", "block", quote="more depth-attention heads do not help", **_VARIANTS),
+    claim("sigmoid", ">", "block", quote="sigmoid weights are worse than softmax", **_VARIANTS),
+    claim("no_key_norm", ">", "block", quote="removing the key norm is worse", **_VARIANTS),
+    claim("static", ">", "block", quote="DenseFormer-style static weights are worse than "
+          "AttnRes", **_VARIANTS),
 )
+# NUMERICS_SINCE is not registered: no commit is known to have changed this study's numbers
+# (the runs' READMEs list the commits each trained at).
 
 # Arm → the model fields it changes, on top of Block AttnRes with S = 4 unless it says otherwise.
 def _block(**attnres) -> dict:

@@ -11,8 +11,8 @@ import ml_collections
 
 from config.defaults import base_config, model_config
 
-__all__ = ["arm_and_scale", "arm_size_and_scale", "base_config", "model_config", "small_cpu",
-           "subword", "use_deepnorm", "use_placement"]
+__all__ = ["arm_and_scale", "arm_size_and_scale", "base_config", "claim", "model_config",
+           "small_cpu", "subword", "use_deepnorm", "use_placement"]
 
 
 def use_deepnorm(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
@@ -66,6 +66,18 @@ def arm_size_and_scale(arg: str | None, arms, sizes, scales) -> tuple[str, str, 
         raise ValueError(f"unknown {arg!r}: ARM@SIZE[,SCALE] with ARM in {', '.join(arms)}, "
                          f"SIZE in {', '.join(sizes)}, SCALE in {', '.join(scales)}")
     return arm, size, scale
+
+
+def claim(arm: str, relation: str, reference: str, *, quote: str, source: str, family: str,
+          n: int, margin: float | None = None, metric: str = "eval_loss") -> dict:
+    """A registered claim of a study file's `CLAIMS` (docs/studies.md), made before its runs:
+    Δ = arm − reference in the runs' final `metric`, paired by seed, is negative (relation
+    "<": the arm ends lower, better), positive (">"), or within (−margin, margin) ("≈", margin
+    in the metric's units). `quote` gives the claim in its source's words, `source` where it
+    comes from (paper, table), `family` the claims Holm's correction runs over, `n` the seeds
+    every arm of the family must have. `train.studies.study.load_study` checks the fields."""
+    return dict(arm=arm, relation=relation, reference=reference, quote=quote, source=source,
+                family=family, n=n, margin=margin, metric=metric)
 
 
 def small_cpu(config: ml_collections.ConfigDict, steps: int = 300) -> ml_collections.ConfigDict:

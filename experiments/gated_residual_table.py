@@ -1,8 +1,8 @@
 """Gated Residual against the multi-stream residuals, and the Gated Residual ablations.
 
 Provenance: the Qwen team's Gated Residual report (the Qwen3.8-Next architecture report, §2.2,
-"Gated Residual", built on GatedNorm; arch/gated_residual.py), Tables 5–6. We have the issue's
-summary of those tables, not their numbers, so this study declares no PAPER values: it checks
+"Gated Residual", built on GatedNorm; arch/gated_residual.py), Tables 5–6. We have a summary
+of those tables in words, not their numbers, so this study declares no PAPER values: it checks
 the direction of the report's claims, stated here in words only.
 
 Claims (the metric is the final validation loss; lower is better):
@@ -11,10 +11,14 @@ Claims (the metric is the final validation loss; lower is better):
   than Hyper-Connections, then static mHC, then dynamic mHC, then the Gated Residual, the best
   (Pre-Norm < width ≤ HC ≤ static mHC ≤ dynamic mHC ≤ GR in quality).
 - Table 6 ablates the Gated Residual's design one choice at a time, and the report keeps the
-  full design, so the claim checked is that no ablation beats the full Gated Residual: scalar
-  instead of channel-specific reads; scalar instead of channel-specific writes; a branch-mixing
-  operator added back; the static gate term removed (dynamic gates only); random instead of
-  graded initialization of the write strengths; reading only the top-2 branches per token.
+  full design, so the claim checked is that these ablations do not beat the full Gated
+  Residual (each ends higher): scalar instead of channel-specific reads; scalar instead of
+  channel-specific writes; a branch-mixing operator added back; random instead of graded
+  initialization of the write strengths. Two are coded by the design notes' words as
+  equivalences, |Δ| < a registered margin: the static gate term "adds no
+  useful gain" (removing it, dynamic gates only, changes the loss by less than the margin),
+  and reading only the top-2 branches per token is "nearly harmless" in pretraining.
+Registered in CLAIMS (docs/studies.md), families "GR Table 5" and "GR ablations".
 
 Arms (the config argument is "ARM" or "ARM,SCALE"; n = 4 streams or branches throughout):
     prenorm             Pre-Norm sum (the baseline)
@@ -60,26 +64,49 @@ Commands:
     python scripts/study_report.py --root runs/gated_residual_table
 """
 
-from experiments.common import arm_and_scale, base_config
+from experiments.common import arm_and_scale, base_config, claim
 
 ARMS = ("prenorm", "width", "hc", "mhc_static", "mhc", "gr", "gr_no_channel_read",
         "gr_no_channel_write", "gr_mixing", "gr_no_static", "gr_random_init", "gr_top2")
 BASELINE = "prenorm"
 SEEDS = (0, 1, 2)
 SCALES = ("cpu", "paper")
-CLAIMS = (  # (arm, "<" lower loss / ">" higher loss, reference, the claim), Tables 5 and 6
-    ("width", "<", "prenorm", "the width baseline beats plain Pre-Norm"),
-    ("hc", "<", "width", "Hyper-Connections are at least as good as the width baseline"),
-    ("mhc_static", "<", "hc", "static mHC is at least as good as HC"),
-    ("mhc", "<", "mhc_static", "dynamic mHC is at least as good as static mHC"),
-    ("gr", "<", "mhc", "the Gated Residual is at least as good as dynamic mHC"),
-    ("gr_no_channel_read", ">", "gr", "scalar reads do not beat channel-specific reads"),
-    ("gr_no_channel_write", ">", "gr", "scalar writes do not beat channel-specific writes"),
-    ("gr_mixing", ">", "gr", "adding the branch-mixing operator back does not help"),
-    ("gr_no_static", ">", "gr", "removing the static gate term does not help"),
-    ("gr_random_init", ">", "gr", "random initial write strengths do not beat graded ones"),
-    ("gr_top2", ">", "gr", "reading only the top-2 branches does not help"),
+# The registered claims (docs/studies.md); the sources as this docstring gives them. n: every
+# arm of both families has seeds 0-3 in docs/results/gated_residual_table.
+_TABLE5 = dict(source="Qwen Gated Residual report, Table 5, summarized in words",
+               family="GR Table 5", n=4)
+_TABLE6 = dict(source="Qwen Gated Residual report, Table 6, summarized in words",
+               family="GR ablations", n=4)
+_NOTES = dict(source="Qwen Gated Residual report, design notes (table not cited)",
+              family="GR ablations", n=4)
+# The equivalence margin, in final validation loss (nats per byte at the cpu scale): a quarter
+# of GR's gain over Pre-Norm here (0.020, seeds 0-3): a change that keeps three quarters of
+# what GR is for counts as harmless. A paper-scale sweep registers its own (nats per token).
+_MARGIN = 0.005
+CLAIMS = (
+    claim("width", "<", "prenorm", quote="the width baseline beats plain Pre-Norm", **_TABLE5),
+    claim("hc", "<", "width", quote="Hyper-Connections are at least as good as the width "
+          "baseline", **_TABLE5),
+    claim("mhc_static", "<", "hc", quote="static mHC is at least as good as HC", **_TABLE5),
+    claim("mhc", "<", "mhc_static", quote="dynamic mHC is at least as good as static mHC",
+          **_TABLE5),
+    claim("gr", "<", "mhc", quote="the Gated Residual is at least as good as dynamic mHC",
+          **_TABLE5),
+    claim("gr_no_channel_read", ">", "gr", quote="scalar reads do not beat channel-specific "
+          "reads", **_TABLE6),
+    claim("gr_no_channel_write", ">", "gr", quote="scalar writes do not beat channel-specific "
+          "writes", **_TABLE6),
+    claim("gr_mixing", ">", "gr", quote="adding the branch-mixing operator back does not help",
+          **_TABLE6),
+    claim("gr_no_static", "≈", "gr", quote="the static gate term adds no useful gain",
+          margin=_MARGIN, **_NOTES),
+    claim("gr_random_init", ">", "gr", quote="random initial write strengths do not beat "
+          "graded ones", **_TABLE6),
+    claim("gr_top2", "≈", "gr", quote="top-2 reads are nearly harmless in pretraining",
+          margin=_MARGIN, **_NOTES),
 )
+# NUMERICS_SINCE is not registered: no commit is known to have changed this study's numbers
+# (the README lists the commits each run trained at).
 
 # Arm → the model fields it changes; the GR ablations start from the full Gated Residual.
 def _gr(**gated_residual) -> dict:

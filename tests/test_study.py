@@ -1,6 +1,7 @@
 """Studies (docs/studies.md): the study loader's one-line errors, the statistics against hand
-computations, the sweep's launch commands, and a tiny local sweep end to end (a failing arm,
-a rerun that skips finished runs, the report with a missing run)."""
+computations (the registered claims': tests/test_claims.py), the sweep's launch commands, and
+a tiny local sweep end to end (a failing arm, a rerun that skips finished runs, the report
+with a missing run)."""
 
 from __future__ import annotations
 
@@ -20,19 +21,19 @@ import numpy as np
 import pytest
 
 from arch.accounting import parameter_count
+from config import resolve
 from config.cli import UsageError, load_experiment, load_module
 from config.defaults import base_config
 from config.validate import check_fields
+from scripts import study_probes as study_probes_script
 from tests.helpers import one_device_env, tiny_config
 from tests.test_launch import calls, fake_command
 from train import restore
-from train.config import validate
-from train.step import build_program
+from train.step import build_program, resolve_for_job
 from train.studies import stats, study_probes
 from train.studies import study as studies
 from train.studies.report import (
     Result,
-    claims_table,
     describe,
     loss_table,
     training_flops,
@@ -98,10 +99,7 @@ BROKEN = [
     ({"PAPER": "PAPER = {'z': 1.0}\nPAPER_METRIC = 'x'"}, "PAPER names 'z', not one of ARMS"),
     ({"SCALING": "SCALING = ('s',)"}, "has one size"),
     ({"ARMS": "ARMS = (1"}, "has a syntax error at line"),
-    ({"CLAIMS": "CLAIMS = (('b', '<', 'z', 'better'),)"}, "CLAIMS names 'z', not one of ARMS"),
-    ({"CLAIMS": "CLAIMS = (('b', '<=', 'a', 'better'),)"}, "needs a relation '<' or '>'"),
-    ({"CLAIMS": "CLAIMS = (('b', '<', 'a'),)"}, "a claim is (arm, relation, reference, text)"),
-    ({"CLAIMS": "CLAIMS = (('b', '<', 'a', 'x'),)", "SCALING": "SCALING = ('s', 'm')"},
+    ({"CLAIMS": "CLAIMS = ({'arm': 'b'},)", "SCALING": "SCALING = ('s', 'm')"},
      "not in a scaling study"),
 ]
 
@@ -162,7 +160,7 @@ def test_every_arm_of_a_study_file_is_a_valid_config_at_every_scale(path):
             assert config.sample_tokens == 0
             if not config.model.vocab_size:
                 config.model.vocab_size = 32_000
-            validate(config, 1 if scale == "cpu" else 8)
+            config = resolve(config, 1 if scale == "cpu" else 8)
             key = config.to_json_best_effort(sort_keys=True)
             assert key not in seen, (arm, seen.get(key))
             seen[key] = arm
@@ -433,37 +431,6 @@ def test_the_loss_table_puts_the_papers_difference_beside_the_paired_one():
     assert table[4] == "| other | 1 | 2.2000 ± — | 0.2000 ± — (1) | — | — | 0: 2.2000 |"
 
 
-def test_the_claims_table_checks_each_claim_on_the_paired_seeds():
-    """Hand-made losses: `low` beats the baseline in seeds 0 and 1 and loses in seed 2 (mean
-    −0.1); `high` has no seed shared with `low`."""
-    def runs(**losses):
-        return {int(seed[1:]): Result(loss, [], None) for seed, loss in losses.items()}
-
-    results = {"base": runs(s0=2.0, s1=2.0, s2=2.0), "low": runs(s0=1.7, s1=1.9, s2=2.1),
-               "high": runs(s3=2.5)}
-    table = claims_table(results, [["low", "<", "base", "low helps"],
-                                   ["high", ">", "low", "high is worse than low"]])
-    # the differences −0.3, −0.1, 0.1: t = 0.1 / (0.2/√3) on 2 degrees of freedom, p = 0.478
-    assert table[2] == ("| low helps | low < base | -0.1000 ± 0.2000 (3) | 2 of 3 | 0.478 | "
-                        "unresolved, leans agree |")
-    assert table[3] == ("| high is worse than low | high > low | — (0) | — | — | "
-                        "no shared seeds |")
-
-
-@pytest.mark.parametrize("mean, std, n, relation, verdict", [
-    (-0.1, 0.03, 3, "<", "agrees"),  # t = 5.77 on 2 degrees of freedom: p = 0.029
-    (-0.1, 0.05, 3, "<", "unresolved, leans agree"),  # t = 3.46, more than 2 s.e.: p = 0.074
-    (-0.1, 0.03, 3, ">", "disagrees"),
-    (0.1, 0.0, 2, ">", "agrees"),  # no spread at all: p = 0
-    (0.02, 0.5, 2, "<", "unresolved, leans disagree"),
-    (0.3, math.nan, 1, ">", "one seed, leans agree"),
-    (math.nan, math.nan, 0, "<", "no shared seeds"),
-])
-def test_a_claim_agrees_when_a_paired_t_test_rejects_a_zero_mean(mean, std, n, relation,
-                                                                 verdict):
-    assert stats.claim_verdict(mean, std, n, relation) == verdict
-
-
 def test_the_paired_p_value_is_the_t_distributions_tail():
     # one degree of freedom: t is Cauchy, two-sided p = 1 − (2/π)·atan(|t|)
     mean, std = 0.3, 0.1 * math.sqrt(2)  # t = 0.3 / (std/√2) = 3
@@ -471,22 +438,6 @@ def test_the_paired_p_value_is_the_t_distributions_tail():
                                                                rel=1e-12)
     assert stats.paired_p(-mean, std, 2) == stats.paired_p(mean, std, 2)
     assert math.isnan(stats.paired_p(0.3, math.nan, 1))
-
-
-def test_claims_reach_the_record_and_the_report(tmp_path):
-    path = write_study(tmp_path, study_text(CLAIMS="CLAIMS = (('b', '<', 'a', 'b helps'),)"))
-    study = studies.load_study(str(path))
-    assert study.claims == (("b", "<", "a", "b helps"),)
-    root = tmp_path / "root"
-    assert studies.record(root, study, "cpu", ["a", "b"], [0], [])["claims"] == [
-        ["b", "<", "a", "b helps"]]
-    for cell, loss in (("a", 2.0), ("b", 1.5)):
-        workdir = studies.run_dir(root, cell, 0)
-        workdir.mkdir(parents=True)
-        (workdir / "config.json").write_text(json.dumps({"steps": 10}))
-        (workdir / "metrics.jsonl").write_text(json.dumps({"step": 10, "eval_loss": loss}))
-    report = write_report(root, describe(root, None)).read_text()
-    assert "| b helps | b < a | -0.5000 ± — (1) | 1 of 1 | — | one seed, leans agree |" in report
 
 
 SCALING_STUDY = '''"""A scaling study for the tests: a mechanism-free arm pair over three widths."""
@@ -515,7 +466,7 @@ def test_a_scaling_report_fits_each_arm_and_recovers_a_known_multiplier(tmp_path
     for cell in study.cells():
         arm, size = studies.split_cell(cell)
         config = tiny_config(d_model={"s": 32, "m": 64, "l": 128}[size])
-        validate(config, 1)
+        config = resolve(config, 1)
         for seed in (0, 1):
             workdir = studies.run_dir(root, cell, seed)
             workdir.mkdir(parents=True)
@@ -595,7 +546,7 @@ def test_probes_across_a_sweep_and_at_initialization(swept):
     on the study's config (its loss on the probe batch is the trainer's evaluation loss), and a
     config the trainer refuses is listed, not fatal."""
     root, _ = swept
-    assert study_probes.main(["--root", str(root), "--batch", "8"]) == 0
+    assert study_probes_script.main(["--root", str(root), "--batch", "8"]) == 0
     trained = json.loads((root / "probes.json").read_text())["runs"]
     assert {cell: sorted(runs) for cell, runs in trained.items()} == {
         "low": ["0", "1"], "broken": [], "high": ["0", "1"]}
@@ -607,11 +558,11 @@ def test_probes_across_a_sweep_and_at_initialization(swept):
     assert len(profile["rank_collapse"]) == 3 and len(profile["grad:attention.key.kernel"]) == 2
     assert 0 < profile["log_odds_rank"] <= profile["log_odds_bound"] == 32  # tied, d = 32
 
-    assert study_probes.main(["--root", str(root), "--batch", "8", "--initialization"]) == 0
+    assert study_probes_script.main(["--root", str(root), "--batch", "8", "--initialization"]) == 0
     initial = json.loads((root / "probes_init.json").read_text())["runs"]
     config = load_experiment(f"{json.loads((root / 'study.json').read_text())['study']}:low")
     config.mesh.data = -1
-    program = build_program(config)
+    program = build_program(resolve_for_job(config))
     tokens_BxT1 = restore.evaluation_split(config).batch(0, 8, config.seq_len,
                                                          restore.VALIDATION_SEED)
     for seed in (0, 1):
@@ -631,7 +582,7 @@ def test_the_tying_arms_spend_the_same_budget(scale):
     for arm in module.ARMS:
         config = module.get_config(f"{arm},{scale}")
         config.model.vocab_size = config.model.vocab_size or module.PAPER_VOCABULARY
-        validate(config, 1)
+        config = resolve(config, 1)
         counts[arm] = parameter_count(config.model)
         model = config.model
     assert counts["untied"] - counts["tied"] == model.vocab_size * model.d_model

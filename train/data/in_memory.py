@@ -14,10 +14,16 @@ Sources, chosen by ``data_config.name``:
 Documents are joined by ``b"\\n"``; with a subword ``data.tokenizer`` (`train.data.tokenizer`) each
 line is tokenized as a document and lines are joined by the tokenizer's separator. Datasets too
 large for memory are prepared into shards and streamed instead (`train.data.shards`). Prepared tfds
-splits are cached as ``.npy`` byte files next to the tfds data. Batches are windows of
-``seq_len + 1`` tokens taken at stride ``seq_len`` and ordered by a seeded ``grain.MapDataset``
-shuffle that is reshuffled every epoch, so a batch is a pure function of ``(seed, step)``
-whatever the number of consumers.
+splits are cached as ``.npy`` byte files next to the tfds data.
+
+With ``data.tuning_fraction`` f > 0 the tail f of the train stream is held out as a tuning split
+(:func:`tuning_split`): "train" is the rest and "validation" is that tail, never the validation
+split, so a learning-rate sweep picks its rate on data that neither its runs train on nor the
+report evaluates on.
+
+Batches are windows of ``seq_len + 1`` tokens taken at stride ``seq_len`` and ordered by a
+seeded ``grain.MapDataset`` shuffle that is reshuffled every epoch, so a batch is a pure
+function of ``(seed, step)`` whatever the number of consumers.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ import grain
 import numpy as np
 import tensorflow_datasets as tfds
 
-from config.validate import text_files, text_split_sizes
+from config.validate import text_files, text_split_sizes, tuning_split_sizes
 from train.data.tokenizer import ByteTokenizer, tokenizer_of
 from train.rundir import file_lock
 
@@ -248,10 +254,36 @@ def _prepare_kjv(data_dir: str) -> str:
     return builder.name
 
 
+def tuning_fraction(data_config: Any) -> float:
+    """``data.tuning_fraction``: the tail of the train split held out for tuning (0: none)."""
+    return float(_field(data_config, "tuning_fraction", 0.0))
+
+
+def tuning_split(train_tokens: np.ndarray, fraction: float, split: str) -> np.ndarray:
+    """The ``split`` of a train stream with a tuning tail: "train" is ``tokens[:cut]``, "tuning"
+    is ``tokens[cut:]``, ``cut = len - int(len * fraction)``. A train window ends at a token
+    before ``cut`` (windows lie inside their stream), so no training window reads a tuning
+    token; both lie inside the train split, so neither reads a validation token."""
+    cut, _ = tuning_split_sizes(len(train_tokens), fraction)
+    return train_tokens[:cut] if split == "train" else train_tokens[cut:]
+
+
 def load(data_config: Any, split: str) -> Dataset:
-    """Load ``split`` ("train" or "validation") of the source described by ``data_config``."""
+    """Load ``split`` ("train" or "validation") of the source described by ``data_config``;
+    with ``data.tuning_fraction`` > 0, "validation" is the tuning split (:func:`tuning_split`)."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    fraction = tuning_fraction(data_config)
+    if not fraction:
+        return _load(data_config, split)
+    train = _load(data_config, "train")
+    tuning = "train" if split == "train" else "tuning"
+    return Dataset(tokens=tuning_split(train.tokens, fraction, tuning), name=train.name,
+                   split=tuning)
+
+
+def _load(data_config: Any, split: str) -> Dataset:
+    """``split`` of the source as it is stored (no tuning split)."""
     name = _field(data_config, "name", "kjv")
     if name == "text":
         fraction = float(_field(data_config, "validation_fraction", 0.05))

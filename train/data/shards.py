@@ -1,6 +1,7 @@
 """Pre-tokenized datasets: preparation into ArrayRecord shards, and streaming reads by (seed, step).
 
-    python scripts/prepare_data.py --source kjv --tokenizer hf:runs/bpe --out data/kjv-bpe
+The command lines: scripts/prepare_data.py (`prepare`) and scripts/train_tokenizer.py
+(`train_tokenizer`).
 
 Preparation (:func:`prepare`) reads documents from a source (:func:`read_documents`), sends
 them in shards of ``docs_per_shard`` to worker processes that tokenize and write
@@ -48,8 +49,8 @@ from array_record.python.array_record_module import ArrayRecordReader
 from grain.sources import ArrayRecordDataSource
 
 from config import ConfigError, check
-from config.cli import ArgumentParser
 from train.data import in_memory
+from train.data.arguments import source_files
 from train.data.in_memory import SPLITS, kjv_file, window_order
 from train.data.shard_writer import init_worker, shard_name, write_shard
 from train.data.tokenizer import Tokenizer, load_tokenizer, tokenizer_of, train_bpe
@@ -258,13 +259,7 @@ def read_documents(source: str, report: SourceReport, *, text_key: str = "text",
         documents = _hf_disk_documents(os.path.expanduser(source[len("hf_disk:"):]), text_key,
                                        report, validation_every)
     else:
-        patterns = [os.path.expanduser(p.strip()) for p in source.split(",") if p.strip()]
-        files = sorted({f for p in patterns for f in glob.glob(p, recursive=True)
-                        if os.path.isfile(f)})
-        if not files:
-            raise ConfigError(f"--source={source!r} is invalid: it matches no file; pass 'kjv', "
-                              "'tfds:NAME', 'hf_disk:PATH' or globs of .txt/.jsonl/.parquet "
-                              "files")
+        files = source_files(source)
 
         def texts_of(path: str) -> Iterator[tuple[str, str]]:
             if path.endswith((".jsonl", ".json")):
@@ -620,6 +615,10 @@ def load_split(data_config: Any, split: str) -> in_memory.Dataset | PreparedData
               f"must be an integer ≥ {least}")
     if data_config.get("name", "kjv") != "prepared":
         return in_memory.load(data_config, split)
+    fraction = data_config.get("tuning_fraction", 0.0)
+    check(not fraction, "data.tuning_fraction", fraction,
+          "is not supported for data.name='prepared' (its shards stream whole documents); "
+          "tune on an in-memory source, or set it to 0")
     if not data_config.get("path", ""):
         raise ConfigError("data.path='' is invalid: data.name='prepared' reads the directory "
                           "data.path; prepare one with python scripts/prepare_data.py")
@@ -636,72 +635,20 @@ def prepared_texts(directory: str | Path, split: str = "train") -> Iterator[str]
         yield tokenizer.decode(dataset.document(index))
 
 
-def train_tokenizer_main(argv: list[str] | None = None) -> int:
-    """``python scripts/train_tokenizer.py --data SOURCE --vocab_size N --out DIR``: a byte-level
-    BPE (`train.data.tokenizer.train_bpe`) trained on the train split of SOURCE (``kjv``,
-    ``tfds:NAME``, file globs, or a prepared directory); writes DIR/tokenizer.json, which
-    ``data.tokenizer="hf:DIR"`` names."""
-    parser = ArgumentParser("python scripts/train_tokenizer.py", train_tokenizer_main.__doc__)
-    parser.add_argument("--data", required=True,
-                        help="kjv, tfds:NAME, hf_disk:PATH, .txt/.jsonl/.parquet globs, or a "
-                        "prepared directory")
-    parser.add_argument("--vocab_size", type=int, required=True)
-    parser.add_argument("--out", required=True, help="directory for tokenizer.json")
-    parser.add_argument("--text_key", default="text",
-                        help="field of .jsonl records, column of parquet / hf_disk")
-    parser.add_argument("--max_documents", type=int, default=0, help="0: all of them")
-    args = parser.parse_args(argv)
-    try:
-        if (Path(args.data) / "metadata.json").is_file():
-            texts = prepared_texts(args.data)
-        else:
-            texts = (d.text for d in read_documents(args.data, SourceReport(),
-                                                    text_key=args.text_key)
-                     if d.split == "train")
-        if args.max_documents:
-            texts = itertools.islice(texts, args.max_documents)
-        started = time.perf_counter()
-        path = train_bpe(texts, args.vocab_size, args.out)
-    except (ConfigError, OSError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    vocab = load_tokenizer(f"hf:{path}").vocab_size
-    print(f"wrote {path} ({vocab} tokens, {time.perf_counter() - started:.1f} s); use it with "
-          f"--config.data.tokenizer=hf:{path}")
-    return 0
-
-
-def prepare_main(argv: list[str] | None = None) -> int:
-    """``python scripts/prepare_data.py --source SOURCE --tokenizer SPEC --out DIR``: tokenize
-    SOURCE into ArrayRecord shards (`prepare`); rerun with the same arguments to resume."""
-    parser = ArgumentParser("python scripts/prepare_data.py", prepare_main.__doc__)
-    parser.add_argument("--source", required=True,
-                        help="kjv, tfds:NAME, hf_disk:PATH (a datasets save_to_disk "
-                        "directory), or comma-separated .txt/.jsonl/.parquet globs")
-    parser.add_argument("--tokenizer", default="byte",
-                        help="byte, hf:PATH or sentencepiece:PATH (as data.tokenizer)")
-    parser.add_argument("--out", required=True, help="directory of the shards")
-    parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1),
-                        help="tokenizing processes")
-    parser.add_argument("--docs_per_shard", type=int, default=DEFAULT_DOCS_PER_SHARD)
-    parser.add_argument("--validation_every", type=int, default=DEFAULT_VALIDATION_EVERY,
-                        help="files: every N-th document is validation")
-    parser.add_argument("--text_key", default="text",
-                        help="field of .jsonl / tfds records, column of parquet / hf_disk")
-    parser.add_argument("--data_dir", default="", help="tfds data dir for tfds:NAME")
-    args = parser.parse_args(argv)
-    try:
-        metadata = prepare(args.source, args.tokenizer, args.out, workers=args.workers,
-                           docs_per_shard=args.docs_per_shard,
-                           validation_every=args.validation_every, text_key=args.text_key,
-                           data_dir=args.data_dir)
-    except (ConfigError, OSError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    print(describe(metadata))
-    print(f"train on it with --config.data.name=prepared --config.data.path={args.out} "
-          f"--config.data.tokenizer={args.tokenizer}")
-    return 0
+def train_tokenizer(data: str, vocab_size: int, out_dir: str | Path, *, text_key: str = "text",
+                    max_documents: int = 0) -> Path:
+    """A byte-level BPE (`train.data.tokenizer.train_bpe`) of ``vocab_size`` tokens trained on
+    the train split of ``data`` (a source of `read_documents`, or a prepared directory), at most
+    ``max_documents`` of them (0: all); writes ``out_dir/tokenizer.json`` and returns its path.
+    The command line: scripts/train_tokenizer.py."""
+    if (Path(data) / "metadata.json").is_file():
+        texts = prepared_texts(data)
+    else:
+        texts = (d.text for d in read_documents(data, SourceReport(), text_key=text_key)
+                 if d.split == "train")
+    if max_documents:
+        texts = itertools.islice(texts, max_documents)
+    return train_bpe(texts, vocab_size, out_dir)
 
 
 def loader_throughput(data_config: Any, batch_size: int, seq_len: int, batches: int,

@@ -1,6 +1,5 @@
-"""The report of a study sweep (docs/studies.md).
-
-    python scripts/study_report.py --root runs/STUDY [--study experiments/STUDY.py]
+"""The report of a study sweep (docs/studies.md): `write_report(ROOT, describe(ROOT, STUDY))`
+(the command line: scripts/study_report.py).
 
 Reads ROOT/study.json (written by scripts/sweep.py: the study, scale, cells, seeds, baseline
 and paper numbers) and every run directory ROOT/<cell>/seed<k>, and writes:
@@ -12,14 +11,20 @@ and paper numbers) and every run directory ROOT/<cell>/seed<k>, and writes:
   loss against training compute C (FLOPs: `arch.accounting.flops_per_token(model, seq_len,
   training=True)` × steps × batch_size × seq_len, from each run's config.json) and the
   compute multiplier at matched loss vs the baseline at the arm's largest compute, with a 95%
-  bootstrap interval over seeds (`train.studies.stats`); each of the study's CLAIMS checked on
-  the paired seeds (`claims_table`); and a section listing the runs that
-  are missing, unfinished or without an eval_loss;
+  bootstrap interval over seeds (`train.studies.stats`); each of the study's registered CLAIMS
+  tested on the paired seeds, Holm-corrected within its family, or marked exploratory with
+  the reason (`assess_claims`, `claims_table`); and a section listing the runs that are
+  missing, unfinished or without an eval_loss;
+- with a learning rate per arm (`train.studies.tuning`): each cell's tuning grid from
+  ROOT/tuning.json (each rate's tuning loss, the pick, whether it is interior), and when the
+  tuned-rate sweep ROOT/tuned has a study.json, the shared-rate and tuned-rate final losses
+  and claims side by side (`tuning_section`);
 - ROOT/loss_curves.png: eval_loss against step per cell, mean ± std over seeds;
 - ROOT/loss_vs_compute.png (scaling studies): final loss against compute, log-log, with fits.
 
-`--study` gives the study file when ROOT has no study.json (its first scale, every cell, its
-SEEDS), or newer declarations (baseline, paper numbers) than those recorded.
+`describe`'s study file, when given, stands in for a ROOT without study.json (its first scale,
+every cell, its SEEDS), or gives newer declarations (baseline, paper numbers, claims) than those
+recorded.
 """
 
 from __future__ import annotations
@@ -27,17 +32,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import sys
 from pathlib import Path
 
 import ml_collections
 import numpy as np
 
 from arch.accounting import flops_per_token
-from config.cli import ArgumentParser, UsageError
+from config.cli import UsageError
 from config.defaults import base_config
 from train import rundir
-from train.studies import stats
+from train.studies import provenance, stats, tuning
 from train.studies import study as studies
 
 REPORT, CURVES, SCALING_PLOT = "report.md", "loss_curves.png", "loss_vs_compute.png"
@@ -45,11 +49,13 @@ REPORT, CURVES, SCALING_PLOT = "report.md", "loss_curves.png", "loss_vs_compute.
 
 @dataclasses.dataclass
 class Result:
-    """A finished run: its final eval_loss, (step, eval_loss) curve and training FLOPs."""
+    """A finished run: its final eval_loss, (step, eval_loss) curve, training FLOPs and the
+    provenance of its launches (`train.studies.provenance`)."""
 
     loss: float
     curve: list[tuple[int, float]]
     compute: float | None
+    launches: list[dict] = dataclasses.field(default_factory=list)
 
 
 def training_flops(workdir: str | Path) -> float:
@@ -84,7 +90,7 @@ def collect(root: str | Path, description: dict) -> tuple[dict[str, dict[int, Re
                 except (ValueError, KeyError, TypeError) as error:
                     missing.append((cell, seed, f"no FLOPs count ({error})"))
                     continue
-            results[cell][seed] = Result(loss, curve, compute)
+            results[cell][seed] = Result(loss, curve, compute, provenance.read(workdir))
     return results, missing
 
 
@@ -144,22 +150,219 @@ def loss_table(results: dict[str, dict[int, Result]], description: dict) -> list
     return lines
 
 
-def claims_table(results: dict[str, dict[int, Result]], claims: list) -> list[str]:
-    """The Markdown table checking each (arm, relation, reference, text) claim on the paired
-    seeds: Δ = arm − reference, mean ± std (n), how many seeds have the claimed sign, the
-    paired t-test's p and the verdict of `stats.claim_verdict`."""
-    lines = ["| Claim (the paper's words) | Check | Δ = arm − reference, paired (n) | "
-             "Seeds agreeing | p | Measured |", "|---|---|---|---|---|---|"]
-    for arm, relation, reference, text in claims:
+@dataclasses.dataclass(frozen=True)
+class ClaimResult:
+    """A claim tested on the paired seeds: Δ = arm − reference (mean, std, n seeds, the 95% t
+    interval), how many seeds agree (the claimed sign; |Δ| < margin for "≈"), the raw p (a
+    two-sided paired t-test, or the TOST), the Holm-adjusted p within the family (nan for an
+    exploratory claim), the verdict, and why the claim is exploratory ("" if confirmatory)."""
+
+    claim: studies.Claim
+    mean: float
+    std: float
+    n: int
+    interval: tuple[float, float]
+    agreeing: int
+    p: float
+    adjusted_p: float
+    verdict: str
+    exploratory: str
+
+
+def _seed_list(seeds: list[int]) -> str:
+    """`0, 1, 2`."""
+    return ", ".join(map(str, sorted(seeds)))
+
+
+def _exploratory(claim: studies.Claim, losses: list[dict[int, float]],
+                 numerics: dict[tuple[str, int], str | None], boundary: str) -> str:
+    """Why `claim` is exploratory ("" when it is not): an arm whose finished-seed count is not
+    the registered n, arms that do not share their seeds, or runs not known to have trained at
+    code from the study's NUMERICS_SINCE."""
+    reasons = [f"{cell} has {len(runs)} finished seeds, registered n = {claim.n}"
+               for cell, runs in zip((claim.arm, claim.reference), losses, strict=True)
+               if len(runs) != claim.n]
+    shared = losses[0].keys() & losses[1].keys()
+    if not reasons and len(shared) != claim.n:
+        reasons.append(f"{claim.arm} and {claim.reference} share {len(shared)} of their "
+                       f"{claim.n} seeds")
+    if boundary:
+        stale: dict[tuple[str, str], list[int]] = {}
+        for cell, runs in zip((claim.arm, claim.reference), losses, strict=True):
+            for seed in runs:
+                why = numerics[cell, seed]
+                if why:
+                    stale.setdefault((cell, why), []).append(seed)
+        reasons += [f"{cell} seeds {_seed_list(seeds)}: {why} (NUMERICS_SINCE {boundary[:7]})"
+                    for (cell, why), seeds in stale.items()]
+    return "; ".join(reasons)
+
+
+def assess_claims(results: dict[str, dict[int, Result]], claims: list[studies.Claim],
+                  numerics_since: str = "") -> list[ClaimResult]:
+    """Each claim tested on the seeds both arms finished (`ClaimResult`), in the given order.
+
+    A claim is exploratory when an arm's finished-seed count is not the registered n, when the
+    arms do not share all n seeds, or (with `numerics_since`) when a run of its arms has no
+    provenance or trained at a commit that does not descend from that one; it is reported with
+    the reason and left out of its family's correction. The other claims of a family share one
+    Holm adjustment (`stats.holm`) of their raw p: the two-sided paired t-test
+    (`stats.paired_p`) for a direction, the TOST (`stats.tost_p`) for an equivalence."""
+    numerics = {}
+    if numerics_since:
+        numerics = {(cell, seed): provenance.numerics_reason(run.launches, numerics_since)
+                    for claim in claims for cell in (claim.arm, claim.reference)
+                    for seed, run in results.get(cell, {}).items()}
+    rows = []
+    for claim in claims:
         losses = [{s: r.loss for s, r in results.get(cell, {}).items()}
-                  for cell in (arm, reference)]
+                  for cell in (claim.arm, claim.reference)]
         mean, std, n = stats.paired_difference(*losses)
-        difference = f"{_value(mean, std, n)} ({n})" if n else "— (0)"
-        agreeing = f"{stats.agreeing_seeds(*losses, relation)} of {n}" if n else "—"
-        p = stats.paired_p(mean, std, n)
-        lines.append(f"| {text} | {arm} {relation} {reference} | {difference} | {agreeing} | "
-                     f"{'—' if math.isnan(p) else f'{p:.3f}'} | "
-                     f"{stats.claim_verdict(mean, std, n, relation)} |")
+        differences = [losses[0][s] - losses[1][s] for s in losses[0].keys() & losses[1].keys()]
+        if claim.relation == "≈":
+            p = stats.tost_p(mean, std, n, claim.margin)
+            agreeing = sum(abs(d) < claim.margin for d in differences)
+        else:
+            p = stats.paired_p(mean, std, n)
+            agreeing = sum(d < 0 if claim.relation == "<" else d > 0 for d in differences)
+        rows.append(ClaimResult(claim, mean, std, n, stats.t_interval(mean, std, n, stats.LEVEL),
+                                agreeing, p, math.nan, "",
+                                _exploratory(claim, losses, numerics, numerics_since)))
+    for family in dict.fromkeys(row.claim.family for row in rows):
+        members = [i for i, row in enumerate(rows)
+                   if row.claim.family == family and not row.exploratory]
+        for i, adjusted in zip(members, stats.holm([rows[i].p for i in members]), strict=True):
+            row = rows[i]
+            verdict = stats.claim_verdict(row.claim.relation, row.mean, row.interval, adjusted,
+                                          row.claim.margin)
+            rows[i] = dataclasses.replace(row, adjusted_p=adjusted, verdict=verdict)
+    return [row if not row.exploratory else dataclasses.replace(row, verdict="exploratory")
+            for row in rows]
+
+
+def _p(p: float) -> str:
+    return "—" if math.isnan(p) else "< 0.001" if p < 0.001 else f"{p:.3f}"
+
+
+def claims_table(results: dict[str, dict[int, Result]], claims: list[studies.Claim],
+                 numerics_since: str = "") -> list[str]:
+    """The Markdown table of `assess_claims`, family by family (in order of first mention):
+    the claim, its source, the check, n registered / paired, Δ [95% CI], the seeds agreeing,
+    the raw and the Holm-adjusted p, and the verdict (or "exploratory: why")."""
+    rows = assess_claims(results, claims, numerics_since)
+    lines = ["| Family | Claim | Source | Check | n (registered / paired) | "
+             "Δ = arm − reference [95% CI] | Seeds agreeing | p | Holm p | Verdict |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for family in dict.fromkeys(row.claim.family for row in rows):
+        for row in rows:
+            if row.claim.family != family:
+                continue
+            claim = row.claim
+            low, high = row.interval
+            difference = ("—" if row.n == 0 else f"{row.mean:+.4f}" if row.n == 1 else
+                          f"{row.mean:+.4f} [{low:+.4f}, {high:+.4f}]")
+            verdict = f"exploratory: {row.exploratory}" if row.exploratory else row.verdict
+            cells = [family, claim.quote, claim.source, claim.check(), f"{claim.n} / {row.n}",
+                     difference, f"{row.agreeing} of {row.n}" if row.n else "—", _p(row.p),
+                     _p(row.adjusted_p), verdict]
+            lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
+    return lines
+
+
+def grid_table(record: dict) -> list[str]:
+    """The Markdown table of each cell's tuning grid (ROOT/tuning.json): every rate with its
+    tuning loss (— for a run that did not finish, the pick in bold), the pick, whether it is
+    interior, and the shared rate."""
+    lines = ["| Arm | Tuning loss per learning rate | Pick | Interior | Shared rate |",
+             "|---|---|---|---|---|"]
+    for cell, entry in record["cells"].items():
+        rates = []
+        for row in entry["grid"]:
+            text = f"{row['rate']:g}: " + ("—" if row["loss"] is None else f"{row['loss']:.4f}")
+            rates.append(f"**{text}**" if row["rate"] == entry["pick"] else text)
+        pick = "—" if entry["pick"] is None else f"{entry['pick']:g}"
+        interior = "yes" if entry["interior"] else \
+            f"no: at an edge after {entry['extensions']} extensions"
+        lines.append(f"| {cell} | {', '.join(rates)} | {pick} | {interior} | "
+                     f"{entry['shared_rate']:g} |")
+    return lines
+
+
+def _claim_cells(row: ClaimResult) -> str:
+    """`Δ [CI], Holm p, verdict` of a claim in one regime."""
+    low, high = row.interval
+    difference = ("—" if row.n == 0 else f"{row.mean:+.4f}" if row.n == 1 else
+                  f"{row.mean:+.4f} [{low:+.4f}, {high:+.4f}]")
+    verdict = f"exploratory: {row.exploratory}" if row.exploratory else row.verdict
+    return f"{difference} | {_p(row.adjusted_p)} | {verdict}"
+
+
+def _rate(rate: float | None) -> str:
+    return "—" if rate is None else f"{rate:g}"
+
+
+def _losses(runs: dict[int, Result]) -> str:
+    """`mean ± std (n)` of the final losses of a cell's finished runs."""
+    mean, std, n = stats.mean_std([r.loss for r in runs.values()])
+    return f"{_value(mean, std, n)} ({n})"
+
+
+def regimes_table(shared: dict[str, dict[int, Result]], tuned: dict[str, dict[int, Result]],
+                  rates: dict[str, dict], claims: list[studies.Claim],
+                  numerics_since: str = "") -> list[str]:
+    """The shared-rate and tuned-rate sweeps side by side: per cell its rate and final loss in
+    each; then per claim (`assess_claims` in each regime) Δ [95% CI], the Holm p and the
+    verdict in each."""
+    lines = ["| Arm | Shared rate | Final eval loss (n) | Tuned rate | Final eval loss (n) |",
+             "|---|---|---|---|---|"]
+    for cell in dict.fromkeys([*shared, *tuned]):
+        entry = rates.get(cell, {})
+        row = [cell, _rate(entry.get("shared_rate")), _losses(shared.get(cell, {})),
+               _rate(entry.get("pick")), _losses(tuned.get(cell, {}))]
+        lines.append("| " + " | ".join(row) + " |")
+    if claims:
+        lines += ["", "| Claim | Check | Shared rate: Δ [95% CI] | Holm p | Verdict | "
+                  "Tuned rate: Δ [95% CI] | Holm p | Verdict |",
+                  "|---|---|---|---|---|---|---|---|"]
+        pairs = zip(assess_claims(shared, claims, numerics_since),
+                    assess_claims(tuned, claims, numerics_since), strict=True)
+        for at_shared, at_tuned in pairs:
+            cells = [at_shared.claim.quote.replace("|", "\\|"), at_shared.claim.check(),
+                     _claim_cells(at_shared), _claim_cells(at_tuned)]
+            lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def tuning_section(root: Path, description: dict,
+                   results: dict[str, dict[int, Result]]) -> list[str]:
+    """The report's learning-rate section: `grid_table` of ROOT/tuning.json, and
+    `regimes_table` when ROOT/tuned holds a tuned-rate sweep ([] when there is neither)."""
+    record = tuning.read_tuning(root)
+    tuned_root = root / tuning.TUNED_DIR
+    tuned_record = studies.read_record(tuned_root)
+    if record is None and tuned_record is None:
+        return []
+    lines = ["## Learning rate per arm", ""]
+    if record is not None:
+        steps = record.get("steps") or "the arm's"
+        lines += [f"Each arm trained once (seed {record['seed']}, {steps} steps) at each rate, "
+                  f"evaluated on the last {record['fraction']:g} of the train split (held out "
+                  "from those runs, apart from the validation split); the grid was widened by "
+                  "a factor of 2 at an edge while the best rate lay there (at most "
+                  f"{record['max_extensions']} times). The pick is the rate of lowest tuning "
+                  "loss.", ""] + grid_table(record) + [""]
+    if tuned_record is not None:
+        tuned_description = {**description, "cells": tuned_record.get("cells", []),
+                             "seeds": tuned_record.get("seeds", [])}
+        tuned, _ = collect(tuned_root, tuned_description)
+        lines += ["### Shared rate and tuned rate", "",
+                  f"The shared-rate runs of this root beside the tuned-rate runs of "
+                  f"`{tuning.TUNED_DIR}/` (each arm at its pick; their own report: "
+                  f"`python scripts/study_report.py --root {tuned_root}`). Final eval loss on "
+                  "the validation split, mean ± std (n); claims tested as above, in each "
+                  "regime.", ""]
+        lines += regimes_table(results, tuned, (record or {"cells": {}})["cells"],
+                               description["claims"], description["numerics_since"]) + [""]
     return lines
 
 
@@ -280,18 +483,19 @@ def describe(root: str | Path, study_path: str | None) -> dict:
         raise UsageError(f"--root={root} has no {studies.RECORD} (scripts/sweep.py writes it); "
                          "pass --study experiments/STUDY.py")
     description = {"paper": {}, "paper_metric": "", "scaling": [], "overrides": [],
-                   "claims": [], **(recorded or {})}
+                   "claims": [], "numerics_since": "", **(recorded or {})}
     if study_path is None:
         lacking = [key for key in ("study", "scale", "baseline", "cells", "seeds")
                    if key not in description]
         if lacking:
             raise UsageError(f"--root={root}: {studies.RECORD} lacks {lacking[0]!r}; pass "
                              "--study experiments/STUDY.py")
+        description["claims"] = list(studies.claims_from_record(root, description))
     else:
         study = studies.load_study(study_path)
         description.update(study=study.path, baseline=study.baseline, paper=study.paper,
                            paper_metric=study.paper_metric, scaling=list(study.scaling),
-                           claims=[list(claim) for claim in study.claims])
+                           claims=list(study.claims), numerics_since=study.numerics_since)
         description.setdefault("scale", study.scales[0])
         description.setdefault("cells", study.cells())
         description.setdefault("seeds", list(study.seeds))
@@ -315,13 +519,26 @@ def write_report(root: str | Path, description: dict) -> Path:
     plot_curves(results, root / CURVES)
     lines += ["", f"![Validation loss curves]({CURVES})", ""]
     if description["claims"]:
-        lines += ["## The paper's claims", "",
-                  "Each claim as a check on final eval loss: `<` the arm ends lower (better) "
-                  "than the reference, `>` higher (worse). Δ is paired by seed; p is the two-sided "
-                  "p-value of a paired t-test of a zero mean (n − 1 degrees of freedom). "
-                  "*agrees* (*disagrees*): p < 0.05 with the mean on the claimed (other) side "
-                  "of zero; *unresolved* otherwise, with the side the mean leans to.", ""]
-        lines += claims_table(results, description["claims"]) + [""]
+        boundary = description["numerics_since"]
+        lines += ["## Registered claims", "",
+                  "Each claim as registered in the study file: Δ = arm − "
+                  "reference in final eval loss, paired by seed, with its 95% t interval; `<` "
+                  "claims Δ < 0 (the arm ends lower, better), `>` Δ > 0, `≈` |Δ| < margin. p "
+                  "is the two-sided paired t-test of Δ = 0 for a direction, and for an "
+                  "equivalence the TOST, max(P(T ≥ (Δ̄ + margin)/s), P(T ≤ (Δ̄ − margin)/s)) "
+                  "with s = std/√n on n − 1 degrees of freedom. Holm p: Holm's step-down "
+                  "adjustment over the family's confirmatory claims, p_(i) adjusted = "
+                  "max_{j≤i} min(1, (m − j + 1)·p_(j)). Verdicts at 5%: a direction *agrees* "
+                  "(*disagrees*) when the Holm p < 0.05 with Δ on the claimed (other) side; an "
+                  "equivalence *agrees* when the Holm p < 0.05 and *disagrees* when the 95% "
+                  "interval lies wholly outside [−margin, margin]; otherwise *inconclusive*. "
+                  "A claim is *exploratory* (its reason shown, left out of the correction) when "
+                  "an arm has a finished-seed count other than the registered n"
+                  + (f", or a run of its arms is not known to have trained at code from "
+                     f"NUMERICS_SINCE {boundary} (provenance.jsonl)" if boundary else "")
+                  + ".", ""]
+        lines += claims_table(results, description["claims"], boundary) + [""]
+    lines += tuning_section(root, description, results)
     if description["scaling"]:
         table, fits = scaling_table(results, description, arms)
         lines += ["## Scaling", "",
@@ -343,19 +560,3 @@ def write_report(root: str | Path, description: dict) -> Path:
     path = root / REPORT
     path.write_text("\n".join(lines) + "\n")
     return path
-
-
-def main(argv: list[str] | None = None) -> int:
-    """The command line (module docstring); returns the exit status."""
-    parser = ArgumentParser("python scripts/study_report.py", __doc__)
-    parser.add_argument("--root", required=True, metavar="DIR", help="the sweep's directory")
-    parser.add_argument("--study", metavar="PATH", help="the study file (default: study.json's)")
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    if not Path(args.root).is_dir():
-        parser.error(f"--root={args.root} is not a directory; pass a sweep's --root")
-    try:
-        description = describe(args.root, args.study)
-    except UsageError as error:
-        parser.error(str(error))
-    print(f"wrote {write_report(args.root, description)}")
-    return 0

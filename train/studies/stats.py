@@ -1,7 +1,8 @@
 """The statistics of a study report, in numpy (and scipy's t distribution): mean ± sample std
-over seeds, paired differences to the baseline over shared seeds with a paired t-test, a power
-law of loss against compute, and the compute multiplier at matched loss with a bootstrap
-interval over seeds.
+over seeds, paired differences to the baseline over shared seeds, the registered claims' tests
+(a paired t-test for a direction, two one-sided tests for an equivalence margin, Holm's
+adjustment within a family, the verdict), a power law of loss against compute, and the
+compute multiplier at matched loss with a bootstrap interval over seeds.
 
 The power law is the plain L = a·C^(−b), fitted by least squares on log L against log C (no
 irreducible term: over the one or two decades of compute a study spans, it is a straight line
@@ -38,15 +39,6 @@ def paired_difference(arm: Mapping[int, float],
     return mean_std([arm[seed] - baseline[seed] for seed in shared])
 
 
-def agreeing_seeds(arm: Mapping[int, float], reference: Mapping[int, float],
-                   relation: str) -> int:
-    """How many of the seeds both have show arm − reference with the sign of `relation`
-    ("<": negative, the arm's loss lower; ">": positive)."""
-    sign = -1.0 if relation == "<" else 1.0
-    return sum(sign * (arm[seed] - reference[seed]) > 0
-               for seed in arm.keys() & reference.keys())
-
-
 def paired_p(mean: float, std: float, n: int) -> float:
     """Two-sided p-value of a paired t-test that the differences (mean, sample std, n) have mean
     zero: t = mean / (std/√n) on n − 1 degrees of freedom (nan for n < 2). With three seeds the
@@ -57,21 +49,74 @@ def paired_p(mean: float, std: float, n: int) -> float:
     return float(2 * stats.t.sf(t, n - 1))
 
 
-def claim_verdict(mean: float, std: float, n: int, relation: str) -> str:
-    """The reading of a paired difference (mean, std, n) of arm − reference against a claimed
-    sign ("<" negative, ">" positive): "agrees" or "disagrees" when the paired t-test rejects a
-    zero mean at the 5% level (`paired_p` < 0.05), on the claimed side or the other; otherwise
-    "unresolved, leans agree" (or "disagree") by the side of the mean; one seed "one seed,
-    leans ..."; no seeds "no shared seeds"."""
-    if n == 0:
-        return "no shared seeds"
-    agree = mean < 0 if relation == "<" else mean > 0
-    lean = "leans agree" if agree else "leans disagree"
-    if n == 1:
-        return f"one seed, {lean}"
-    if paired_p(mean, std, n) < 0.05:
-        return "agrees" if agree else "disagrees"
-    return f"unresolved, {lean}"
+def t_interval(mean: float, std: float, n: int, level: float = 0.95) -> tuple[float, float]:
+    """The `level` t interval of the mean of paired differences (mean, sample std, n):
+    mean ± t_{(1+level)/2, n−1} · std/√n ((nan, nan) for n < 2)."""
+    if n < 2:
+        return math.nan, math.nan
+    half = float(stats.t.ppf((1 + level) / 2, n - 1)) * std / math.sqrt(n)
+    return mean - half, mean + half
+
+
+def tost_p(mean: float, std: float, n: int, margin: float) -> float:
+    """p-value of two one-sided tests (TOST) that the differences (mean, sample std, n) have a
+    mean inside (−margin, margin): with s = std/√n on n − 1 degrees of freedom,
+
+        p_low  = P(T ≥ (mean + margin) / s)     H0: mean ≤ −margin
+        p_high = P(T ≤ (mean − margin) / s)     H0: mean ≥ +margin
+        p      = max(p_low, p_high)
+
+    so p < α exactly when the 1 − 2α interval lies inside (−margin, margin). nan for n < 2;
+    with no spread, 0 inside the margin and 1 on or outside it."""
+    if n < 2:
+        return math.nan
+    if std == 0:
+        return 0.0 if abs(mean) < margin else 1.0
+    error = std / math.sqrt(n)
+    p_low = stats.t.sf((mean + margin) / error, n - 1)
+    p_high = stats.t.cdf((mean - margin) / error, n - 1)
+    return float(max(p_low, p_high))
+
+
+def holm(p_values: Sequence[float]) -> list[float]:
+    """Holm's step-down adjustment of m p-values, in their given order: with p_(1) ≤ … ≤ p_(m)
+    sorted ascending,
+
+        p_(i) adjusted = max_{j ≤ i} min(1, (m − j + 1) · p_(j)),
+
+    so rejecting every adjusted p < α controls the family-wise error rate at α under any
+    dependence. A nan p (no test) counts as 1."""
+    values = [1.0 if math.isnan(p) else float(p) for p in p_values]
+    m = len(values)
+    adjusted = [math.nan] * m
+    running = 0.0
+    for rank, index in enumerate(sorted(range(m), key=values.__getitem__)):
+        running = max(running, min(1.0, (m - rank) * values[index]))
+        adjusted[index] = running
+    return adjusted
+
+
+ALPHA = 0.05  # the level of every claim's test, after Holm's adjustment
+LEVEL = 0.95  # the interval the report shows beside each claim
+
+
+def claim_verdict(relation: str, mean: float, interval: tuple[float, float],
+                  adjusted_p: float, margin: float | None = None) -> str:
+    """The verdict on a confirmatory claim from its paired difference Δ = arm − reference (the
+    mean, its 95% interval) and its Holm-adjusted p. A direction ("<": Δ < 0, ">": Δ > 0):
+    "agrees" (adjusted p < α, Δ on the claimed side), "disagrees" (adjusted p < α, the other
+    side), else "inconclusive". An equivalence ("≈": |Δ| < margin): "agrees" (the TOST's
+    adjusted p < α), "disagrees" (the interval lies wholly outside [−margin, margin]), else
+    "inconclusive"; never from a large p alone."""
+    significant = not math.isnan(adjusted_p) and adjusted_p < ALPHA
+    if relation == "≈":
+        low, high = interval
+        if significant:
+            return "agrees"
+        return "disagrees" if low > margin or high < -margin else "inconclusive"
+    if not significant:
+        return "inconclusive"
+    return "agrees" if (mean < 0) == (relation == "<") else "disagrees"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,10 +10,16 @@ A study file `experiments/<study>.py` is an experiment file (`get_config(arg)`, 
 - `SEEDS`: the default seeds, distinct non-negative ints;
 - `SCALES`: the scales get_config knows, e.g. `("cpu", "paper")`; the first is the default;
 - optionally `PAPER` (dict arm → the paper's number) with `PAPER_METRIC` (str: what it is);
-- optionally `CLAIMS`: the paper's directional claims, a tuple of (arm, relation, reference,
-  text) with relation "<" (the arm ends at a lower loss than the reference: better) or ">"
-  (higher: worse) and text the claim in the paper's words; the report checks each on the
-  paired seeds (not in scaling studies);
+- optionally `CLAIMS`: the registered claims, each a dict of `experiments.common.claim`
+  (`Claim` below: the arms compared, a direction "<" / ">" or an equivalence "≈" with its
+  margin, the quote and its source, the family Holm's correction runs in, the seed count n),
+  registered before the runs that test them; the report tests each (not in scaling studies);
+- optionally `NUMERICS_SINCE`: the commit from which the code gives the study's numbers; a
+  claim whose runs trained at older code, or have no provenance record, is exploratory;
+- optionally `TUNING`: the learning-rate grid of `scripts/sweep.py --tune` (`Tuning`), e.g.
+  `dict(rates=(7.5e-4, 1.5e-3, 3e-3, 6e-3, 1.2e-2), seed=0)` with optional `steps` (the tuning
+  runs' length; default the arm's) and `fraction` (the tail of the train split they evaluate on;
+  default 0.1): at least 5 rates, ascending, each twice the one before;
 - optionally `SCALING`: a tuple of size names for a scaling study. Each arm then runs at each
   size, as the run cell `ARM@SIZE` (get_config gets `"ARM@SIZE,SCALE"`), and the report fits
   a power law of loss against training compute per arm.
@@ -35,7 +41,51 @@ from config.cli import UsageError, load_module
 from train.rundir import file_lock
 
 NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+COMMIT = re.compile(r"^[0-9a-f]{7,40}$")
 RECORD = "study.json"
+RELATIONS = ("<", ">", "≈")  # the arm ends lower / higher than the reference / within a margin
+METRICS = ("eval_loss",)  # what a claim may be about: the run's final value of it
+
+
+@dataclasses.dataclass(frozen=True)
+class Claim:
+    """A registered claim: Δ = arm − reference in the final `metric`, paired by seed, is
+    negative ("<": the arm ends lower, better), positive (">") or within (−margin, margin)
+    ("≈", margin in the metric's units); `quote` says it in its source's words, `source` where
+    it comes from; the report corrects its p with the other claims of `family` (Holm) and
+    counts it confirmatory only with exactly `n` finished seeds of each arm."""
+
+    arm: str
+    relation: str
+    reference: str
+    quote: str
+    source: str
+    family: str
+    n: int
+    margin: float | None = None
+    metric: str = "eval_loss"
+
+    def check(self) -> str:
+        """The claim as a check: `full < baseline`, `gr_top2 ≈ gr (|Δ| < 0.005)`."""
+        bound = f" (|Δ| < {self.margin:g})" if self.relation == "≈" else ""
+        return f"{self.arm} {self.relation} {self.reference}{bound}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """A study's learning-rate grid (`TUNING`): each cell trains once, at `seed`, for `steps`
+    (None: its config's), at each of `rates`, evaluating on the tuning split, the last
+    `fraction` of its train split (`data.tuning_fraction`); `train.studies.tuning` extends the
+    grid by a factor of 2 at an edge while the best rate lies there."""
+
+    rates: tuple[float, ...]
+    seed: int
+    steps: int | None = None
+    fraction: float = 0.1
+
+
+TUNING_FIELDS = tuple(field.name for field in dataclasses.fields(Tuning))
+MIN_RATES = 5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +100,9 @@ class Study:
     paper: dict[str, float]
     paper_metric: str
     scaling: tuple[str, ...]
-    claims: tuple[tuple[str, str, str, str], ...] = ()
+    claims: tuple[Claim, ...] = ()
+    numerics_since: str = ""
+    tuning: Tuning | None = None
 
     def cells(self, arms: tuple[str, ...] | None = None,
               sizes: tuple[str, ...] | None = None) -> list[str]:
@@ -134,33 +186,142 @@ def load_study(path: str) -> Study:
                  seeds=tuple(int(s) for s in seeds), scales=scales,
                  paper={arm: float(number) for arm, number in paper.items()},
                  paper_metric=str(metric), scaling=scaling,
-                 claims=_claims(getattr(module, "CLAIMS", ()), arms, scaling, flag))
+                 claims=_claims(getattr(module, "CLAIMS", ()), arms, scaling, flag),
+                 numerics_since=_numerics_since(getattr(module, "NUMERICS_SINCE", ""), flag),
+                 tuning=_tuning(getattr(module, "TUNING", None), flag))
 
 
-RELATIONS = ("<", ">")  # the arm ends at a lower / higher loss than the reference
+def _is_number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) \
+        and math.isfinite(value)
+
+
+def _tuning(value, flag: str) -> Tuning | None:
+    """`TUNING` checked (None when not declared): a dict of `Tuning`'s fields with at least
+    MIN_RATES positive rates, ascending, each twice the one before (to 1e-6); one-line
+    UsageErrors."""
+    if value is None:
+        return None
+    example = "e.g. TUNING = dict(rates=(7.5e-4, 1.5e-3, 3e-3, 6e-3, 1.2e-2), seed=0)"
+    if not isinstance(value, dict):
+        raise UsageError(f"{flag}: TUNING must be a dict, {example}; got {value!r}")
+    unknown = [key for key in value if key not in TUNING_FIELDS]
+    if unknown or "rates" not in value or "seed" not in value:
+        what = f"has an unknown field {unknown[0]!r}" if unknown else "lacks 'rates' or 'seed'"
+        raise UsageError(f"{flag}: TUNING {what}; its fields are {', '.join(TUNING_FIELDS)}, "
+                         f"{example}")
+    rates = value["rates"]
+    if not isinstance(rates, tuple | list) or len(rates) < MIN_RATES \
+            or not all(_is_number(rate) and rate > 0 for rate in rates):
+        raise UsageError(f"{flag}: TUNING rates must be a tuple of at least {MIN_RATES} "
+                         f"positive numbers; got {rates!r}")
+    if any(not math.isclose(high, 2 * low, rel_tol=1e-6)
+           for low, high in zip(rates, rates[1:], strict=False)):
+        raise UsageError(f"{flag}: TUNING rates {tuple(rates)!r} must be ascending, each twice "
+                         "the one before (a factor-of-2 grid)")
+    seed, steps = value["seed"], value.get("steps")
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        raise UsageError(f"{flag}: TUNING seed={seed!r} must be a non-negative int")
+    if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool)
+                              or steps <= 0):
+        raise UsageError(f"{flag}: TUNING steps={steps!r} must be a positive int (or absent: "
+                         "the arm's own steps)")
+    fraction = value.get("fraction", Tuning.fraction)
+    if not _is_number(fraction) or not 0 < fraction < 1:
+        raise UsageError(f"{flag}: TUNING fraction={fraction!r} must be in (0, 1): the tail "
+                         "of the train split the tuning runs evaluate on")
+    return Tuning(rates=tuple(float(rate) for rate in rates), seed=seed, steps=steps,
+                  fraction=float(fraction))
+
+
+FIELDS = tuple(field.name for field in dataclasses.fields(Claim))
+REQUIRED = tuple(field.name for field in dataclasses.fields(Claim)
+                 if field.default is dataclasses.MISSING)
+HOW = ("register it as claim(arm, relation, reference, quote=..., source=..., family=..., n=...) "
+       "from experiments.common (docs/studies.md)")
 
 
 def _claims(claims, arms: tuple[str, ...], scaling: tuple[str, ...],
-            flag: str) -> tuple[tuple[str, str, str, str], ...]:
-    """`CLAIMS` checked: (arm, relation, reference, text) tuples over ARMS; one-line errors."""
+            flag: str) -> tuple[Claim, ...]:
+    """`CLAIMS` (or a record's "claims") checked: dicts of `experiments.common.claim` over ARMS,
+    the claims of one family registering one n; one-line UsageErrors."""
     if not isinstance(claims, tuple | list):
-        raise UsageError(f"{flag}: CLAIMS must be a tuple of (arm, relation, reference, text); "
-                         f"got {claims!r}")
+        raise UsageError(f"{flag}: CLAIMS must be a tuple of claims; {HOW}")
     if claims and scaling:
         raise UsageError(f"{flag}: CLAIMS are checked per arm, not in a scaling study")
-    for claim in claims:
-        if not (isinstance(claim, tuple | list) and len(claim) == 4
-                and all(isinstance(part, str) for part in claim)):
-            raise UsageError(f"{flag}: a claim is (arm, relation, reference, text), four "
-                             f"strings; got {claim!r}")
-        arm, relation, reference, text = claim
-        for name in (arm, reference):
-            if name not in arms:
-                raise UsageError(f"{flag}: CLAIMS names {name!r}, not one of ARMS {arms}")
-        if relation not in RELATIONS or arm == reference or not text.strip():
-            raise UsageError(f"{flag}: claim {claim!r} needs a relation '<' or '>' between two "
-                             "different arms and the paper's words")
-    return tuple(tuple(claim) for claim in claims)
+    checked = tuple(_claim(claim, arms, flag) for claim in claims)
+    families: dict[str, int] = {}
+    for claim in checked:
+        if families.setdefault(claim.family, claim.n) != claim.n:
+            raise UsageError(f"{flag}: family {claim.family!r} registers n = "
+                             f"{families[claim.family]} and n = {claim.n}; the claims of a "
+                             "family share one seed count")
+    return checked
+
+
+def _claim(claim, arms: tuple[str, ...], flag: str) -> Claim:
+    """One claim checked field by field; a one-line UsageError naming the claim and the fix."""
+    if isinstance(claim, tuple | list) and len(claim) == 4:
+        raise UsageError(f"{flag}: claim {tuple(claim)!r} is an unregistered (arm, relation, "
+                         f"reference, text) tuple; {HOW}")
+    if not isinstance(claim, dict):
+        raise UsageError(f"{flag}: a claim is a dict of claim(...); got {claim!r}; {HOW}")
+    name = f"{flag}: claim {claim.get('arm')!r} {claim.get('relation')} " \
+           f"{claim.get('reference')!r}"
+    missing = [field for field in REQUIRED if field not in claim]
+    unknown = [field for field in claim if field not in FIELDS]
+    if missing or unknown:
+        what = f"lacks {missing[0]!r}" if missing else f"has an unknown field {unknown[0]!r}"
+        raise UsageError(f"{name} {what}; a claim has the fields {', '.join(FIELDS)}")
+    for field in ("arm", "reference"):
+        if claim[field] not in arms:
+            raise UsageError(f"{name}: {field} {claim[field]!r} is not one of ARMS {arms}")
+    if claim["arm"] == claim["reference"]:
+        raise UsageError(f"{name} compares an arm with itself; name two different arms")
+    relation, margin = claim["relation"], claim.get("margin")
+    if relation not in RELATIONS:
+        raise UsageError(f"{name}: relation {relation!r} is not '<' (the arm ends lower), '>' "
+                         "(higher) or '≈' (within a margin)")
+    if relation == "≈" and not (isinstance(margin, int | float) and not isinstance(margin, bool)
+                                and math.isfinite(margin) and margin > 0):
+        raise UsageError(f"{name}: an equivalence needs margin=M > 0 in the metric's units "
+                         f"(|Δ| < M); got margin={margin!r}")
+    if relation != "≈" and margin is not None:
+        raise UsageError(f"{name}: a direction takes no margin (got margin={margin!r}); use "
+                         "relation '≈' for an equivalence")
+    for field in ("quote", "source", "family"):
+        if not isinstance(claim[field], str) or not claim[field].strip():
+            raise UsageError(f"{name}: {field} must be a non-empty string; got "
+                             f"{claim[field]!r}")
+    n = claim["n"]
+    if not isinstance(n, int) or isinstance(n, bool) or n < 2:
+        raise UsageError(f"{name}: n={n!r} must be the registered seed count, an int ≥ 2 (a "
+                         "paired test needs two seeds)")
+    metric = claim.get("metric", "eval_loss")
+    if metric not in METRICS:
+        raise UsageError(f"{name}: metric {metric!r} is not one of {METRICS} (the run's final "
+                         "value of it)")
+    return Claim(**{**claim, "margin": None if margin is None else float(margin)})
+
+
+def claims_from_record(root: str | Path, record: dict) -> tuple[Claim, ...]:
+    """The claims recorded in ROOT/study.json, checked as the study file's are; a record of
+    the old (arm, relation, reference, text) form is a one-line UsageError asking for --study."""
+    claims = record.get("claims", [])
+    if any(isinstance(claim, list) for claim in claims):
+        raise UsageError(f"--root={root}: {RECORD} records claims in the old (arm, relation, "
+                         "reference, text) form; pass --study experiments/STUDY.py to report "
+                         "its registered claims")
+    arms = tuple(dict.fromkeys(split_cell(cell)[0] for cell in record.get("cells", [])))
+    return _claims(claims, arms, tuple(record.get("scaling", [])), f"--root={root}")
+
+
+def _numerics_since(value, flag: str) -> str:
+    """`NUMERICS_SINCE` checked: "" or a commit id of 7–40 lowercase hex digits."""
+    if value == "" or (isinstance(value, str) and COMMIT.match(value)):
+        return value
+    raise UsageError(f"{flag}: NUMERICS_SINCE={value!r} is not a commit id (7–40 lowercase hex "
+                     "digits, e.g. 'a954c45')")
 
 
 def run_dir(root: str | Path, cell: str, seed: int) -> Path:
@@ -265,7 +426,9 @@ def _merge_record(root: Path, study: Study, scale: str, cells: list[str], seeds:
             "scaling": list(study.scaling), "cells": merged_cells,
             "seeds": sorted(set(previous.get("seeds", [])) | set(seeds)),
             "overrides": list(overrides), "paper": study.paper,
-            "paper_metric": study.paper_metric, "claims": [list(c) for c in study.claims]}
+            "paper_metric": study.paper_metric,
+            "claims": [dataclasses.asdict(claim) for claim in study.claims],
+            "numerics_since": study.numerics_since}
     path = root / RECORD
     temporary = path.with_name(RECORD + ".tmp")  # one writer at a time: the lock
     temporary.write_text(json.dumps(data, indent=2) + "\n")

@@ -1,17 +1,16 @@
 """Per-depth probes across a study: every run of a sweep, or every cell's initialization, measured
-on the same validation batch and summarized per cell over seeds (docs/studies.md).
+on the same validation batch and summarized per cell over seeds (docs/studies.md): `write` (the
+command line: scripts/study_probes.py).
 
-    python scripts/study_probes.py --root runs/STUDY [--study experiments/STUDY.py]
-        [--initialization] [--batch 16] [--sparsity_threshold 0.01]
-
-For each (cell, seed) of ROOT/study.json (or of --study, as in `scripts/study_report.py`):
+For each (cell, seed) of the description (`train.studies.report.describe`: ROOT/study.json, or
+a study file, as in `scripts/study_report.py`):
 - by default, the newest checkpoint of the finished run ROOT/<cell>/seed<k>
   (`train.restore.restore_for_analysis`); unfinished runs are listed as missing;
-- with --initialization, the model that run starts from: the cell's config from the study file
+- at initialization, the model that run starts from: the cell's config from the study file
   at the recorded scale, with the recorded overrides and `seed` = k, at step 0
   (`train.restore.initialization_for_analysis`). No run needs to exist.
 
-Each model is measured on the first --batch validation sequences of its config's length, in
+Each model is measured on the first `batch` validation sequences of its config's length, in
 evaluation mode: `probes.depth_profile` (hidden-state, gradient and rank-collapse profiles, FFN
 dead units) and `probes.layer_gradient_norms` (‖∂loss/∂W‖_F per layer for every block
 parameter). Writes, with PREFIX = "probes" (or "probes_init"):
@@ -34,7 +33,7 @@ parameter). Writes, with PREFIX = "probes" (or "probes_init"):
                      rank_collapse, gradient_rms, ffn_dead_units and the gradient norms of
                      query, key, value, output, ffn_up and ffn_down
 
-Progress goes to stderr, one line per run; exit status 2 on bad input.
+Progress goes to stderr, one line per run.
 """
 
 from __future__ import annotations
@@ -48,11 +47,9 @@ import numpy as np
 
 from arch import bottleneck
 from config import ConfigError, cli
-from config.cli import ArgumentParser, UsageError
 from train.instruments import probes
 from train.restore import initialization_for_analysis, restore_for_analysis
 from train.studies import study as studies
-from train.studies.report import describe
 
 # Plotted names → the profile key they read (gradients by layer: `layer_gradient_norms` paths).
 DEPTH_PLOTS = {
@@ -227,30 +224,3 @@ def write(root: Path, description: dict, initialization: bool, batch: int,
     path = root / f"{prefix}.md"
     path.write_text("\n".join(lines) + "\n")
     return path
-
-
-def main(argv: list[str] | None = None) -> int:
-    """The command line (module docstring); returns the exit status."""
-    parser = ArgumentParser("python scripts/study_probes.py", __doc__)
-    parser.add_argument("--root", required=True, metavar="DIR", help="the sweep's directory")
-    parser.add_argument("--study", metavar="PATH", help="the study file (default: study.json's)")
-    parser.add_argument("--initialization", action="store_true",
-                        help="probe each cell's step-0 model instead of the trained runs")
-    parser.add_argument("--batch", type=cli.positive_int, default=16,
-                        help="validation sequences per probe")
-    parser.add_argument("--sparsity_threshold", type=float,
-                        default=probes.DEFAULT_SPARSITY_THRESHOLD,
-                        help="|a| below this counts as inactive")
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    root = Path(args.root)
-    if not args.initialization and not root.is_dir():
-        parser.error(f"--root={args.root} is not a directory; pass a sweep's --root")
-    try:
-        description = describe(root, args.study)
-        root.mkdir(parents=True, exist_ok=True)
-        path = write(root, description, args.initialization, args.batch,
-                     args.sparsity_threshold)
-    except (UsageError, ConfigError, FileNotFoundError, ValueError) as error:
-        parser.error(str(error))
-    print(f"wrote {path}")
-    return 0

@@ -1,0 +1,318 @@
+"""Registered claims (docs/studies.md): Holm's adjustment and the TOST against hand
+computations, the verdicts, a claim made exploratory by an unregistered seed count or by code
+older than NUMERICS_SINCE (and left out of its family's correction), the loader's one-line
+errors on a malformed claim, and the provenance record the sweep runner writes before a run."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import subprocess
+import types
+from pathlib import Path
+
+import pytest
+from scipy import stats as scipy_stats
+
+from config.cli import UsageError
+from train.studies import provenance, stats, sweep
+from train.studies import study as studies
+from train.studies.report import Result, assess_claims, claims_table, describe, write_report
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# Holm and TOST, by hand ----------------------------------------------------------------------
+
+def test_holm_equals_the_hand_computation_and_steps_down_monotonically():
+    # sorted 0.01, 0.03, 0.04, 0.2 → 4·0.01, 3·0.03, max(0.09, 2·0.04), max(0.09, 0.2)
+    p = [0.01, 0.04, 0.03, 0.2]
+    adjusted = stats.holm(p)
+    assert adjusted == pytest.approx([0.04, 0.09, 0.09, 0.2])
+    ordered = [adjusted[i] for i in sorted(range(4), key=p.__getitem__)]
+    assert ordered == sorted(ordered) and all(a >= raw for a, raw in zip(adjusted, p, strict=True))
+    assert stats.holm([0.5, 0.6]) == [1.0, 1.0]  # capped at 1, and monotone after the cap
+    assert stats.holm([0.02, math.nan]) == pytest.approx([0.04, 1.0])  # no test counts as 1
+    assert stats.holm([]) == []
+
+
+def test_tost_equals_the_two_one_sided_t_tests_by_hand():
+    differences = [0.01, 0.02, 0.03, 0.02]  # mean 0.02, sample std √(0.0002/3), n = 4
+    mean, std, n = stats.mean_std(differences)
+    assert mean == pytest.approx(0.02) and std == pytest.approx(math.sqrt(0.0002 / 3))
+    error = math.sqrt(0.0002 / 3) / 2
+    margin = 0.05
+    p_low = scipy_stats.t.sf((0.02 + margin) / error, 3)  # H0: Δ ≤ −margin
+    p_high = scipy_stats.t.cdf((0.02 - margin) / error, 3)  # H0: Δ ≥ +margin
+    assert stats.tost_p(mean, std, n, margin) == pytest.approx(max(p_low, p_high), rel=1e-12)
+    assert p_high > p_low  # the margin the mean is nearer decides
+    # p = α exactly when the 1 − 2α interval touches the margin
+    edge = 0.02 + scipy_stats.t.ppf(0.95, 3) * error
+    assert stats.tost_p(mean, std, n, edge) == pytest.approx(0.05, rel=1e-9)
+    assert stats.tost_p(-mean, std, n, margin) == pytest.approx(stats.tost_p(mean, std, n,
+                                                                            margin))
+    assert stats.tost_p(0.001, 0.0, 3, 0.005) == 0.0 and stats.tost_p(0.01, 0.0, 3, 0.005) == 1
+    assert math.isnan(stats.tost_p(0.01, math.nan, 1, 0.05))
+
+
+def test_the_t_interval_is_the_mean_plus_minus_t_standard_errors():
+    low, high = stats.t_interval(0.02, 0.01, 4)
+    half = scipy_stats.t.ppf(0.975, 3) * 0.01 / 2
+    assert (low, high) == pytest.approx((0.02 - half, 0.02 + half))
+
+
+@pytest.mark.parametrize("relation, mean, interval, adjusted, margin, verdict", [
+    ("<", -0.1, (-0.2, -0.01), 0.03, None, "agrees"),
+    ("<", 0.1, (0.01, 0.2), 0.03, None, "disagrees"),
+    (">", 0.1, (-0.01, 0.2), 0.2, None, "inconclusive"),
+    ("≈", 0.001, (-0.002, 0.004), 0.01, 0.005, "agrees"),
+    ("≈", 0.02, (0.01, 0.03), 1.0, 0.005, "disagrees"),  # wholly above the margin
+    ("≈", -0.02, (-0.03, -0.01), 1.0, 0.005, "disagrees"),  # wholly below it
+    ("≈", 0.001, (-0.05, 0.05), 0.8, 0.005, "inconclusive"),  # a large p is not equivalence
+    ("≈", 0.004, (0.003, 0.006), 0.3, 0.005, "inconclusive"),  # straddles the margin
+])
+def test_the_verdicts(relation, mean, interval, adjusted, margin, verdict):
+    assert stats.claim_verdict(relation, mean, interval, adjusted, margin) == verdict
+
+
+# Exploratory claims --------------------------------------------------------------------------
+
+def claim(arm, relation, reference, family="F", n=4, margin=None) -> studies.Claim:
+    return studies.Claim(arm, relation, reference, quote=f"{arm} {relation} {reference}",
+                         source="a test", family=family, n=n, margin=margin)
+
+
+def runs(*losses, launches=None) -> dict[int, Result]:
+    return {seed: Result(loss, [], None, list(launches or [])) for seed, loss in
+            enumerate(losses)}
+
+
+def test_an_unregistered_seed_count_makes_a_claim_exploratory_and_out_of_the_correction():
+    """`c` has 3 finished seeds against the registered 4: its claim is exploratory with that
+    reason, and Holm adjusts the other two claims of the family as a family of two."""
+    results = {"base": runs(2.0, 2.1, 2.2, 2.3), "a": runs(1.90, 2.02, 2.09, 2.21),
+               "b": runs(2.05, 2.13, 2.26, 2.33), "c": runs(1.9, 2.15, 2.1)}
+    claims = [claim("a", "<", "base"), claim("b", ">", "base"), claim("c", "<", "base"),
+              claim("b", "≈", "a", family="G", margin=0.2)]
+    rows = assess_claims(results, claims)
+    a, b, c, equivalence = rows
+    assert c.exploratory == "c has 3 finished seeds, registered n = 4"
+    assert c.verdict == "exploratory" and math.isnan(c.adjusted_p) and c.n == 3
+    assert c.p == pytest.approx(stats.paired_p(*stats.paired_difference(
+        {s: r.loss for s, r in results["c"].items()},
+        {s: r.loss for s, r in results["base"].items()})))  # still reported
+    assert [a.adjusted_p, b.adjusted_p] == pytest.approx(stats.holm([a.p, b.p]))
+    assert a.adjusted_p < stats.holm([a.p, b.p, c.p])[0]  # a family of 2, not 3
+    assert not a.exploratory and not b.exploratory
+    assert equivalence.adjusted_p == pytest.approx(equivalence.p)  # alone in its family
+    table = claims_table(results, claims)
+    [line] = [line for line in table if line.startswith("| F | c < base ")]
+    assert line.endswith("| — | exploratory: c has 3 finished seeds, registered n = 4 |")
+    assert "| 4 / 3 |" in line
+    assert "b ≈ a (\\|Δ\\| < 0.2)" in table[-1]  # the pipes of |Δ| escaped in Markdown
+
+
+def test_arms_that_do_not_share_their_seeds_are_exploratory():
+    results = {"base": runs(2.0, 2.1, 2.2), "a": {1: Result(1.9, [], None),
+                                                  2: Result(2.0, [], None),
+                                                  3: Result(2.1, [], None)}}
+    [row] = assess_claims(results, [claim("a", "<", "base", n=3)])
+    assert row.exploratory == "a and base share 2 of their 3 seeds" and row.n == 2
+
+
+def git(repository: Path, *args: str) -> str:
+    return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                          cwd=repository, check=True, capture_output=True,
+                          text=True).stdout.strip()
+
+
+def test_runs_older_than_numerics_since_or_without_provenance_are_exploratory(tmp_path,
+                                                                            monkeypatch):
+    """A repository with commits old → boundary → new: runs launched at `new` or at the
+    boundary count, one at `old` or one without provenance makes its claims exploratory."""
+    git(tmp_path, "init", "-q")
+    commits = {}
+    for name in ("old", "boundary", "new"):
+        git(tmp_path, "commit", "-q", "--allow-empty", "-m", name)
+        commits[name] = git(tmp_path, "rev-parse", "HEAD")
+    monkeypatch.setattr(provenance, "REPOSITORY", tmp_path)
+    boundary = commits["boundary"]
+
+    def at(*names):
+        return [{"commit": commits[name], "dirty": False} for name in names]
+
+    losses = (2.0, 2.1, 2.2)
+    results = {"base": runs(*losses, launches=at("boundary")),
+               "fresh": runs(*(x - 0.1 for x in losses), launches=at("new")),
+               "resumed": runs(*(x - 0.1 for x in losses), launches=at("old", "new")),
+               "unknown": runs(*(x - 0.1 for x in losses))}
+    claims = [claim(arm, "<", "base", n=3) for arm in ("fresh", "resumed", "unknown")]
+    fresh, resumed, unknown = assess_claims(results, claims, boundary)
+    assert not fresh.exploratory and fresh.verdict == "agrees"
+    assert resumed.exploratory == (f"resumed seeds 0, 1, 2: trained at {commits['old'][:7]}, "
+                                   f"before {boundary[:7]} (NUMERICS_SINCE {boundary[:7]})")
+    assert unknown.exploratory == ("unknown seeds 0, 1, 2: no provenance (NUMERICS_SINCE "
+                                   f"{boundary[:7]})")
+    assert fresh.adjusted_p == pytest.approx(fresh.p)  # the only confirmatory claim
+    assert provenance.descends_from(commits["new"], boundary) is True
+    assert provenance.descends_from(commits["old"], boundary) is False
+    assert provenance.descends_from("0" * 40, boundary) is None
+
+
+# The loader ----------------------------------------------------------------------------------
+
+STUDY = '''"""A study with claims."""
+
+from experiments.common import claim
+
+ARMS = ("a", "b", "c")
+BASELINE = "a"
+SEEDS = (0, 1)
+SCALES = ("cpu",)
+{extra}
+CLAIMS = ({claims},)
+
+
+def get_config(arg=None):
+    return None
+'''
+GOOD = "claim('b', '<', 'a', quote='b helps', source='a paper, Table 1', family='F', n=2)"
+
+
+def write(tmp_path: Path, claims: str = GOOD, extra: str = "") -> Path:
+    path = tmp_path / "claims_study.py"
+    path.write_text(STUDY.format(claims=claims, extra=extra))
+    return path
+
+
+MALFORMED = [
+    ("('b', '<', 'a', 'b helps')",
+     "claim ('b', '<', 'a', 'b helps') is an unregistered (arm, relation, reference, text) "
+     "tuple; register it as claim(arm, relation, reference, quote=..., source=..., "
+     "family=..., n=...) from experiments.common"),
+    (GOOD.replace("'a', quote", "'z', quote"), "reference 'z' is not one of ARMS"),
+    (GOOD.replace("'<'", "'<='"), "relation '<=' is not '<' (the arm ends lower)"),
+    (GOOD.replace("'<'", "'≈'"), "an equivalence needs margin=M > 0"),
+    (GOOD.replace("'<'", "'≈'").replace("n=2", "n=2, margin=-0.1"),
+     "an equivalence needs margin=M > 0 in the metric's units (|Δ| < M); got margin=-0.1"),
+    (GOOD.replace("n=2", "n=2, margin=0.01"), "a direction takes no margin"),
+    (GOOD.replace("n=2", "n=1"), "n=1 must be the registered seed count, an int ≥ 2"),
+    (GOOD.replace("family='F'", "family=' '"), "family must be a non-empty string"),
+    (GOOD.replace("n=2", "n=2, metric='train_loss'"), "metric 'train_loss' is not one of"),
+    (GOOD.replace("'b', '<', 'a'", "'b', '<', 'b'"), "compares an arm with itself"),
+    ("dict(arm='b', relation='<', reference='a', quote='q', source='s', n=2)",
+     "claim 'b' < 'a' lacks 'family'"),
+    (GOOD + ", " + GOOD.replace("'b', '<'", "'c', '<'").replace("n=2", "n=3"),
+     "family 'F' registers n = 2 and n = 3; the claims of a family share one seed count"),
+    ("'b < a'", "a claim is a dict of claim(...)"),
+]
+
+
+@pytest.mark.parametrize("claims, message", MALFORMED, ids=[m[:40] for _, m in MALFORMED])
+def test_a_malformed_claim_is_refused_in_one_line(tmp_path, claims, message):
+    path = write(tmp_path, claims)
+    with pytest.raises(UsageError) as error:
+        studies.load_study(str(path))
+    assert message in str(error.value) and "\n" not in str(error.value)
+    assert str(error.value).startswith(f"--study={path}")
+
+
+def test_a_missing_keyword_of_claim_is_a_one_line_load_error(tmp_path):
+    path = write(tmp_path, GOOD.replace(", family='F'", ""))
+    with pytest.raises(UsageError, match="fails to load: .*missing 1 required keyword-only "
+                                         "argument: 'family'") as error:
+        studies.load_study(str(path))
+    assert "\n" not in str(error.value)
+
+
+def test_numerics_since_must_be_a_commit_id(tmp_path):
+    path = write(tmp_path, extra="NUMERICS_SINCE = 'HEAD~3'")
+    with pytest.raises(UsageError, match="NUMERICS_SINCE='HEAD~3' is not a commit id"):
+        studies.load_study(str(path))
+    study = studies.load_study(str(write(tmp_path, extra="NUMERICS_SINCE = 'a954c45'")))
+    assert study.numerics_since == "a954c45"
+
+
+def test_registered_claims_reach_the_record_and_the_report(tmp_path):
+    study = studies.load_study(str(write(tmp_path, extra="NUMERICS_SINCE = 'a954c45'")))
+    assert study.claims == (studies.Claim("b", "<", "a", quote="b helps",
+                                          source="a paper, Table 1", family="F", n=2),)
+    root = tmp_path / "root"
+    record = studies.record(root, study, "cpu", ["a", "b"], [0, 1], [])
+    assert record["claims"][0]["relation"] == "<" and record["numerics_since"] == "a954c45"
+    for cell, losses in (("a", (2.0, 2.2)), ("b", (1.5, 1.8))):
+        for seed, loss in enumerate(losses):
+            workdir = studies.run_dir(root, cell, seed)
+            workdir.mkdir(parents=True)
+            (workdir / "config.json").write_text(json.dumps({"steps": 10}))
+            (workdir / "metrics.jsonl").write_text(json.dumps({"step": 10, "eval_loss": loss}))
+    description = describe(root, None)
+    assert description["claims"] == list(study.claims)
+    report = write_report(root, description).read_text()
+    assert "| F | b helps | a paper, Table 1 | b < a | 2 / 2 |" in report
+    assert ("exploratory: b seeds 0, 1: no provenance (NUMERICS_SINCE a954c45); a seeds 0, 1: "
+            "no provenance (NUMERICS_SINCE a954c45) |") in report
+
+
+def test_a_record_with_old_claims_asks_for_the_study_file(tmp_path):
+    (tmp_path / "study.json").write_text(json.dumps({
+        "study": "s.py", "scale": "cpu", "baseline": "a", "cells": ["a", "b"], "seeds": [0],
+        "claims": [["b", "<", "a", "b helps"]]}))
+    with pytest.raises(UsageError) as error:
+        describe(tmp_path, None)
+    assert str(error.value) == (f"--root={tmp_path}: study.json records claims in the old (arm, "
+                                "relation, reference, text) form; pass --study "
+                                "experiments/STUDY.py to report its registered claims")
+
+
+# Provenance ----------------------------------------------------------------------------------
+
+TINY = '''"""A one-arm study for the provenance test."""
+
+from experiments.common import base_config
+
+ARMS = ("only",)
+BASELINE = "only"
+SEEDS = (0,)
+SCALES = ("cpu",)
+
+
+def get_config(arg=None):
+    config = base_config()
+    config.steps = 3
+    return config
+'''
+
+
+def test_the_sweep_records_provenance_before_each_launch(tmp_path, monkeypatch):
+    """A fake trainer: the first launch stops at step 1 (exit 1), the rerun finishes. Each
+    launch finds its provenance line already written; the rerun adds a second one."""
+    path = tmp_path / "tiny.py"
+    path.write_text(TINY)
+    study = studies.load_study(str(path))
+    [run] = sweep.plan(study, tmp_path / "root", "cpu", ["only"], [0], [])
+    seen = []
+
+    def train(command, **_):
+        seen.append(len(provenance.read(run.workdir)))
+        (run.workdir / "config.json").write_text(json.dumps({"steps": 3}))
+        last = 1 if len(seen) == 1 else 3
+        records = [{"step": step, "eval_loss": 2.0} for step in range(1, last + 1)]
+        (run.workdir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n"
+                                                           for r in records))
+        return subprocess.CompletedProcess(command, 1 if len(seen) == 1 else 0)
+
+    monkeypatch.setattr(sweep, "subprocess", types.SimpleNamespace(
+        run=train, STDOUT=subprocess.STDOUT))
+    assert sweep.run_local([run]) == 1
+    assert sweep.run_local([run]) == 0
+    assert seen == [1, 2]
+    launches = provenance.read(run.workdir)
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                          text=True).stdout.strip()
+    for launch in launches:
+        assert launch["commit"] == head and isinstance(launch["dirty"], bool)
+        assert launch["command"][1:] == ["-m", "train", *run.train_args()]
+        assert launch["cpu"] and isinstance(launch["gpus"], list)
+        assert datetime.datetime.fromisoformat(launch["date"]).tzinfo is not None
