@@ -272,11 +272,9 @@ class ManifoldHyperConnection(_CopiedStreamsMechanism):
     with `sinkhorn` run for `model.hyper.sinkhorn_iters` iterations (the paper's t_max = 20). So the
     read weights lie in (0, 1), the write strengths in (0, 2), and H_res is approximately doubly
     stochastic: its rows sum to 1 (to float rounding), its columns only as far as the iterations
-    converge, which they do not when the logits spread. For n = 4 and 20 iterations, on 10,000
-    random logit matrices N(0, σ²) (`jax.random.key(0)`), the largest column-sum error is 0.001,
-    0.034, 0.063 and 0.25 at σ = 1, 2, 4, 8 (medians 6e-8, 8e-7, 0.003, 0.025); trained runs
-    reach larger errors on some tokens (`depth_mixing.stochastic_error` of the mHC runs in
-    docs/results/gated_residual_table and attnres_ablation). Where it is
+    converge, which they do not when the logits spread (measured column errors:
+    docs/performance.md#mhcs-sinkhorn-column-error; `depth_mixing.stochastic_error` measures a
+    trained run's). Where it is
     doubly stochastic, its product over depth stays so, and the mixing neither amplifies nor
     attenuates the mean of the streams. φ_pre, φ_post ∈ R^{nd×n}, φ_res ∈ R^{nd×n²}
     (`read_projection`, `write_projection`, `mixing_projection`), α (`read_scale`,
@@ -369,7 +367,7 @@ class ManifoldHyperConnection(_CopiedStreamsMechanism):
 
 @RESIDUALS.register("width")
 class WidthBaseline(ResidualMechanism):
-    """The simple width baseline (issue 4, item 6): n = `model.residual.streams` branches and no
+    """The simple width baseline: n = `model.residual.streams` branches and no
     mixing between them. Sublayer k reads a learned scalar mixture of the branches and adds its
     update to one branch, in round-robin order:
 

@@ -1,4 +1,4 @@
-"""The accelerator check (issue 22, item 6): `scripts/accelerator_check.sh` runs this and it
+"""The accelerator check: `scripts/accelerator_check.sh` runs this and it
 prints ONE JSON line on stdout (progress on stderr). Meant for a GPU or TPU host, under 10
 minutes; on CPU it runs the portable parts only and names every skipped part with its reason.
 
@@ -31,8 +31,6 @@ import sys
 import time
 import traceback
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from config.cli import ArgumentParser
@@ -49,6 +47,8 @@ def log(message: str) -> None:
 
 def _max_diff(got, want) -> tuple[float, float]:
     """Max |got − want| over the outputs, absolute and relative to each output's max |want|."""
+    import jax.numpy as jnp
+
     absolute = [float(jnp.max(jnp.abs(jnp.float32(a) - jnp.float32(b))))
                 for a, b in zip(got, want, strict=True)]
     scale = [float(jnp.max(jnp.abs(jnp.float32(b)))) for b in want]
@@ -56,6 +56,9 @@ def _max_diff(got, want) -> tuple[float, float]:
 
 
 def attention_part(backend: str) -> dict:
+    import jax
+    import jax.numpy as jnp
+
     from arch.attention import dot_product_attention
     from arch.kernels.attention_implementations import (
         allowed_mask,
@@ -120,9 +123,9 @@ def _billion_config(seq_len: int, batch: int, implementation: str = "auto"):
 
 
 def _compiled(config):
-    from train.step import build_program, compile_train_step
+    from train.step import build_program, compile_train_step, resolve_for_job
 
-    program = build_program(config)
+    program = build_program(resolve_for_job(config))
     _, compiled = compile_train_step(program)
     return program, compiled
 
@@ -134,6 +137,8 @@ def _fits(compiled, limit: float) -> tuple[bool, int]:
 
 
 def mfu_part(backend: str) -> dict:
+    import jax
+
     from arch.accounting import flops_per_token, parameter_count
 
     kind = jax.devices()[0].device_kind
@@ -204,10 +209,12 @@ def memory_part(backend: str) -> dict:
     return result
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser("python scripts/accelerator_check.py", __doc__)
     parser.add_argument("--quick", action="store_true", help="The attention part only.")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    import jax  # after the arguments: a bad one is one line before JAX loads
+
     backend = jax.default_backend()
     result = {"backend": backend, "device_kind": jax.devices()[0].device_kind,
               "devices": jax.device_count()}
@@ -225,7 +232,8 @@ def main() -> None:
         log(f"{name}: {json.dumps(result[name])}")  # the figures so far survive a timeout
     result["seconds"] = time.perf_counter() - start
     print(json.dumps(result))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -10,7 +10,7 @@ one run:
                   per implementation (`execution.attention_implementation`), the rest of the config
                   as given. Reports temp_bytes[impl][T], growth[impl] = temp at the largest T
                   over temp at the smallest, and vs_xla[impl][T] = temp / xla's temp.
-                  Target (issue 22): blocked growth ≤ 20 from 1K to 16K (explicit scores: ~256).
+                  Target: blocked growth ≤ 20 from 1K to 16K (explicit scores: ~256).
 --speed LENGTHS   seconds of one jitted forward + backward pass of attention alone (`attend`,
                   the config's heads, head width and chunk) at each T with batch
                   max(1, tokens / T), the implementations timed interleaved (ABBA blocks, as
@@ -29,26 +29,48 @@ import json
 import statistics
 import sys
 
-import jax
-import jax.numpy as jnp
 from absl import logging as absl_logging
 
-from arch.attention import attend
+from config import ConfigError
 from config.cli import ArgumentParser, parse_with_config, positive_int
+from config.resolution import unresolved
+from train.data.arguments import check_config
 from train.instruments.timing import paired_ratio, time_interleaved
-from train.step import compile_train_step
 
 
 def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def _lengths(text: str) -> list[int]:
-    return [int(n) for n in text.split(",")]
+def lengths_of(text: str | None, flag: str) -> list[int]:
+    """The sequence lengths of `--memory 1024,4096` (None: none); one-line ConfigError unless
+    positive ints."""
+    if text is None:
+        return []
+    try:
+        lengths = [int(n) for n in text.split(",")]
+    except ValueError:
+        lengths = []
+    if not lengths or min(lengths) < 1:
+        raise ConfigError(f"{flag}={text} is invalid: pass comma-separated positive sequence "
+                          "lengths, e.g. 1024,4096")
+    return lengths
+
+
+def check_implementations(config, names: list[str]) -> None:
+    """Each of --implementations is an `execution.attention_implementation` the config takes
+    (resolved without JAX: `train.data.arguments.check_config`)."""
+    for name in names:
+        variant = unresolved(config)
+        variant.execution.attention_implementation = name
+        try:
+            check_config(variant)
+        except ConfigError as error:
+            raise ConfigError(f"--implementations={','.join(names)}: {error}") from None
 
 
 def memory(config, lengths: list[int], implementations: list[str]) -> dict:
-    from train.step import build_program
+    from train.step import build_program, compile_train_step, resolve_for_job
 
     temp = {name: {} for name in implementations}
     for name in implementations:
@@ -56,7 +78,7 @@ def memory(config, lengths: list[int], implementations: list[str]) -> dict:
             variant = config.copy_and_resolve_references()
             variant.seq_len, variant.batch_size = length, 1
             variant.execution.attention_implementation = name
-            _, compiled = compile_train_step(build_program(variant))
+            _, compiled = compile_train_step(build_program(resolve_for_job(variant)))
             temp[name][length] = compiled.memory_analysis().temp_size_in_bytes
             log(f"{name} T={length}: temp {temp[name][length]:,} bytes")
     low, high = min(lengths), max(lengths)
@@ -69,6 +91,10 @@ def memory(config, lengths: list[int], implementations: list[str]) -> dict:
 
 def _runner(name: str, q, k, v, positions, chunk: int):
     """One synced, jitted forward + backward pass of `attend` per call."""
+    import jax
+    import jax.numpy as jnp
+
+    from arch.attention import attend
 
     def loss(q, k, v):
         return jnp.sum(attend(q, k, v, positions, positions, implementation=name,
@@ -80,6 +106,9 @@ def _runner(name: str, q, k, v, positions, chunk: int):
 
 def speed(config, lengths: list[int], implementations: list[str], tokens: int, steps: int,
           block: int) -> dict:
+    import jax
+    import jax.numpy as jnp
+
     model = config.model
     heads, kv_heads = model.attention.num_heads, model.attention.num_kv_heads
     width = model.attention.head_dim or model.d_model // heads
@@ -119,13 +148,23 @@ def main(argv: list[str] | None = None) -> int:
                         help="--speed: calls per interleaved block")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     config, args = parse_with_config(parser, argv)
-    absl_logging.set_verbosity(absl_logging.WARNING)
     implementations = args.implementations.split(",")
+    try:
+        memory_lengths = lengths_of(args.memory, "--memory")
+        speed_lengths = lengths_of(args.speed, "--speed")
+        check_config(config)
+        check_implementations(config, implementations)
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    absl_logging.set_verbosity(absl_logging.WARNING)
+    import jax  # after the checks: a bad argument is one line before JAX loads
+
     result = {"backend": jax.default_backend(), "chunk": config.execution.attention_chunk}
-    if args.memory:
-        result["memory"] = memory(config, _lengths(args.memory), implementations)
-    if args.speed:
-        result["speed"] = speed(config, _lengths(args.speed), implementations, args.tokens,
+    if memory_lengths:
+        result["memory"] = memory(config, memory_lengths, implementations)
+    if speed_lengths:
+        result["speed"] = speed(config, speed_lengths, implementations, args.tokens,
                                 args.steps, args.block)
     print(json.dumps(result) if args.json else json.dumps(result, indent=1))
     return 0

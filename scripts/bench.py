@@ -5,154 +5,16 @@
 [--vs_torch] [--vs_unrolled] [--profile N]`
 
 Runs on whatever devices exist (one CPU device normally) with random tokens of the config's
-batch_size × (seq_len + 1), and reports, in one run:
+batch_size × (seq_len + 1) and reports, in one run, the framework's step time, tokens/s, compile
+time, MFU and compiled memory, and paired ratios (ABBA blocks) to the hand-written reference
+step and to the other programs the flags ask for. Every ratio `A_vs_B` is A / B of the named
+quantity, the measured program over the one it is compared with: for times, < 1 means A is
+faster. Every output, with the example commands: docs/instruments.md#benchmark-outputs;
+measurements: docs/performance.md. Targets are reported, never asserted; `--json` prints exactly
+one JSON object on stdout, progress goes to stderr.
 
-  step_time_s            median wall time of one framework train step (`TrainProgram.train_step`,
-                         each step synced), over --steps timed steps after two warm-up steps
-  tokens_per_sec         batch_size · seq_len / step_time_s
-  compile_time_s         lower + compile of the jitted train step (the first, cold compile)
-  mfu                    tokens_per_sec · flops_per_token / (peak_flops · device count)
-  peak_flops             measured matmul FLOP/s of one device (`train.metrics.measure_matmul_peak`)
-  temp_bytes             XLA's compiled scratch memory (`memory_analysis().temp_size_in_bytes`);
-                         argument_bytes / output_bytes alongside
-  reference_step_time_s  median step time of the hand-written pure-JAX step (`arch/reference.py`)
-                         for the same model, batch, optimizer and initial parameters
-  vs_reference           step_time_s / reference_step_time_s (paired, see below); target ≤ 1.05.
-                         Framework and reference steps run in alternating blocks of --block steps
-                         (ABBA order), so machine noise hits both alike. null (and not timed) for
-                         variants the reference does not implement.
-  torch_step_time_s      only with --vs_torch: median step time of an eager PyTorch train step of
-                         the same model (`train/interop/torch_model.py`: torch's
-                         scaled_dot_product_attention, fused AdamW with the config's schedule,
-                         betas, eps, weight decay and decay mask, global-norm clipping) from the
-                         same initial parameters, on the same batch, timed interleaved with the
-                         framework step (ABBA blocks), and
-  vs_torch               torch_step_time_s / step_time_s (paired): > 1 means the framework is
-                         faster (the inverse of vs_reference's direction). Both null, with one
-                         line on stderr, when torch is not importable or the config is not one
-                         the PyTorch model implements (the line lists what it does: Pre-LN,
-                         LayerNorm, learned positions, MHA, ffn=mlp with tanh GELU, float32).
-  unrolled_step_time_s   only with --vs_unrolled: median step time of the reference step with its
-                         layers in a Python loop instead of lax.scan (`arch.reference`,
-                         unrolled=True), timed interleaved, and
-  vs_unrolled            unrolled_step_time_s / step_time_s (paired): > 1 means the framework's
-                         scanned step is faster. Both null where the reference is.
-  compile_24_over_4      only with --depth_check (off by default: it compiles four more
-                         programs): cold compile time at num_layers=24 over
-                         num_layers=4, the rest of the config as given, best of two fresh compiles
-                         each; target ≤ 1.5 (the layer scan keeps compile time flat in depth).
-  baseline_step_time_s   only with --baseline FIELD=VALUE[,FIELD=VALUE...] (e.g.
-                         `--baseline model.reversible=False`): a second config, the benchmarked
-                         one with those overrides (applied before validation, so derived fields
-                         follow), compiled and timed interleaved with the framework step (same
-                         batch, ABBA blocks); its median step time, and
-  step_time_vs_baseline  step_time_s / baseline_step_time_s, and
-  temp_bytes_vs_baseline temp_bytes / the baseline's temp_bytes. Target for the reversible stack
-                         (issue 3) against the ordinary one: step_time_vs_baseline ≤ 1.5.
-  compare                only with --compare "A;B;...", each item FIELD=VALUE[,FIELD=VALUE...]:
-                         one variant of the benchmarked config per item (overrides applied like
-                         --baseline's), all compiled and timed interleaved with it and with each
-                         other (ABBA blocks, same batch); a dict label → {step_time_s,
-                         step_time_vs_config, temp_bytes, temp_bytes_vs_config[, decode_time_s,
-                         decode_time_vs_config]}, label = the overrides without "model.".
-                         Ratios are variant / benchmarked config (note: --baseline's are
-                         config / baseline), so benchmark the plain sum and compare mechanisms.
-  decode_time_s          only with --decode: median seconds of one jitted single-token KV-cache
-                         decode step (evaluation mode, greedy, cache donated) of --decode_batch
-                         sequences (default 1) after a prefill of seq_len / 2 tokens into a
-                         cache of seq_len positions (train/generate.py's decode path): the
-                         median of --decode_steps steps (default 400: a decode step is short,
-                         so far more steps than --steps are needed against machine noise),
-                         timed in ABBA blocks of 20 over the config, the baseline and the
-                         --compare variants; with --baseline also baseline_decode_time_s and
-                         decode_time_vs_baseline.
-  decode_cache_bytes     only with --decode: bytes of the KV cache that decoding allocates (all
-                         layers, --decode_batch sequences, at the compute dtype; a ring buffer's
-                         int32 slot positions included), and
-  decode_cache_positions the positions it holds: seq_len, or with model.attention.window W > 0
-                         min(seq_len, W) (a ring buffer: O(W) however long the generation;
-                         `arch.accounting.books` kv_cache.positions_held); per --compare variant
-                         and --baseline (baseline_decode_cache_bytes) too.
-  loader_tokens_per_sec  only with --data: tokens/s the config's training data (config.data, e.g. a
-                         prepared directory) delivers at batch_size × seq_len through the stream
-                         the training loop reads (prefetching, `shards.loader_throughput`),
-                         over --data_batches batches; loader_sync_tokens_per_sec one batch at a
-                         time; loader_vs_step = loader_tokens_per_sec / tokens_per_sec, the
-                         loader's margin over what the train step consumes: target ≥ 5.
-  bubble_fraction        only when the config's mesh.stage = P > 1 (pipeline parallelism,
-                         sharding/pipeline.py): the schedule's theoretical idle share
-                         (P − 1)/(V·M + P − 1), V = execution.pipeline.virtual_stages, M =
-                         execution.pipeline.microbatches. Against the single-stage run on the same
-                         devices, pass e.g. `--baseline mesh.stage=1,mesh.data=-1`:
-                         step_time_vs_baseline is then the pipelined step over the unpipelined
-                         one. Simulated CPU devices share the host's cores, so there it measures
-                         overhead only; stages overlap only on real accelerators.
-  stage_transfer_bytes   also when mesh.stage > 1: bytes each device sends to the next stage in
-                         one train step, forward and backward, counted in the compiled program
-                         (`sharding.pipeline.stage_transfer_bytes`: the stage-to-stage
-                         collective-permutes' sizes × V·M + P − 1 iterations); per --compare
-                         variant too, with stage_transfer_bytes_vs_config. AttnRes naive vs
-                         cached (the AttnRes report's schedule, the default): `--compare
-                         execution.pipeline.transfer=full` (example below).
-  temp_bytes_depth_ratio only with --depth_memory A,B (e.g. `2,16`): compiled temp bytes of the
-                         train step at num_layers=B over num_layers=A (compile only, never run;
-                         each also reported as temp_bytes_layers_A / _B). Target for the
-                         reversible stack (issue 3): ≤ 1.3 from 2 to 16 layers.
-
-  remat_policies         only with --remat_policies A,B,... (arch.remat.REMAT_POLICIES, e.g.
-                         `none,full,dots_saveable,save_attention_and_ffn_outputs`): the config
-                         run under policy A (execution.remat=A), each
-                         other policy as a --compare variant (timed interleaved, ABBA); a dict
-                         policy → {temp_bytes, temp_bytes_vs_first, step_time_s,
-                         step_time_vs_first}, ratios to policy A. Measured:
-                         docs/performance.md#remat-policies.
-  profile                only with --profile N: after timing, N more steps each of the framework
-                         (and of the reference and unrolled reference where timed) under
-                         jax.profiler (`train.instruments.op_profile`): per program, op_s (the
-                         seconds per step of its XLA ops, exclusive, summed over threads),
-                         by_primitive (seconds per JAX primitive, the 12 largest) and ops (the
-                         12 costliest instructions: seconds, opcode, primitive, source line).
-Each ratio of two timed programs' step times (vs_reference, vs_torch, vs_unrolled, *_time_vs_*)
-is paired: the median, over the ABBA rounds, of the ratio of the two programs' median step times
-in that round. They ran back to back, so a change of machine speed between rounds (on a shared
-CPU, one can last minutes) cancels, where the ratio of the two overall medians can mix states; it
-may therefore differ a little from the quotient of the reported medians.
-Why: docs/performance.md#method-paired-abba-ratios.
-
-Targets are reported, never asserted. `--json` prints exactly one JSON object on stdout; progress
-goes to stderr. Example: python scripts/bench.py --config experiments/quickstart.py --depth_check
-Reversible vs ordinary: python scripts/bench.py --config experiments/quickstart.py
-  --config.model.reversible=True --baseline model.reversible=False --depth_memory 2,16
-
-Pipeline parallelism on 8 simulated CPU devices (GPipe, 4 stages, 8 microbatches) against one
-stage: XLA_FLAGS=--xla_force_host_platform_device_count=8 python scripts/bench.py
-  --config experiments/quickstart.py --config.model.num_layers=8 --config.mesh.data=2
-  --config.mesh.stage=4 --config.execution.pipeline.microbatches=8 --config.batch_size=16
-  --baseline mesh.stage=1,mesh.data=-1
-
-Block AttnRes across pipeline stages, the cached transfer against the naive one (the whole
-source buffer at every transition), 4 stages × 2 virtual stages, 8 blocks of S = 4 sublayers:
-XLA_FLAGS=--xla_force_host_platform_device_count=8 python scripts/bench.py
-  --config experiments/quickstart.py --config.model.num_layers=16 --config.mesh.data=2
-  --config.mesh.stage=4 --config.execution.pipeline.schedule=circular
-  --config.execution.pipeline.virtual_stages=2 --config.execution.pipeline.microbatches=4
-  --config.batch_size=16 --config.model.residual.name=block_attnres
-  --config.model.attnres.block_size=4 --compare execution.pipeline.transfer=full
-
-Residual-stream mechanisms (issue 4) against the plain Pre-Norm sum, 16 blocks = 32 sublayers, so
-8 AttnRes blocks of attnres.block_size=4 sublayers. Targets: compare.<block_attnres>.
-step_time_vs_config ≤ 1.05 and decode_time_vs_config ≤ 1.05; the others are reported:
-  python scripts/bench.py --config experiments/quickstart.py --config.model.num_layers=16
-    --config.model.residual.name=prenorm --decode --compare "model.residual.name=block_attnres,
-    model.attnres.block_size=4;model.residual.name=attnres;model.residual.name=hc;model.residual.name=mhc;
-    model.residual.name=gated_residual"
-(one argument, no spaces or line breaks inside the quotes). Their residual I/O, history memory and
-added parameters come from `arch.accounting.residual_accounting(config.model)`. Add
-`;execution.scan_unroll=2` to --compare to time the plain sum stepped two layers per loop iteration,
-as the AttnRes block scan is. Measured: docs/performance.md#block-attnres.
-
-CPU settings outside the framework that change step times (huge pages for XLA:CPU's per-step
-temporary buffer, experimental YNN dot fusions): docs/performance.md#xla-on-cpu.
+The arguments, the config and every --baseline and --compare variant are checked (resolved by
+`config.resolve`) before JAX loads: a bad one is one line on stderr and exit status 2.
 """
 
 from __future__ import annotations
@@ -169,20 +31,20 @@ import math
 import statistics
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 from absl import logging as absl_logging
-from flax import nnx
 
+from config import ConfigError
 from config.cli import ArgumentParser, UsageError, apply_override, parse_with_config, positive_int
-from sharding.pipeline import bubble_fraction, iterations, stage_transfer_bytes
-from train.data.shards import loader_throughput
+from config.resolution import unresolved
+from train.data.arguments import check_config
 from train.data.tokenizer import check_vocab, tokenizer_of
 from train.instruments.timing import paired_ratio, time_interleaved
-from train.optim import decay_mask, make_optimizer
-from train.step import compile_train_step
+
+if TYPE_CHECKING:
+    import jax
 
 TARGETS = {"vs_reference": "<= 1.05", "compile_24_over_4": "<= 1.5",
            "step_time_vs_baseline": "<= 1.5 (reversible vs ordinary)",
@@ -199,6 +61,8 @@ def log(message: str) -> None:
 
 def framework_runner(program, batch: jax.Array) -> Callable[[], None]:
     """One synced framework train step per call, on its own donated state."""
+    import jax
+
     carry = {"state": program.init(program.config.seed)}
 
     def step() -> None:
@@ -210,7 +74,11 @@ def framework_runner(program, batch: jax.Array) -> Callable[[], None]:
 def reference_runner(program, batch: jax.Array, unrolled: bool = False) -> Callable[[], None]:
     """One synced reference train step per call, from the same initial parameters; `unrolled`:
     its layers in a Python loop rather than a scan."""
+    import jax
+    from flax import nnx
+
     from arch import reference
+    from train.optim import decay_mask, make_optimizer
 
     config = program.config
     state = program.init(config.seed)["params"]
@@ -235,6 +103,10 @@ def torch_runner(program, tokens: np.ndarray) -> Callable[[], None] | None:
     """One eager PyTorch train step per call (`train.interop.torch_model`) of the same model
     from the same initial parameters, on the same tokens; None, with one line on stderr, when
     torch is not importable or the config is not one the PyTorch model implements."""
+    from flax import nnx
+
+    from train.optim import decay_mask
+
     try:
         from train.interop import torch_model
     except ModuleNotFoundError as error:
@@ -260,6 +132,10 @@ def decode_runner(program, prompt_BxP: jax.Array, length: int) -> Callable[[], N
     step does not depend on its position: attention reads the whole masked cache). The
     callable's `cache_bytes` and `cache_positions` are the cache's size in bytes and in
     positions held (min(length, W) with a sliding window W)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
     from arch.attention import cache_slots
 
     graphdef, dtype = program.graphdef, jnp.dtype(program.model_cfg.dtype)
@@ -333,11 +209,12 @@ def parse_compare(text: str | None) -> dict[str, str]:
 
 
 def prepare(config, tokens: np.ndarray) -> dict:
-    """A variant ready to time: its program (config validated in place), compiled memory and a
-    train-step runner on `tokens` placed with its batch sharding."""
-    from train.step import build_program
+    """A variant ready to time: its program (of `config`, resolved for the devices here),
+    compiled memory and a train-step runner on `tokens` placed with its batch sharding."""
+    from sharding.pipeline import iterations, stage_transfer_bytes
+    from train.step import build_program, compile_train_step, resolve_for_job
 
-    program = build_program(config)
+    program = build_program(resolve_for_job(config))
     compile_time, compiled = compile_train_step(program)
     runner = framework_runner(program, program.put_batch(tokens))
     runner.hlo = compiled.as_text  # for --profile
@@ -354,13 +231,13 @@ def prepare(config, tokens: np.ndarray) -> dict:
 def depth_memory(config, depths: tuple[int, int]) -> dict[str, float]:
     """Compiled temp bytes of the train step at each of two depths (compile only), and the
     ratio of the second to the first."""
-    from train.step import build_program
+    from train.step import build_program, compile_train_step, resolve_for_job
 
     temp = {}
     for layers in depths:
-        deep = config.copy_and_resolve_references()
+        deep = unresolved(config)
         deep.model.num_layers = layers
-        _, compiled = compile_train_step(build_program(deep))
+        _, compiled = compile_train_step(build_program(resolve_for_job(deep)))
         temp[layers] = compiled.memory_analysis().temp_size_in_bytes
         log(f"temp bytes at {layers} layers: {temp[layers]:,}")
     a, b = depths
@@ -371,14 +248,14 @@ def depth_memory(config, depths: tuple[int, int]) -> dict[str, float]:
 def depth_compile_ratio(config, repeats: int = 2) -> dict[str, float]:
     """Cold compile seconds of the train step at 4 and 24 layers (best of `repeats`, each a
     fresh program, alternating depths), and their ratio."""
-    from train.step import build_program
+    from train.step import build_program, compile_train_step, resolve_for_job
 
     seconds: dict[int, float] = {4: math.inf, 24: math.inf}
     for _ in range(repeats):
         for layers in seconds:
-            deep = config.copy_and_resolve_references()
+            deep = unresolved(config)
             deep.model.num_layers = layers
-            took, _ = compile_train_step(build_program(deep))
+            took, _ = compile_train_step(build_program(resolve_for_job(deep)))
             seconds[layers] = min(seconds[layers], took)
             log(f"compile at {layers} layers: {took:.2f} s")
     return {"compile_4_layers_s": seconds[4], "compile_24_layers_s": seconds[24],
@@ -390,8 +267,13 @@ def bench(config, steps: int, block: int, depth_check: bool, baseline: str | Non
           decode: bool = False, decode_batch: int = 1, decode_steps: int = 400,
           data_batches: int = 0, vs_torch: bool = False, vs_unrolled: bool = False,
           profile_steps: int = 0) -> dict:
+    import jax
+    import jax.numpy as jnp
+
     from arch import reference
     from arch.accounting import flops_per_token
+    from sharding.pipeline import bubble_fraction
+    from train.data.shards import loader_throughput
     from train.metrics import measure_matmul_peak
 
     check_vocab(config.model, tokenizer_of(config.data))  # model.vocab_size=0: the tokenizer's
@@ -437,7 +319,7 @@ def bench(config, steps: int, block: int, depth_check: bool, baseline: str | Non
     reference_time = medians.get("reference")
     peak = measure_matmul_peak()
     tokens_per_sec = config.batch_size * config.seq_len / step_time
-    flops = flops_per_token(config.model, config.seq_len)
+    flops = flops_per_token(program.config.model, config.seq_len)  # resolved: head_dim filled
     result = {
         "tokens_per_sec": tokens_per_sec, "step_time_s": step_time,
         "compile_time_s": compile_time,
@@ -451,10 +333,10 @@ def bench(config, steps: int, block: int, depth_check: bool, baseline: str | Non
     }
     if vs_torch:
         result.update(torch_step_time_s=medians.get("torch"),
-                      vs_torch=ratio("torch", "framework") if "torch" in times else None)
+                      vs_torch=ratio("framework", "torch") if "torch" in times else None)
     if vs_unrolled:
         result.update(unrolled_step_time_s=medians.get("unrolled"),
-                      vs_unrolled=ratio("unrolled", "framework") if "unrolled" in times else None)
+                      vs_unrolled=ratio("framework", "unrolled") if "unrolled" in times else None)
     if decode:
         result.update(decode_time_s=decode_times["framework"],
                       decode_cache_bytes=decoders["framework"].cache_bytes,
@@ -528,6 +410,39 @@ def remat_policies(text: str | None) -> list[str]:
     if len(set(policies)) != len(policies):
         raise UsageError(f"--remat_policies: a policy is given twice in {text!r}")
     return policies
+
+
+def depth_pair(text: str | None) -> tuple[int, int] | None:
+    """--depth_memory's two layer counts A,B (None: not asked for)."""
+    if text is None:
+        return None
+    try:
+        a, b = (int(n) for n in text.split(","))
+    except ValueError:
+        a = b = 0
+    if min(a, b) < 1:
+        raise UsageError(f"--depth_memory: expected A,B (two positive layer counts), got "
+                         f"{text!r}")
+    return a, b
+
+
+def check_variants(config, baseline: str | None, compare: str | None) -> None:
+    """The config and each variant of --baseline and --compare, resolved without JAX
+    (`train.data.arguments.check_config`; `config.model.vocab_size` 0 filled in place): a
+    one-line ConfigError names the first that is invalid."""
+    check_config(config)
+    pristine = config.copy_and_resolve_references()
+    variants = {"--compare": parse_compare(compare)}
+    if baseline:
+        variants["--baseline"] = {"baseline": baseline}
+    for flag, overrides in variants.items():
+        for label, fields in overrides.items():
+            try:
+                check_config(with_overrides(pristine, fields, flag))
+            except UsageError:
+                raise
+            except ConfigError as error:
+                raise ConfigError(f"{flag} {label}: {error}") from None
 
 
 def remat_policy_ratios(result: dict, policies: list[str]) -> dict[str, dict[str, float]]:
@@ -606,23 +521,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--remat_policies", metavar="A,B,...", default=None,
                         help="execution.remat values to compare, as ratios to the first")
     config, args = parse_with_config(parser, argv)
-    depths = None
-    if args.depth_memory:
-        try:
-            a, b = (int(n) for n in args.depth_memory.split(","))
-        except ValueError:
-            parser.error(f"--depth_memory: expected A,B (two layer counts), got "
-                         f"{args.depth_memory!r}")
-        depths = (a, b)
-    absl_logging.set_verbosity(absl_logging.WARNING)  # Orbax and absl log at INFO
-    from config import ConfigError
-
     try:
+        depths = depth_pair(args.depth_memory)
         compare, policies = args.compare, remat_policies(args.remat_policies)
         if policies:
             config.execution.remat = policies[0]
             compare = ";".join(filter(None, [compare, *(REMAT_VARIANT.format(policy)
                                                        for policy in policies[1:])]))
+        check_variants(config, args.baseline, compare)
+    except ConfigError as error:
+        log(f"error: {error}")
+        return 2
+    absl_logging.set_verbosity(absl_logging.WARNING)  # Orbax and absl log at INFO
+    try:
         result = bench(config, args.steps, args.block, args.depth_check, args.baseline, depths,
                        compare, args.decode, args.decode_batch, args.decode_steps,
                        args.data_batches if args.data else 0, args.vs_torch, args.vs_unrolled,

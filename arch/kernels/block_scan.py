@@ -41,7 +41,7 @@ def scan_blocks(stream, body, state: dict, xs):
 
 def _split_inexact(tree):
     """(leaves that take gradients or None, the other leaves or None), each in `tree`'s shape."""
-    inexact = lambda x: jnp.issubdtype(x.dtype, jnp.inexact)  # noqa: E731
+    inexact = lambda x: jnp.issubdtype(x.dtype, jnp.inexact)
     return (jax.tree.map(lambda x: x if inexact(x) else None, tree),
             jax.tree.map(lambda x: None if inexact(x) else x, tree))
 
@@ -78,8 +78,7 @@ def block_scan(stream, bodies: tuple, per_block: int):
     block's sum gets the cotangent of its slot and of its 1/rms, the units' VJPs, last first,
     give those of their phase-1 results, queries, constants, layer inputs and the partial sum
     each read, and phase 1's adds to the buffer's and the queries'. Each unit's inputs are
-    indexed in the unit-major xs directly (a blocks × units view of them made decoding several
-    times slower)."""
+    indexed in the unit-major xs directly (a blocks × units view of them made decoding slower)."""
     layout = stream.layout
     size, reads = layout.block_size, layout.block_size // per_block
     plans = {}  # filled while tracing the forward pass: where each residual comes from

@@ -189,9 +189,9 @@ def _phase_one_forward(queries, sources, inverse, valid_N, heads):
     lse = jax.nn.logsumexp(scores, axis=2)
     weights = jnp.exp(scores - lse[:, :, None])
     # The S reads as one reduction over the slot axis. As an einsum, XLA:CPU runs thousands of
-    # tiny matrix products (3× slower); as an unrolled elementwise sum, it fused the sum into
-    # each consumer (every read recomputed from the whole buffer, which it then copied twice per
-    # block to keep for them: the train step ~1% slower).
+    # tiny matrix products; as an unrolled elementwise sum, it fuses the sum into each consumer
+    # (every read recomputed from the whole buffer). Both are slower: docs/performance.md,
+    # "Tried and not kept".
     reads = (weights[..., None] * jnp.expand_dims(values, 3)).sum(axis=2)  # B×T×S(×H)×K
     return ((lse, tuple(reads[:, :, s] for s in range(queries.shape[0]))),
             (queries, sources, inverse, raw, weights))
@@ -250,7 +250,7 @@ def _merge_forward(query, lse, read, partial, heads, eps):
 def _merge_backward(heads, eps, residuals, merged_cotangent):
     query, read, partial, raw, inverse, weight = residuals
     width, values = read.shape[-1], partial.astype(jnp.float32)
-    per_feature = lambda x: _per_feature(x, width)  # noqa: E731
+    per_feature = lambda x: _per_feature(x, width)
     # d merged / d weight = c − p; the weight is σ(lse − s).
     gate_cotangent = (_head_sums(merged_cotangent * (read - values), heads)
                       * weight * (1 - weight))
