@@ -23,13 +23,10 @@ own output is added; a summary becomes a source once, when its block completes; 
 exactly one source; an empty partial sum is never a source. S = 1 is Full AttnRes exactly; S ≥ n
 (N = 1) keeps the embedding beside one running sum.
 
-Storage: one buffer of 1 + N source slots, kept token-major as B×T×((N+1)·D): the embedding in
-slot 0 and block m's sum in slot m + 1, which holds the block's partial sum while it runs and its
-summary once complete, so a write touches one slot and slot j ≥ 1 is a source of sublayer l iff
-j ≤ ⌈l/S⌉. Beside each slot its 1/rms per head (B×T×((N+1)·H), float32), computed once when the
-slot is written. Cost: (N + 1)·(D + H) stored values per token (N = n for Full AttnRes); a
-naive read is O(N·D) per token, a two-phase read O(D) after its block's phase 1. Residual I/O:
-`arch.accounting.residual_accounting`.
+Storage: one buffer of 1 + N source slots (`arch.kernels.depth_read`): the embedding in slot 0
+and block m's running sum in slot m + 1, so slot j ≥ 1 is a source of sublayer l iff j ≤ ⌈l/S⌉,
+with each slot's 1/rms per head. Cost: (N + 1)·(D + H) stored values per token (N = n for Full
+AttnRes); a naive read is O(N·D) per token, a two-phase read O(D) after its block's phase 1.
 
 Variants (config fields):
 - `attnres.query="input"`: w_l + c·W_l k̂_cur, with W_l ∈ R^{d×d} zero-initialized, the
@@ -49,23 +46,20 @@ Variants (config fields):
 - `attnres.window=W > 0`: only the W most recent sources (slots ⌈l/S⌉ − W + 1 … ⌈l/S⌉).
 
 Two-phase schedule (paper, "Two-phase computation"), in training and with a KV cache: the
-pseudo-queries do not depend on the input, so when a block starts (`AttnResStream.open`), its S
-queries are batched against the completed sources once (phase 1), and each read of the block
-merges its one partial-sum source into that result (phase 2); `close` writes the block's sum to
-its slot. The layer scan then steps one block at a time (`arch.kernels.block_scan`). It applies
-to softmax weights with static queries and no window, when blocks are whole layers (S a multiple
-of the sublayers per scan unit and n a multiple of S: `units_per_block`); the other variants and
-layouts keep the naive read. How the reads run (hand-written gradients, the slot views, phase 1
-and the merge): `arch.kernels.depth_read`; equal to the naive read to float rounding.
+pseudo-queries do not depend on the input, so a block's S queries are batched against the
+completed sources once (phase 1) and each read merges its block's partial sum into that result
+(phase 2), the layer scan stepping one block at a time (`arch.kernels.block_scan`,
+`arch.kernels.depth_read`; equal to the naive read to float rounding). It applies to softmax
+weights with static queries and no window when blocks are whole scan units
+(`units_per_block`); the other variants and layouts keep the naive read.
 
 Pipeline parallelism: a stage is sent only the slots written since it last held the buffer
 (`stage_message`, `stage_merge`; `arch.kernels.stage_transfer`); `execution.pipeline.transfer=
 "full"` sends the whole buffer.
 
 Recorded (`arch.residual.record`): "depth_weights", the weights over the N + 1 slots (zero on
-unavailable slots) averaged over batch, tokens and heads, one row per read (stacked over layers
-for the sublayer reads; the final read from the stream module). Under `nnx.capture` the model
-scans unit by unit with naive reads (autodiff path), which record them.
+unavailable slots) averaged over batch, tokens and heads, one row per read; under `nnx.capture`
+the model scans unit by unit with naive reads, which record them.
 """
 
 from __future__ import annotations
@@ -82,16 +76,14 @@ from arch.kernels import stage_transfer
 from arch.kernels.block_scan import scan_blocks
 from arch.kernels.depth_read import (
     add_to_slot,
-    contraction_views,
     depth_read,
     inverse_rms,
     merge_partial,
     mix_sources,
-    phase_one_on_views,
     read_slot,
     softmax_read,
+    source_slots,
     split_heads,
-    unflatten_slots,
     write_slot,
 )
 from arch.layers import Dense, param
@@ -103,7 +95,6 @@ from arch.residual import (
     ResidualMechanism,
     ResidualStream,
     ResidualTraffic,
-    constrain_state,
     is_capturing,
     record,
     sublayers_per_block,
@@ -140,16 +131,8 @@ class DepthLayout:
         return self.weights == "softmax" and self.query == "static" and self.window == 0
 
 
-
 def _row(table, index):
     return jax.lax.dynamic_index_in_dim(table, index, axis=0, keepdims=False)
-
-
-def _source_slots(layout: DepthLayout, state: dict):
-    """The buffer as B×T×(N+1)×D sources and their 1/rms as B×T×(N+1)×H (None: raw keys)."""
-    inverse = state.get("inverse_rms")
-    return (unflatten_slots(state["sources"], state["sources"].shape[-1] // layout.slots),
-            None if inverse is None else unflatten_slots(inverse, layout.heads))
 
 
 def _read(layout: DepthLayout, state: dict, query_projection, module: nnx.Module) -> jax.Array:
@@ -160,7 +143,7 @@ def _read(layout: DepthLayout, state: dict, query_projection, module: nnx.Module
         return merge_partial(_row(state["pseudo_queries"], state["sublayer"]), *state["phase"][0],
                              None if "fresh" in state else state["partial"], layout.heads, eps)
     index = state["sublayer"]
-    sources, inverse = _source_slots(layout, state)
+    sources, inverse = source_slots(layout, state)
     newest = (index + layout.block_size - 1) // layout.block_size  # ⌈l/S⌉, the newest source
     slot = jnp.arange(layout.slots)
     valid = slot <= newest
@@ -184,8 +167,6 @@ def _read(layout: DepthLayout, state: dict, query_projection, module: nnx.Module
     mixed, weights = depth_read(query, sources, inverse, valid, layout.heads, layout.weights)
     record(module, "depth_weights", weights.mean((0, 1, 3)))
     return mixed
-
-
 
 
 def _query_projection(cfg, rngs: nnx.Rngs) -> Dense:
@@ -256,48 +237,13 @@ class AttnResStream(ResidualStream):
             return layout.block_size // per_unit
         return None
 
-    def views(self, history: dict) -> tuple:
-        """The buffer and its 1/rms as phase 1 contracts them (`contraction_views`)."""
-        return contraction_views(*_source_slots(self.layout, history), self.layout.heads)
-
-    def open(self, queries_table, views: tuple, first) -> tuple:
-        """Phase 1 for the block whose first sublayer is `first`: its S pseudo-queries against
-        the completed sources (`views` of the buffer) at once. Each read's (log-sum-exp,
-        normalized read), in order."""
-        layout = self.layout
-        queries = jax.lax.dynamic_slice_in_dim(queries_table, first, layout.block_size)
-        valid = jnp.arange(layout.slots) <= first // layout.block_size
-        lse, reads = phase_one_on_views(queries, views, valid, layout.heads)
-        return tuple((lse[:, :, i], read) for i, read in enumerate(reads))
-
-    def close(self, history: dict, partial_BxTxD, first) -> dict:
-        """The buffer with the block's sum written to its slot (with its 1/rms): the summary
-        becomes a source."""
-        layout = self.layout
-        slot = first // layout.block_size + 1
-        history = dict(history, sources=add_to_slot(history["sources"], partial_BxTxD, slot))
-        if layout.normalizes_keys:
-            history["inverse_rms"] = write_slot(
-                history["inverse_rms"], inverse_rms(partial_BxTxD, layout.heads, layout.eps),
-                slot, layout.heads)
-        return constrain_state(history)
-
     def scan(self, body, state: dict, xs):
         """The whole layer stack (layouts with `units_per_block`), one AttnRes block per step:
-        `open`, then `body(unit_state, x) -> (unit_state, y)` for each of the block's scan
-        units, whose layers read by merging into phase 1 and add their outputs to the block's
-        partial sum, then `close` (`arch.kernels.block_scan`). Returns (final state, y stacked
-        over units)."""
+        phase 1 for the block's reads, then `body(unit_state, x) -> (unit_state, y)` for each of
+        its scan units, whose layers read by merging into phase 1 and add their outputs to the
+        block's partial sum, then the sum written to its slot (`arch.kernels.block_scan`).
+        Returns (final state, y stacked over units)."""
         return scan_blocks(self, body, state, xs)
-
-    @staticmethod
-    def unit_state(queries_table, phase: tuple, first, partial_BxTxD, fresh: bool) -> dict:
-        """What the layers of a scan unit in an opened block read and write: the counter, the
-        query table, the unit's reads' phase-1 results and the block's partial sum, and, when
-        the unit starts the block, the key "fresh" (the partial sum is not a source yet)."""
-        state = dict(sublayer=first, pseudo_queries=queries_table, phase=phase,
-                     partial=partial_BxTxD)
-        return dict(state, fresh=None) if fresh else state
 
     def stage_window(self, lag: int) -> int:
         """Source slots a pipeline stage is sent: those written in `lag` consecutive sublayers,

@@ -12,6 +12,7 @@ from flax import nnx
 
 from arch import reference
 from arch.attnres import AttentionResidual, AttnResStream, BlockAttentionResidual
+from arch.kernels.block_scan import unit_state
 from arch.kernels.depth_read import depth_read, inverse_rms, softmax_read, two_phase_reads
 from config import ConfigError, resolve
 from sharding.mesh import make_mesh
@@ -168,7 +169,7 @@ def test_a_read_in_an_opened_block_keeps_only_its_inputs_for_the_backward_pass()
     read, partial = jax.random.normal(keys[2], (2, *shape))
 
     def merged(read, partial):
-        state = AttnResStream.unit_state(queries, ((lse, read),), jnp.int32(1), partial, False)
+        state = unit_state(queries, ((lse, read),), jnp.int32(1), partial, False)
         return nnx.merge(graphdef, params).read(state)
 
     _, vjp = jax.vjp(merged, read, partial)

@@ -13,30 +13,77 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from arch.kernels.depth_read import inverse_rms, read_slot, write_slot
+from arch.kernels.depth_read import (
+    add_to_slot,
+    contraction_views,
+    inverse_rms,
+    phase_one_on_views,
+    read_slot,
+    source_slots,
+    write_slot,
+)
+from arch.residual import constrain_state
 
 HISTORY = ("sources", "inverse_rms")  # the state's per-slot leaves: the buffer and its 1/rms
+
+
+def buffer_views(layout, history: dict) -> tuple:
+    """The buffer and its 1/rms as phase 1 contracts them (`contraction_views`)."""
+    return contraction_views(*source_slots(layout, history), layout.heads)
+
+
+def open_block(layout, queries_table, views: tuple, first) -> tuple:
+    """Phase 1 for the block whose first sublayer is `first`: its S pseudo-queries against the
+    completed sources (`views` of the buffer) at once. Each read's (log-sum-exp, normalized
+    read), in order."""
+    queries = jax.lax.dynamic_slice_in_dim(queries_table, first, layout.block_size)
+    valid = jnp.arange(layout.slots) <= first // layout.block_size
+    lse, reads = phase_one_on_views(queries, views, valid, layout.heads)
+    return tuple((lse[:, :, i], read) for i, read in enumerate(reads))
+
+
+def close_block(layout, history: dict, partial_BxTxD, first) -> dict:
+    """The buffer with the block's sum written to its slot (with its 1/rms): the summary becomes
+    a source."""
+    slot = first // layout.block_size + 1
+    history = dict(history, sources=add_to_slot(history["sources"], partial_BxTxD, slot))
+    if layout.normalizes_keys:
+        history["inverse_rms"] = write_slot(
+            history["inverse_rms"], inverse_rms(partial_BxTxD, layout.heads, layout.eps),
+            slot, layout.heads)
+    return constrain_state(history)
+
+
+def unit_state(queries_table, phase: tuple, first, partial_BxTxD, fresh: bool) -> dict:
+    """What the layers of a scan unit in an opened block read and write: the counter, the query
+    table, the unit's reads' phase-1 results and the block's partial sum, and, when the unit
+    starts the block, the key "fresh" (the partial sum is not a source yet)."""
+    state = dict(sublayer=first, pseudo_queries=queries_table, phase=phase,
+                 partial=partial_BxTxD)
+    return dict(state, fresh=None) if fresh else state
 
 
 def scan_blocks(stream, body, state: dict, xs):
     """`stream.scan` (`arch.attnres.AttnResStream`): the layer stack as `jax.lax.scan` over
     AttnRes blocks, `body(unit_state, x) -> (unit_state, y)` run for each scan unit of a block
-    after `stream.open`, then `stream.close`, with `block_scan`'s gradient. Returns (final state,
+    after `open_block`, then `close_block`, with `block_scan`'s gradient. Returns (final state,
     y stacked over units)."""
     queries, first = state["pseudo_queries"], state["sublayer"]
     history = {name: state[name] for name in HISTORY if name in state}
+    layout = stream.layout
     per_block = stream.units_per_block(_units(xs))
-    reads = stream.layout.block_size // per_block
+    reads = layout.block_size // per_block
 
     def example(fresh: bool):
-        return jax.eval_shape(lambda: (stream.unit_state(
-            queries, stream.open(queries, stream.views(history), first)[:reads], first,
+        return jax.eval_shape(lambda: (unit_state(
+            queries, open_block(layout, queries, buffer_views(layout, history), first)[:reads],
+            first,
             _empty_partial(history, queries), fresh), jax.tree.map(lambda x: x[0], xs)))
     # A unit that starts its block reads no partial sum: a body of its own.
     bodies, consts = zip(*(jax.closure_convert(body, *example(fresh))
                            for fresh in (True, False)[:per_block]), strict=True)
     history, ys = block_scan(stream, bodies, per_block)(queries, history, first, consts, xs)
-    return dict(state, **history, sublayer=first + stream.layout.sublayers), ys
+    return dict(state, **history, sublayer=first + layout.sublayers), ys
 
 
 def _split_inexact(tree):
@@ -86,7 +133,7 @@ def block_scan(stream, bodies: tuple, per_block: int):
     def unit(j, first, other_x):
         """Unit j of the block at `first` as a function of its differentiable inputs."""
         def run_unit(queries, phase, consts, diff_x, partial):
-            state = stream.unit_state(queries, phase, first + j * reads, partial, j == 0)
+            state = unit_state(queries, phase, first + j * reads, partial, j == 0)
             state, y = bodies[min(j, 1)](state, _join(diff_x, other_x), *consts)
             diff_y, other_y = _split_inexact(y)
             return (state["partial"], diff_y), other_y
@@ -136,9 +183,9 @@ def block_scan(stream, bodies: tuple, per_block: int):
     def run(queries, history, first, consts, xs):
         def step(carry, inputs):
             (history, first), (block,) = carry, inputs
-            phase = stream.open(queries, stream.views(history), first)
+            phase = open_block(layout, queries, buffer_views(layout, history), first)
             partial, ys, _ = step_units(queries, phase, consts, xs, block, history, first, False)
-            return (stream.close(history, partial, first), first + size), (ys, ())
+            return (close_block(layout, history, partial, first), first + size), (ys, ())
         (history, _), ys, _ = scan_blocks(step, (history, first), _units(xs))
         return history, ys
 
@@ -158,13 +205,13 @@ def block_scan(stream, bodies: tuple, per_block: int):
     def run_saving(queries, history, first, consts, xs):
         def step(carry, inputs):
             (history, first), (block,) = carry, inputs
-            views = stream.views(history)
-            phase, open_vjp = jax.vjp(lambda q, v: stream.open(q, v, first), queries, views)
+            views = buffer_views(layout, history)
+            phase, open_vjp = jax.vjp(lambda q, v: open_block(layout, q, v, first), queries, views)
             partial, ys, vjps = step_units(queries, phase, consts, xs, block, history, first,
                                            True)
             saved = [keep("open", open_vjp, (queries, views))]
             saved += [keep(j, vjp, inputs) for j, (vjp, inputs) in enumerate(vjps)]
-            return (stream.close(history, partial, first), first + size), (ys, saved)
+            return (close_block(layout, history, partial, first), first + size), (ys, saved)
         (history, _), ys, saved = scan_blocks(step, (history, first), _units(xs))
         return (history, ys), (queries, history, first, consts, xs, saved)
 
@@ -172,7 +219,7 @@ def block_scan(stream, bodies: tuple, per_block: int):
         queries, final, first, consts, xs, saved = residuals
         history_cotangent, ys_cotangent = cotangents
         width, dtype = queries.shape[-1], final["sources"].dtype
-        views, views_vjp = jax.vjp(stream.views, final)
+        views, views_vjp = jax.vjp(lambda history: buffer_views(layout, history), final)
 
         def step(carry, inputs):
             history_cotangent, queries_cotangent, consts_cotangent = carry

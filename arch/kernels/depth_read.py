@@ -288,6 +288,14 @@ def two_phase_reads(queries_SxD, sources_BxTxNxD, inverse_rms_BxTxNxH, valid_N,
 
 # The state keeps every per-token array 3-D, B×T×(k·width) with k slots side by side, so that
 # `constrain_state` shards it like the stream; these views split and index the slots.
+def source_slots(layout, state: dict):
+    """The buffer of a state as B×T×(N+1)×D sources and their 1/rms as B×T×(N+1)×H (None: raw
+    keys), for a `layout` (`arch.attnres.DepthLayout`)."""
+    inverse = state.get("inverse_rms")
+    return (unflatten_slots(state["sources"], state["sources"].shape[-1] // layout.slots),
+            None if inverse is None else unflatten_slots(inverse, layout.heads))
+
+
 def unflatten_slots(x_BxTxKW: jax.Array, width: int) -> jax.Array:
     return x_BxTxKW.reshape(*x_BxTxKW.shape[:2], -1, width)
 
