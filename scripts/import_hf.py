@@ -19,26 +19,46 @@ from pathlib import Path
 
 from config import ConfigError
 from config.cli import ArgumentParser, positive_int
-from train.data.arguments import output_directory
+from train.data.arguments import output_directory, read_json_object, safetensors_problem
 
 WEIGHTS = ("model.safetensors", "model.safetensors.index.json")  # train.interop.hf's files
+REPLACE_FILE = ("download or copy the checkpoint's files again (e.g. with huggingface-cli "
+                "download), then rerun")  # as train.interop.hf.REPLACE_FILE
 
 
 def check_checkpoint(directory: str) -> None:
-    """--checkpoint: a directory holding config.json and the weights' safetensors."""
+    """--checkpoint: a directory holding config.json (a JSON object) and the weights'
+    safetensors (each framed as safetensors and as long as its header says; a sharded index
+    with its weight_map), read without JAX."""
     path = Path(directory)
     if not path.is_dir():
         raise ConfigError(f"--checkpoint={directory} is not a directory; pass a local Hugging "
                           f"Face checkpoint directory (config.json and {WEIGHTS[0]})")
-    if not (path / "config.json").is_file():
+    if not (path / "config.json").exists():
         raise ConfigError(f"--checkpoint={directory} holds no config.json: a Hugging Face "
                           f"checkpoint directory holds config.json and {WEIGHTS[0]} (or "
                           f"{WEIGHTS[1]})")
-    if not any((path / name).is_file() for name in WEIGHTS):
+    if not any((path / name).exists() for name in WEIGHTS):
         others = sorted(p.name for p in path.glob("*.bin"))
         hint = f" (found {', '.join(others)}: convert it to safetensors)" if others else ""
         raise ConfigError(f"--checkpoint={directory} holds neither {WEIGHTS[0]} nor "
                           f"{WEIGHTS[1]}{hint}")
+    invalid = f"--checkpoint={directory} is invalid"
+    read_json_object(path / "config.json", invalid, REPLACE_FILE)
+    if (path / WEIGHTS[1]).exists():
+        weight_map = read_json_object(path / WEIGHTS[1], invalid, REPLACE_FILE).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(
+                isinstance(file, str) for file in weight_map.values()):
+            raise ConfigError(f"{invalid}: {path / WEIGHTS[1]} has no weight_map object of "
+                              f"tensor names to shard files; it is left as is: {REPLACE_FILE}")
+        files = sorted(set(weight_map.values()))
+    else:
+        files = [WEIGHTS[0]]
+    for file in files:
+        problem = safetensors_problem(path / file) if (path / file).exists() else None
+        if problem is not None:
+            raise ConfigError(f"{invalid}: {path / file} {problem}; it is left as is: "
+                              f"{REPLACE_FILE}")
 
 
 def main(argv: list[str] | None = None) -> int:

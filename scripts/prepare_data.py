@@ -9,8 +9,9 @@ to resume. The format and how training streams it: `train/data/shards.py` and do
 Train on it with --config.data.name=prepared --config.data.path=runs/kjv-bpe
 --config.data.tokenizer=hf:runs/bpe.
 
-The arguments (the source, the tokenizer, OUT and the counts) are checked before the data
-libraries load: a bad one is one line on stderr and exit status 2.
+The arguments (the source, the tokenizer, OUT and the counts) and OUT's plan prepare.json (the
+arguments of an earlier preparation, when resuming) are checked before the data libraries load:
+a bad one, or a damaged plan, is one line on stderr and exit status 2.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import sys
 
 from config import ConfigError
 from config.cli import ArgumentParser, positive_int
-from train.data.arguments import check_source, output_directory
+from train.data.arguments import check_source, output_directory, read_plan
 from train.data.tokenizer import load_tokenizer
 
 
@@ -48,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         check_source(args.source)
         load_tokenizer(args.tokenizer)
         output_directory(args.out)
+        read_plan(args.out)
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

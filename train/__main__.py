@@ -32,6 +32,7 @@ from config.cli import ArgumentParser, parse_with_config
 from config.validate import check_training
 from sharding.launch import device_count_from_environment, multiprocess_launch
 from train import rundir
+from train.data.arguments import check_prepared
 from train.data.tokenizer import check_vocab, tokenizer_of
 
 
@@ -51,8 +52,10 @@ def parse(argv: list[str]) -> tuple[ml_collections.ConfigDict, str]:
 
 def check_run(config, workdir: str) -> None:
     """The checks of a training run on the resolved `config`: its data and final sample, and its
-    run directory (writable, not locked by another job, the same config as its checkpoints')."""
+    run directory (writable, not locked by another job, the same config as its checkpoints',
+    its files intact)."""
     check_training(config)
+    check_prepared(config.data)  # a prepared dataset's metadata and indices, before they load
     rundir.check_workdir(workdir)
     if not multiprocess_launch(os.environ):  # several processes: process 0 locks, in train()
         rundir.check_not_locked(workdir)

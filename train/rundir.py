@@ -1,6 +1,8 @@
 """The run directory's guards, without JAX: the workdir checks, the workdir lock, config identity
-on resume and metrics.jsonl on resume. `python -m train` runs them before it imports JAX (a fast,
-one-line refusal) and `train.loop.train` runs them again for every caller.
+on resume and metrics.jsonl on resume. `python -m train` runs them before it imports JAX (a
+fast, one-line refusal) and `train.loop.train` runs them again for every caller. A damaged lock,
+config.json or metrics.jsonl is a one-line `WorkdirError` naming the file and the fix, and the
+file is left as is.
 
 A run directory holds config.json, checkpoints/<step>/, metrics.jsonl, tensorboard/ and the
 lock file `lock` (docs/runs.md). Imports only the standard library and `config` (and so
@@ -95,6 +97,11 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _damaged_lock(path: Path, problem: str) -> WorkdirError:
+    return WorkdirError(f"--workdir={path.parent}: its lock file {path} {problem}; it is left as "
+                        "is: if no trainer is using this directory, delete it and rerun")
+
+
 def _describe(holder: dict) -> str:
     return (f"pid {holder.get('pid')} on host {holder.get('host')} (since "
             f"{holder.get('started', '?')})")
@@ -118,16 +125,27 @@ class WorkdirLock:
 
     @staticmethod
     def read_holder(path: Path) -> dict | None:
-        """The holder named in the lock file, or None if the file is absent, empty or garbled."""
+        """The holder named in the lock file, or None if the file is absent or empty (released).
+        Raises `WorkdirError` if it is damaged: not a file, not UTF-8 text, or not the JSON
+        object a trainer writes (it is left as is)."""
+        if path.is_dir():
+            raise _damaged_lock(path, "is a directory, not a file")
         try:
-            text = path.read_text()
-        except (FileNotFoundError, IsADirectoryError):
+            text = path.read_bytes().decode()
+        except FileNotFoundError:
+            return None
+        except UnicodeDecodeError:
+            raise _damaged_lock(path, "holds bytes that are not UTF-8 text") from None
+        if not text.strip():
             return None
         try:
-            holder = json.loads(text) if text.strip() else None
+            holder = json.loads(text)
         except json.JSONDecodeError:
-            return None
-        return holder if isinstance(holder, dict) else None
+            raise _damaged_lock(path, "is not JSON") from None
+        if not isinstance(holder, dict):
+            raise _damaged_lock(path, f"holds a JSON {type(holder).__name__}, not the object "
+                                "{\"host\", \"pid\", \"started\"} a trainer writes")
+        return holder
 
     @staticmethod
     def held_by(holder: dict | None) -> bool:
@@ -139,6 +157,14 @@ class WorkdirLock:
         pid = holder.get("pid")
         return isinstance(pid, int) and pid != os.getpid() and _pid_alive(pid)
 
+    def _holder_if_readable(self) -> dict | None:
+        """The holder named in the lock file of a lock that is held, None if it is damaged: the
+        live holder is what matters then."""
+        try:
+            return self.read_holder(self.path)
+        except WorkdirError:
+            return None
+
     def _refuse(self, holder: dict | None) -> WorkdirError:
         who = _describe(holder) if holder else "another process"
         return WorkdirError(
@@ -148,13 +174,15 @@ class WorkdirLock:
 
     def acquire(self) -> WorkdirLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.path.is_dir():
+            raise _damaged_lock(self.path, "is a directory, not a file")
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as error:
             os.close(fd)
             if error.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise self._refuse(self.read_holder(self.path)) from None
+                raise self._refuse(self._holder_if_readable()) from None
             raise
         holder = self.read_holder(self.path)
         if self.held_by(holder):  # a holder on another host, or where flock does not reach
@@ -194,6 +222,8 @@ def check_not_locked(workdir: str | Path) -> None:
     lock = WorkdirLock(workdir)
     if not lock.path.exists():
         return
+    if lock.path.is_dir():
+        raise _damaged_lock(lock.path, "is a directory, not a file")
     try:
         fd = os.open(lock.path, os.O_RDONLY)
     except OSError:
@@ -201,7 +231,7 @@ def check_not_locked(workdir: str | Path) -> None:
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except OSError:
-        raise lock._refuse(lock.read_holder(lock.path)) from None
+        raise lock._refuse(lock._holder_if_readable()) from None
     else:
         fcntl.flock(fd, fcntl.LOCK_UN)
     finally:
@@ -248,6 +278,23 @@ def identity_differences(saved: dict, new: dict, *, resolved: bool) -> list[tupl
     return differences
 
 
+def _restore_advice(workdir: str | Path) -> str:
+    """How to go on from the checkpoints of `workdir` when its config.json is gone or damaged."""
+    steps = checkpoint_steps(workdir)
+    if not steps:
+        return ("it holds no checkpoint: use a new --workdir, or put back a copy of the run's "
+                "config.json")
+    return (f"its checkpoints (steps {steps[0]}..{steps[-1]}) are kept: put back a copy of the "
+            "run's config.json to resume, or move the file aside and start from their weights "
+            "in a new --workdir with the run's --config and --config.resume_mode=finetune "
+            f"--config.finetune_from={workdir}")
+
+
+def _damaged_config(workdir: str | Path, problem: str) -> WorkdirError:
+    return WorkdirError(f"--workdir={workdir}: {Path(workdir) / 'config.json'} {problem}; it is "
+                        f"left as is, and {_restore_advice(workdir)}")
+
+
 def saved_config(workdir: str | Path, defaults: dict) -> dict | None:
     """The run's config.json as JSON data over `defaults` (fields added since it was written keep
     their defaults; names it uses from earlier versions moved by `config.legacy.upgrade`), or
@@ -255,11 +302,20 @@ def saved_config(workdir: str | Path, defaults: dict) -> dict | None:
     path = Path(workdir) / "config.json"
     if not path.exists():
         return None
+    if path.is_dir():
+        raise _damaged_config(workdir, "is a directory, not a file")
     try:
-        saved = upgrade(json.loads(path.read_text()))
-    except (OSError, json.JSONDecodeError) as error:
-        raise WorkdirError(f"--workdir={workdir}: config.json cannot be read ({error}); use a "
-                           "new --workdir") from None
+        saved = json.loads(path.read_bytes().decode())
+    except UnicodeDecodeError:
+        raise _damaged_config(workdir, "holds bytes that are not UTF-8 text") from None
+    except json.JSONDecodeError as error:
+        raise _damaged_config(workdir, f"is not valid JSON ({error})") from None
+    except OSError as error:
+        raise _damaged_config(workdir, f"cannot be read ({error.strerror or error})") from None
+    if not isinstance(saved, dict):
+        raise _damaged_config(workdir, f"holds a JSON {type(saved).__name__}, not the object of "
+                              "a config")
+    saved = upgrade(saved)
 
     def merge(base: dict, over: dict) -> dict:
         merged = dict(base)
@@ -281,20 +337,23 @@ def check_resume(workdir: str | Path, config, *, resolved: bool) -> None:
     ConfigDict; `resolved`: its derived model fields are filled in) if it differs from the run's
     config.json in a field that defines the model, the optimizer state, the data or the batch
     order (every field not in `MAY_CHANGE_ON_RESUME`); refuse a fine-tune into its own source
-    directory. A fine-tune's own checkpoints resume like any run's."""
+    directory, and a damaged config.json or metrics.jsonl (left as is). A fine-tune's own
+    checkpoints resume like any run's."""
     config_json, defaults = _as_json(config), _as_json(base_config())
     source = config_json.get("finetune_from")
     if config_json.get("resume_mode") == "finetune" and source and \
             Path(source).resolve() == Path(workdir).resolve():
         raise WorkdirError(f"--workdir={workdir} is also finetune_from: a fine-tune starts a new "
                            "run; pass a new --workdir")
+    check_metrics(workdir)
     steps = checkpoint_steps(workdir)
     if not steps:
         return
     saved = saved_config(workdir, defaults)
     if saved is None:
-        raise WorkdirError(f"--workdir={workdir} holds checkpoints (steps {steps[0]}..{steps[-1]})"
-                           " but no config.json to check them against; use a new --workdir")
+        raise WorkdirError(f"--workdir={workdir}: {Path(workdir) / 'config.json'} is missing, so "
+                           "its checkpoints cannot be checked against this config; "
+                           f"{_restore_advice(workdir)}")
     differences = identity_differences(saved, config_json, resolved=resolved)
     if differences:
         derived = _flatten(defaults)  # fields whose default is None derive from others: last
@@ -311,24 +370,67 @@ def check_resume(workdir: str | Path, config, *, resolved: bool) -> None:
 # Metrics on resume
 
 
+def _damaged_metrics(path: Path, problem: str) -> WorkdirError:
+    return WorkdirError(f"--workdir={path.parent}: {path} {problem}; it is left as is: "
+                        f"move it aside (e.g. to {path.name}.damaged) and rerun: the run resumes "
+                        "from its checkpoints and logs its steps from there")
+
+
+def _metric_records(path: Path) -> list[tuple[str, dict | None]]:
+    """(line, record) of each line of `path` (metrics.jsonl); the record None for a torn last
+    line (a crash mid-write). Raises `WorkdirError` if the file is damaged: not a file, a line
+    before the last that is not UTF-8 JSON, or a record that is not an object with an integer
+    step."""
+    if path.is_dir():
+        raise _damaged_metrics(path, "is a directory, not a file")
+    data = path.read_bytes()
+    lines = [line for line in data.split(b"\n") if line.strip()]
+    torn_allowed = not data.endswith(b"\n")  # the last line was cut short by a crash
+    records = []
+    for number, raw in enumerate(lines, 1):
+        torn = torn_allowed and number == len(lines)
+        try:
+            line = raw.decode()
+            record = json.loads(line)
+        except UnicodeDecodeError:
+            if torn:
+                records.append(("", None))
+                continue
+            raise _damaged_metrics(path, f"line {number} holds bytes that are not UTF-8 "
+                                   "text") from None
+        except json.JSONDecodeError:
+            if torn:
+                records.append((line, None))
+                continue
+            raise _damaged_metrics(path, f"line {number} is not JSON") from None
+        step = record.get("step") if isinstance(record, dict) else None
+        if not isinstance(step, int) or isinstance(step, bool):
+            shown = (f"has step={step!r}, not an integer" if isinstance(record, dict)
+                     else f"holds a JSON {type(record).__name__}, not an object")
+            raise _damaged_metrics(path, f"line {number} {shown}")
+        records.append((line, record))
+    return records
+
+
+def check_metrics(workdir: str | Path) -> None:
+    """Raise `WorkdirError` if `workdir/metrics.jsonl` is damaged (see `_metric_records`), so a
+    resume refuses it before anything loads."""
+    path = Path(workdir) / "metrics.jsonl"
+    if path.exists():
+        _metric_records(path)
+
+
 def truncate_metrics(path: str | Path, step: int) -> int:
     """Drop the records of `path` (metrics.jsonl) after `step`, the step a run resumes from: the
     steps it replays are logged again, once. Returns the number of records dropped. A torn last
-    line (a crash mid-write) is dropped too."""
+    line (a crash mid-write) is dropped too. A damaged file raises `WorkdirError` and is left as
+    is."""
     path = Path(path)
     if not path.exists():
         return 0
-    kept, dropped = [], 0
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            dropped += 1
-            continue
-        if isinstance(record, dict) and record.get("step", 0) <= step:
-            kept.append(line)
-        else:
-            dropped += 1
+    records = _metric_records(path)
+    kept = [line for line, record in records if record is not None and record["step"] <= step]
+    dropped = len(records) - len(kept)
     if dropped:
         temporary = path.with_name(path.name + ".tmp")
         temporary.write_text("".join(line + "\n" for line in kept))

@@ -9,7 +9,12 @@ second. Each raises `config.ConfigError` with one line naming the flag, the valu
 - `output_directory`, `output_file`: where a script writes;
 - `source_files`, `check_source`: a corpus source of scripts/prepare_data.py and
   scripts/train_tokenizer.py (`train.data.shards.read_documents` reads it);
-- `check_config`: a --config resolved (`config.resolve`) for the devices the environment names.
+- `check_config`: a --config resolved (`config.resolve`) for the devices the environment names;
+- `read_json_object`, `prepared_metadata`, `check_prepared`, `read_plan`: the files of a prepared
+  dataset (metadata.json, `<split>-index.npy`, the plan prepare.json), a damaged one refused in
+  one line naming it and the fix, and left as is;
+- `safetensors_problem`: what is wrong with a safetensors file's framing (a Hugging Face
+  checkpoint's weights), read without the safetensors library.
 
 In `train.data`, the lowest layer that the scripts' library modules share; it imports only the
 standard library, `config`, `sharding.launch`, `train.rundir` and `train.data.tokenizer`.
@@ -18,6 +23,7 @@ standard library, `config`, `sharding.launch`, `train.rundir` and `train.data.to
 from __future__ import annotations
 
 import glob
+import json
 import math
 import os
 from pathlib import Path
@@ -162,3 +168,167 @@ def check_config(config: ml_collections.ConfigDict) -> ml_collections.FrozenConf
     slices = math.prod(config.mesh.dcn[axis] for axis in MESH_AXES)
     fixed = math.prod(size for size in (config.mesh[axis] for axis in MESH_AXES) if size > 0)
     return resolve(config, math.lcm(fixed, slices), slices)
+
+
+# ---------------------------------------------------------------------------------------------
+# The files of a prepared dataset (train.data.shards)
+
+PLAN_FILE = "prepare.json"
+METADATA_FILE = "metadata.json"
+_REWRITE = ("rerun scripts/prepare_data.py with the same arguments to write it again (finished "
+            "shards are kept)")
+
+
+def _type_name(value: object) -> str:
+    return {dict: "object", list: "list", str: "string", bool: "boolean"}.get(
+        type(value), "number" if isinstance(value, int | float) else type(value).__name__)
+
+
+def read_json_object(path: str | Path, what: str, fix: str) -> dict:
+    """The JSON object in the file `path`. Raises ConfigError, one line `"{what}: {path}
+    {problem}; it is left as is: {fix}"`, if it is a directory, unreadable, not UTF-8 text, not
+    JSON (e.g. truncated) or not a JSON object."""
+    path = Path(path)
+
+    def damaged(problem: str) -> ConfigError:
+        return ConfigError(f"{what}: {path} {problem}; it is left as is: {fix}")
+
+    if path.is_dir():
+        raise damaged("is a directory, not a file")
+    try:
+        value = json.loads(path.read_bytes().decode())
+    except UnicodeDecodeError:
+        raise damaged("holds bytes that are not UTF-8 text") from None
+    except json.JSONDecodeError as error:
+        raise damaged(f"is not valid JSON ({error})") from None
+    except OSError as error:
+        raise damaged(f"cannot be read ({error.strerror or error})") from None
+    if not isinstance(value, dict):
+        raise damaged(f"holds a JSON {_type_name(value)}, not an object")
+    return value
+
+
+# The fields of metadata.json that reading a prepared split relies on, with their types.
+_METADATA_FIELDS = {"tokenizer": str, "tokenizer_fingerprint": str, "dtype": str,
+                    "separator": int, "splits": dict}
+_SPLIT_FIELDS = {"documents": int, "tokens": int, "text_bytes": int, "shards": list}
+_SHARD_FIELDS = {"file": str, "file_size": int}
+
+
+def prepared_metadata(directory: str | Path, flag: str = "data.path") -> dict:
+    """`directory/metadata.json` of a prepared dataset, once it is known to be a JSON object with
+    the fields reading relies on. ConfigError naming the file and the fix otherwise."""
+    path = Path(directory) / METADATA_FILE
+    what = f"{flag}={str(directory)!r} is invalid"
+    metadata = read_json_object(path, what, _REWRITE)
+
+    def check_fields(record: object, fields: dict, where: str) -> None:
+        for field, kind in fields.items():
+            value = record.get(field) if isinstance(record, dict) else None
+            if not isinstance(value, kind) or isinstance(value, bool):
+                found = "is missing" if value is None else f"is a {_type_name(value)}"
+                raise ConfigError(f"{what}: {path} is damaged ({where}{field} {found}, not a "
+                                  f"{_type_name(kind())}); it is left as is: {_REWRITE}")
+
+    check_fields(metadata, _METADATA_FIELDS, "")
+    for split, info in metadata["splits"].items():
+        check_fields(info, _SPLIT_FIELDS, f"splits.{split}.")
+        for number, shard in enumerate(info["shards"]):
+            check_fields(shard, _SHARD_FIELDS, f"splits.{split}.shards[{number}].")
+    return metadata
+
+
+def index_file(directory: str | Path, split: str) -> Path:
+    """The document index of a prepared split, `<split>-index.npy`."""
+    return Path(directory) / f"{split}-index.npy"
+
+
+def _npy_problem(path: Path, length: int) -> str | None:
+    """What is wrong with the .npy file `path` of `length` int64 values: its magic and its size
+    (the header's length plus the data's), read without numpy."""
+    with path.open("rb") as file:
+        head = file.read(12)
+    if len(head) < 10 or head[:6] != b"\x93NUMPY":
+        return "is not a .npy file"
+    if head[6] == 1:
+        offset = 10 + int.from_bytes(head[8:10], "little")
+    else:
+        offset = 12 + int.from_bytes(head[8:12], "little")
+    size, expected = path.stat().st_size, offset + 8 * length
+    if size != expected:
+        return f"is truncated or damaged ({size} bytes, not {expected})"
+    return None
+
+
+def check_index(directory: str | Path, split: str, documents: int | None = None,
+                flag: str = "data.path") -> Path:
+    """The index file of `split`, once it is a file (and, given its split's `documents`, a .npy
+    file of documents + 1 int64 values by its size); ConfigError naming it and the fix."""
+    path = index_file(directory, split)
+    if not path.is_file():
+        problem = "is a directory, not a file" if path.is_dir() else "is missing"
+    else:
+        try:
+            problem = None if documents is None else _npy_problem(path, documents + 1)
+        except OSError as error:
+            problem = f"cannot be read ({error.strerror or error})"
+    if problem is not None:
+        kept = "" if problem == "is missing" else "it is left as is: "
+        raise ConfigError(f"{flag}={str(directory)!r} is invalid: its index {path} {problem}; "
+                          f"{kept}{_REWRITE}")
+    return path
+
+
+def check_prepared(data_config) -> None:
+    """With `data.name="prepared"`, the metadata.json and the split indices of `data.path`,
+    before the data libraries load (whether the shards read is the reader's to find out)."""
+    if data_config.get("name") != "prepared" or not data_config.get("path"):
+        return
+    directory = Path(data_config.path)
+    if not (directory / METADATA_FILE).exists():
+        return  # the reader says how to prepare it
+    for split, info in prepared_metadata(directory)["splits"].items():
+        check_index(directory, split, info["documents"])
+
+
+def read_plan(out: str | Path) -> dict | None:
+    """The plan `OUT/prepare.json` of an earlier preparation into `out` (None if there is none):
+    a JSON object, else ConfigError naming the file and the fix."""
+    path = Path(out) / PLAN_FILE
+    if not path.exists():
+        return None
+    return read_json_object(path, f"--out={out} is invalid", "delete it and rerun with the "
+                            "arguments of the preparation in it (finished shards are kept), or "
+                            "use a new --out")
+
+
+def safetensors_problem(path: str | Path) -> str | None:
+    """What is wrong with the safetensors file `path`, None if its framing is intact: an 8-byte
+    little-endian header length, a JSON header of tensors with `data_offsets`, and data that
+    ends where the last tensor ends (a truncated or overwritten file fails this)."""
+    path = Path(path)
+    if path.is_dir():
+        return "is a directory, not a file"
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as file:
+            prefix = file.read(8)
+            header_length = int.from_bytes(prefix, "little") if len(prefix) == 8 else None
+            if header_length is None or header_length > size - 8:
+                return f"is truncated or not safetensors ({size} bytes, no complete header)"
+            header = json.loads(file.read(header_length).decode())
+    except OSError as error:
+        return f"cannot be read ({error.strerror or error})"
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return "is not safetensors (its header is not JSON)"
+    if not isinstance(header, dict):
+        return "is not safetensors (its header is not a JSON object)"
+    try:
+        end = max((int(entry["data_offsets"][1]) for name, entry in header.items()
+                   if name != "__metadata__"), default=0)
+    except (TypeError, KeyError, IndexError, ValueError):
+        return "is not safetensors (a tensor of its header has no data_offsets)"
+    if size != 8 + header_length + end:
+        return (f"is truncated or damaged ({size} bytes; its header describes "
+                f"{8 + header_length + end})")
+    return None

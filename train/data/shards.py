@@ -50,7 +50,7 @@ from grain.sources import ArrayRecordDataSource
 
 from config import ConfigError, check
 from train.data import in_memory
-from train.data.arguments import source_files
+from train.data.arguments import check_index, prepared_metadata, read_plan, source_files
 from train.data.in_memory import SPLITS, kjv_file, window_order
 from train.data.shard_writer import init_worker, shard_name, write_shard
 from train.data.tokenizer import Tokenizer, load_tokenizer, tokenizer_of, train_bpe
@@ -353,8 +353,8 @@ def prepare(source: str, tokenizer_spec: str, out_dir: str | Path, *, workers: i
             "tokenizer_fingerprint": tokenizer.fingerprint, "docs_per_shard": docs_per_shard,
             "validation_every": validation_every, "text_key": text_key}
     plan_path = out / "prepare.json"
-    if plan_path.exists():
-        previous = json.loads(plan_path.read_text())
+    previous = read_plan(out)
+    if previous is not None:
         if previous != plan:
             changed = ", ".join(f"{k}={previous.get(k)!r}" for k in sorted(plan)
                                 if previous.get(k) != plan[k])
@@ -454,6 +454,24 @@ def _finish(out: Path, plan: dict, tokenizer: Tokenizer, shards: dict[tuple[str,
     return metadata
 
 
+def _read_index(directory: str | Path, split: str, documents: int) -> np.ndarray:
+    """The document starts of a prepared split, memory-mapped: `documents` + 1 int64 values.
+    ConfigError naming the index file and the fix if it is missing or damaged."""
+    path = check_index(directory, split, documents)
+    expected = (documents + 1,)
+    try:
+        starts = np.load(path, mmap_mode="r")
+    except (OSError, ValueError) as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else "unreadable"
+    else:
+        if starts.dtype == np.int64 and starts.shape == expected:
+            return starts
+        reason = f"{starts.dtype} of shape {starts.shape}, not int64 of shape {expected}"
+    raise ConfigError(f"data.path={str(directory)!r} is invalid: its index {path} is damaged "
+                      f"({reason}); it is left as is: rerun scripts/prepare_data.py with the same "
+                      "arguments to write it again (finished shards are kept)")
+
+
 def _readable(path: str) -> bool:
     try:
         ArrayRecordReader(path).close()
@@ -470,17 +488,22 @@ class PreparedDataset:
         self.directory, self.split, self.packing = Path(directory), split, packing
         self.name = str(directory)
         metadata_path = self.directory / "metadata.json"
-        if not metadata_path.is_file():
+        if not metadata_path.exists():
             raise ConfigError(f"data.path={str(directory)!r} is invalid: it holds no "
                               "metadata.json; prepare it with python scripts/prepare_data.py "
                               "--source ... --tokenizer ... --out DIR")
-        self.metadata = metadata = json.loads(metadata_path.read_text())
+        self.metadata = metadata = prepared_metadata(directory)
         if metadata["tokenizer_fingerprint"] != tokenizer.fingerprint:
             raise ConfigError(
                 f"data.tokenizer={tokenizer.spec!r} is invalid: {directory} was prepared with "
                 f"tokenizer {metadata['tokenizer']!r} (fingerprint "
                 f"{metadata['tokenizer_fingerprint']}, not {tokenizer.fingerprint}); set "
                 f"data.tokenizer={metadata['tokenizer']!r} or prepare the data again with this one")
+        if split not in metadata["splits"]:
+            raise ConfigError(f"data.path={str(directory)!r} is invalid: {metadata_path} is "
+                              f"damaged (it has no {split} split); it is left as is: rerun "
+                              "scripts/prepare_data.py with the same arguments to write it "
+                              "again (finished shards are kept)")
         info = metadata["splits"][split]
         if info["documents"] == 0:
             raise ConfigError(f"data.path={str(directory)!r} is invalid: its {split} split has "
@@ -507,7 +530,7 @@ class PreparedDataset:
                 f"data.path={str(directory)!r} is invalid: shard {bad} is corrupt ({reason}); "
                 "delete it and its .json and rerun scripts/prepare_data.py with the same "
                 "arguments (finished shards are kept)") from None
-        self.starts = np.load(self.directory / f"{split}-index.npy", mmap_mode="r")
+        self.starts = _read_index(directory, split, info["documents"])
         self.stream_length = int(self.starts[-1]) - 1  # no separator after the last document
         self._document_windows: dict[int, np.ndarray] = {}
 
@@ -628,7 +651,7 @@ def load_split(data_config: Any, split: str) -> in_memory.Dataset | PreparedData
 
 def prepared_texts(directory: str | Path, split: str = "train") -> Iterator[str]:
     """The documents of a prepared directory's ``split``, decoded with its own tokenizer."""
-    metadata = json.loads((Path(directory) / "metadata.json").read_text())
+    metadata = prepared_metadata(directory, "--data")
     tokenizer = load_tokenizer(metadata["tokenizer"])
     dataset = PreparedDataset(directory, split, tokenizer)
     for index in range(len(dataset.starts) - 1):

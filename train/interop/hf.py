@@ -58,7 +58,6 @@ columns are [q | k | v], each head-major.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -67,12 +66,13 @@ import ml_collections
 import ml_dtypes  # noqa: F401 -- registers bfloat16 with numpy: safetensors needs it for BF16
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from arch.accounting import abstract_model
 from arch.hf_config import LLAMA_GATED_FFN, model_config_from_hf
 from arch.model import TransformerLM
-from config import lookup
+from config import ConfigError, lookup
+from train.data.arguments import read_json_object, safetensors_problem
 
 BASE_PREFIX = {"llama": "model.", "gpt2": "transformer."}
 IGNORED_SUFFIXES = {"llama": (".rotary_emb.inv_freq",), "gpt2": (".attn.bias", ".attn.masked_bias")}
@@ -299,6 +299,8 @@ def model_from_params(model_cfg, params: nnx.State) -> TransformerLM:
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+REPLACE_FILE = ("download or copy the checkpoint's files again (e.g. with huggingface-cli "
+                "download), then rerun")
 
 
 def _checkpoint_directory(directory: str | Path) -> Path:
@@ -311,10 +313,15 @@ def _checkpoint_directory(directory: str | Path) -> Path:
 def read_hf_config(directory: str | Path) -> dict:
     """The checkpoint's config.json as a dict."""
     path = _checkpoint_directory(directory) / "config.json"
-    if not path.is_file():
+    if not path.exists():
         raise FileNotFoundError(f"{path} does not exist: a Hugging Face checkpoint directory "
                                 f"holds config.json and {SINGLE_FILE} (or {INDEX_FILE})")
-    return json.loads(path.read_text())
+    config = read_json_object(path, f"--checkpoint={directory} is invalid", REPLACE_FILE)
+    if not isinstance(config.get("model_type"), str):
+        raise ConfigError(f"--checkpoint={directory} is invalid: {path} has no model_type "
+                          f"string (found {config.get('model_type')!r}); it is left as is: "
+                          f"{REPLACE_FILE}")
+    return config
 
 
 def read_safetensors(directory: str | Path) -> dict[str, np.ndarray]:
@@ -323,9 +330,15 @@ def read_safetensors(directory: str | Path) -> dict[str, np.ndarray]:
     directory = _checkpoint_directory(directory)
     index_path = directory / INDEX_FILE
     if index_path.is_file():
-        weight_map = json.loads(index_path.read_text())["weight_map"]
+        weight_map = read_json_object(index_path, f"--checkpoint={directory} is invalid",
+                                      REPLACE_FILE).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(
+                isinstance(file, str) for file in weight_map.values()):
+            raise ConfigError(f"--checkpoint={directory} is invalid: {index_path} has no "
+                              "weight_map object of tensor names to shard files; it is left as "
+                              f"is: {REPLACE_FILE}")
         files = sorted(set(weight_map.values()))
-    elif (directory / SINGLE_FILE).is_file():
+    elif (directory / SINGLE_FILE).exists():
         weight_map, files = None, [SINGLE_FILE]
     else:
         others = sorted(p.name for p in directory.glob("*.bin"))
@@ -334,13 +347,21 @@ def read_safetensors(directory: str | Path) -> dict[str, np.ndarray]:
     tensors: dict[str, np.ndarray] = {}
     for file in files:
         path = directory / file
-        if not path.is_file():
+        if not path.exists():
             raise FileNotFoundError(f"{index_path} names the shard {file}, which is missing")
-        with safe_open(path, framework="numpy") as shard:
-            for name in shard.keys():
-                if name in tensors:
-                    raise ValueError(f"checkpoint tensor {name} appears in two shards")
-                tensors[name] = shard.get_tensor(name)
+        problem = safetensors_problem(path)
+        if problem is None:
+            try:
+                with safe_open(path, framework="numpy") as shard:
+                    for name in shard.keys():
+                        if name in tensors:
+                            raise ValueError(f"checkpoint tensor {name} appears in two shards")
+                        tensors[name] = shard.get_tensor(name)
+            except SafetensorError as error:
+                problem = f"does not read ({str(error).strip().splitlines()[0]})"
+        if problem is not None:
+            raise ConfigError(f"--checkpoint={directory} is invalid: {path} {problem}; it is "
+                              f"left as is: {REPLACE_FILE}")
     if weight_map is not None and set(weight_map) - set(tensors):
         absent = sorted(set(weight_map) - set(tensors))
         raise ValueError(f"{index_path} lists tensors its shards lack: {_listed(absent)}")
