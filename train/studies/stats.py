@@ -9,6 +9,13 @@ irreducible term: over the one or two decades of compute a study spans, it is a 
 on log-log axes). The compute multiplier of an arm at compute C is how much more compute the
 baseline needs to reach the arm's loss at C: M(C) = C_baseline(L_arm(C)) / C, with
 C_baseline(L) = (a_baseline / L)^(1/b_baseline); M > 1 means the arm is worth more compute.
+
+An IsoFLOP study (Hoffmann et al. 2022, approach 2) trains several model sizes N at each compute
+budget C. Per (arm, budget) a parabola L = c₂(ln N)² + c₁ ln N + c₀ through the final losses
+gives the budget's optimum N* = exp(−c₁/2c₂), L* = c₀ − c₁²/4c₂; the arm's frontier is the
+power law L*(C) = a·C^(−b) through its optima, and the multiplier at matched loss is M(C) above
+with both arms' frontiers. Its bootstrap resamples the seeds of every (arm, budget, size) and
+refits every parabola and both frontiers.
 """
 
 from __future__ import annotations
@@ -186,3 +193,115 @@ def bootstrap_multiplier(arm: Mapping[float, Sequence[float]],
     tail = 100 * (1 - level) / 2
     low, high = np.percentile(draws, [tail, 100 - tail])
     return point, float(low), float(high)
+
+
+# IsoFLOP profiles (Hoffmann et al. 2022, approach 2) -------------------------------------------
+#
+# A profile maps an arm's runs at one compute budget C to final losses: N → the losses of its
+# seeds, N the model's FLOP-equivalent parameter count. Profiles: C → profile.
+
+
+@dataclasses.dataclass(frozen=True)
+class IsoFlopMinimum:
+    """The minimum of the parabola L(x) = c₂x² + c₁x + c₀ in x = ln N fitted to one budget's
+    profile: N* = exp(−c₁ / 2c₂), L* = c₀ − c₁² / 4c₂, the parabola's coefficients, and whether
+    N* lies within the sizes trained (else it is an extrapolation)."""
+
+    n: float
+    loss: float
+    coefficients: tuple[float, float, float]
+    interior: bool
+
+    def at(self, n: float | np.ndarray) -> float | np.ndarray:
+        """The fitted parabola's loss at N = `n`."""
+        return np.polyval(self.coefficients, np.log(n))
+
+
+def parabola_minimum(sizes: Sequence[float], losses: Sequence[float]) -> IsoFlopMinimum:
+    """`IsoFlopMinimum` of the least-squares parabola of loss in ln N through the points
+    (sizes[i], losses[i]) (each seed its own point); ValueError unless the sizes are positive
+    and at least three distinct, and the parabola opens upward (c₂ > 0)."""
+    n, y = np.asarray(sizes, dtype=float), np.asarray(losses, dtype=float)
+    if n.shape != y.shape or (n <= 0).any():
+        raise ValueError("an IsoFLOP profile needs a positive size for every loss")
+    if np.unique(n).size < 3:
+        raise ValueError("a parabola needs losses at three or more sizes")
+    x = np.log(n)
+    c2, c1, c0 = (float(c) for c in np.polyfit(x, y, 2))
+    if c2 <= 0:
+        raise ValueError("the profile's parabola opens downward: no minimum")
+    x_star = -c1 / (2 * c2)
+    return IsoFlopMinimum(n=math.exp(x_star), loss=c0 - c1 * c1 / (4 * c2),
+                          coefficients=(c2, c1, c0),
+                          interior=bool(x.min() <= x_star <= x.max()))
+
+
+def _flat(profile: Mapping[float, Sequence[float]]) -> tuple[list[float], list[float]]:
+    """(sizes, losses) of a profile, one point per seed."""
+    return ([n for n, losses in profile.items() for _ in losses],
+            [loss for losses in profile.values() for loss in losses])
+
+
+def isoflop_frontier(profiles: Mapping[float, Mapping[float, Sequence[float]]]
+                     ) -> tuple[dict[float, IsoFlopMinimum], PowerLaw]:
+    """({C: the budget's `parabola_minimum`}, the power law L*(C) = a·C^(−b) fitted by
+    `fit_power_law` to the budgets' minimum losses); ValueError from either fit."""
+    minima = {c: parabola_minimum(*_flat(profile)) for c, profile in sorted(profiles.items())}
+    return minima, fit_power_law(list(minima), [m.loss for m in minima.values()])
+
+
+def frontier_multiplier(arm: Mapping[float, Mapping[float, Sequence[float]]],
+                        baseline: Mapping[float, Mapping[float, Sequence[float]]],
+                        compute: float) -> float:
+    """How many times `compute` the baseline needs to reach, on its frontier, the arm's frontier
+    loss at `compute`: M = C_baseline(L*_arm(C)) / C (`compute_multiplier` of the frontiers);
+    M > 1: the arm is worth more compute."""
+    return compute_multiplier(isoflop_frontier(arm)[1], isoflop_frontier(baseline)[1], compute)
+
+
+def bootstrap_frontier_multiplier(arm: Mapping[float, Mapping[float, Sequence[float]]],
+                                  baseline: Mapping[float, Mapping[float, Sequence[float]]],
+                                  compute: float, *, samples: int = 1000, level: float = 0.95,
+                                  seed: int = 0) -> tuple[float, float, float, int]:
+    """(multiplier, low, high, refits): `frontier_multiplier` of all the runs, and the `level`
+    percentile interval over `samples` bootstrap refits, each resampling with replacement the
+    seeds of every (arm, budget, size) and refitting every parabola and both frontiers. A
+    resample without a multiplier (a parabola opening downward, a frontier with b ≤ 0) is left
+    out; `refits` counts those kept, and the interval is nan when none is."""
+    point = frontier_multiplier(arm, baseline, compute)
+    rng = np.random.default_rng(seed)
+
+    def resample(profiles):
+        return {c: {n: rng.choice(np.asarray(losses, dtype=float), size=len(losses))
+                    for n, losses in profile.items()} for c, profile in profiles.items()}
+
+    draws = []
+    for _ in range(samples):
+        try:
+            draws.append(frontier_multiplier(resample(arm), resample(baseline), compute))
+        except ValueError:
+            continue
+    kept = np.asarray(draws, dtype=float)
+    kept = kept[np.isfinite(kept)]
+    if not kept.size:
+        return point, math.nan, math.nan, 0
+    tail = 100 * (1 - level) / 2
+    low, high = np.percentile(kept, [tail, 100 - tail])
+    return point, float(low), float(high), int(kept.size)
+
+
+def multiplier_verdict(relation: str, interval: tuple[float, float], paper: float) -> str:
+    """The verdict on a registered compute-multiplier claim from the multiplier's bootstrap
+    interval (low, high) and the paper's multiplier. For ">" (the arm is worth more compute):
+    "agrees" when 1 < low and low ≤ paper ≤ high (a gain, of the paper's size); "disagrees"
+    when the interval excludes the paper's number or lies below 1; else "inconclusive" (it
+    holds both 1 and the paper's number). "<" mirrors it (high < 1 for a loss). No interval
+    (nan): "inconclusive"."""
+    low, high = interval
+    if math.isnan(low) or math.isnan(high):
+        return "inconclusive"
+    wrong_side = high < 1 if relation == ">" else low > 1
+    if wrong_side or not low <= paper <= high:
+        return "disagrees"
+    detected = low > 1 if relation == ">" else high < 1
+    return "agrees" if detected else "inconclusive"

@@ -22,7 +22,17 @@ A study file `experiments/<study>.py` is an experiment file (`get_config(arg)`, 
   default 0.1): at least 5 rates, ascending, each twice the one before;
 - optionally `SCALING`: a tuple of size names for a scaling study. Each arm then runs at each
   size, as the run cell `ARM@SIZE` (get_config gets `"ARM@SIZE,SCALE"`), and the report fits
-  a power law of loss against training compute per arm.
+  a power law of loss against training compute per arm;
+- optionally `SCALING_AXIS`: what the SCALING sizes vary, "model" (default: the model's size)
+  or "steps" (one model trained for several lengths, each with its own schedule); the report
+  of a "steps" study adds Δ per length (`train.studies.report.length_section`). In a scaling
+  study, CLAIMS compare cells `ARM@SIZE` (e.g. `claim("block@steps3200", "<",
+  "baseline@steps3200", ...)`). An IsoFLOP study (`is_isoflop`) names every size
+  `c<BUDGET>-<SHAPE>`, e.g. `c2e13-d64L8` (`size_budget`): the report then fits, per arm and
+  budget, a parabola of final loss in log N and a power law through the minima
+  (`train.studies.stats`); its claims may be about the frontier's compute multiplier
+  (`metric="compute_multiplier"`: arms, not cells, a direction about 1, the paper's number in
+  PAPER).
 
 A sweep root holds one run directory per (cell, seed): `ROOT/<cell>/seed<k>`, and
 `ROOT/study.json`, what the runner was asked to run (`record`).
@@ -43,8 +53,11 @@ from train.rundir import file_lock
 NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 COMMIT = re.compile(r"^[0-9a-f]{7,40}$")
 RECORD = "study.json"
+SCALING_AXES = ("model", "steps")  # what a scaling study's sizes vary
 RELATIONS = ("<", ">", "≈")  # the arm ends lower / higher than the reference / within a margin
-METRICS = ("eval_loss",)  # what a claim may be about: the run's final value of it
+METRICS = ("eval_loss", "compute_multiplier")  # a run's final eval_loss; an IsoFLOP frontier's
+MULTIPLIER = "compute_multiplier"
+BUDGET = re.compile(r"^c(\d+(?:\.\d+)?(?:e\d+)?)-[A-Za-z0-9_.-]+$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +116,7 @@ class Study:
     claims: tuple[Claim, ...] = ()
     numerics_since: str = ""
     tuning: Tuning | None = None
+    scaling_axis: str = "model"
 
     def cells(self, arms: tuple[str, ...] | None = None,
               sizes: tuple[str, ...] | None = None) -> list[str]:
@@ -117,6 +131,18 @@ class Study:
     def config_arg(self, cell: str, scale: str) -> str:
         """The `--config` value of a cell at a scale: `PATH:CELL,SCALE`."""
         return f"{self.path}:{cell},{scale}"
+
+
+def size_budget(size: str) -> float | None:
+    """The compute budget (FLOPs) an IsoFLOP size name carries, `c2e13-d64L8` → 2e13; None for
+    another name."""
+    match = BUDGET.match(size)
+    return float(match.group(1)) if match else None
+
+
+def is_isoflop(scaling) -> bool:
+    """Whether every size of a scaling study names its budget (`size_budget`)."""
+    return bool(scaling) and all(size_budget(size) is not None for size in scaling)
 
 
 def split_cell(cell: str) -> tuple[str, str | None]:
@@ -182,13 +208,17 @@ def load_study(path: str) -> Study:
     if len(scaling) == 1:
         raise UsageError(f"{flag}: SCALING={scaling!r} has one size; a power-law fit needs "
                          "at least two")
+    axis = getattr(module, "SCALING_AXIS", "model")
+    if axis not in SCALING_AXES or (axis != "model" and not scaling):
+        raise UsageError(f"{flag}: SCALING_AXIS={axis!r} must be one of {SCALING_AXES}, and "
+                         "other than 'model' only in a scaling study (with SCALING)")
     return Study(path=path, arms=arms, baseline=module.BASELINE,
                  seeds=tuple(int(s) for s in seeds), scales=scales,
                  paper={arm: float(number) for arm, number in paper.items()},
                  paper_metric=str(metric), scaling=scaling,
-                 claims=_claims(getattr(module, "CLAIMS", ()), arms, scaling, flag),
+                 claims=_claims(getattr(module, "CLAIMS", ()), arms, scaling, flag, paper),
                  numerics_since=_numerics_since(getattr(module, "NUMERICS_SINCE", ""), flag),
-                 tuning=_tuning(getattr(module, "TUNING", None), flag))
+                 tuning=_tuning(getattr(module, "TUNING", None), flag), scaling_axis=axis)
 
 
 def _is_number(value) -> bool:
@@ -241,15 +271,35 @@ HOW = ("register it as claim(arm, relation, reference, quote=..., source=..., fa
        "from experiments.common (docs/studies.md)")
 
 
-def _claims(claims, arms: tuple[str, ...], scaling: tuple[str, ...],
-            flag: str) -> tuple[Claim, ...]:
+def _claims(claims, arms: tuple[str, ...], scaling: tuple[str, ...], flag: str,
+            paper: dict | None = None) -> tuple[Claim, ...]:
     """`CLAIMS` (or a record's "claims") checked: dicts of `experiments.common.claim` over ARMS,
     the claims of one family registering one n; one-line UsageErrors."""
     if not isinstance(claims, tuple | list):
         raise UsageError(f"{flag}: CLAIMS must be a tuple of claims; {HOW}")
-    if claims and scaling:
-        raise UsageError(f"{flag}: CLAIMS are checked per arm, not in a scaling study")
-    checked = tuple(_claim(claim, arms, flag) for claim in claims)
+    names = arms
+    if scaling:  # a claim compares two cells ARM@SIZE
+        names = tuple(f"{arm}@{size}" for arm in arms for size in scaling)
+        for claim in claims:
+            named = [claim.get(field) for field in ("arm", "reference")
+                     if isinstance(claim, dict) and claim.get(field) in arms
+                     and claim.get("metric") != MULTIPLIER]
+            if named:
+                raise UsageError(f"{flag}: CLAIMS name arms ({named[0]!r}), not in a scaling "
+                                 f"study: there a claim compares cells ARM@SIZE, e.g. "
+                                 f"{names[-1]!r}")
+    checked = tuple(_claim(claim, arms if _multiplier(claim) else names, flag)
+                    for claim in claims)
+    for claim in checked:
+        if claim.metric != MULTIPLIER:
+            continue
+        name = f"{flag}: claim {claim.check()} ({MULTIPLIER})"
+        if not is_isoflop(scaling):
+            raise UsageError(f"{name} needs an IsoFLOP study: SCALING sizes named "
+                             "c<BUDGET>-<SHAPE>, e.g. 'c2e13-d64L8'")
+        if claim.relation == "≈" or claim.arm not in (paper or {}):
+            raise UsageError(f"{name}: a compute-multiplier claim is a direction ('>': the "
+                             "arm's multiplier exceeds 1) with the paper's multiplier in PAPER")
     families: dict[str, int] = {}
     for claim in checked:
         if families.setdefault(claim.family, claim.n) != claim.n:
@@ -257,6 +307,11 @@ def _claims(claims, arms: tuple[str, ...], scaling: tuple[str, ...],
                              f"{families[claim.family]} and n = {claim.n}; the claims of a "
                              "family share one seed count")
     return checked
+
+
+def _multiplier(claim) -> bool:
+    """Whether a declared claim is about an IsoFLOP frontier's compute multiplier."""
+    return isinstance(claim, dict) and claim.get("metric") == MULTIPLIER
 
 
 def _claim(claim, arms: tuple[str, ...], flag: str) -> Claim:
@@ -275,7 +330,8 @@ def _claim(claim, arms: tuple[str, ...], flag: str) -> Claim:
         raise UsageError(f"{name} {what}; a claim has the fields {', '.join(FIELDS)}")
     for field in ("arm", "reference"):
         if claim[field] not in arms:
-            raise UsageError(f"{name}: {field} {claim[field]!r} is not one of ARMS {arms}")
+            what = "the cells" if "@" in "".join(arms) else "ARMS"
+            raise UsageError(f"{name}: {field} {claim[field]!r} is not one of {what} {arms}")
     if claim["arm"] == claim["reference"]:
         raise UsageError(f"{name} compares an arm with itself; name two different arms")
     relation, margin = claim["relation"], claim.get("margin")
@@ -312,8 +368,13 @@ def claims_from_record(root: str | Path, record: dict) -> tuple[Claim, ...]:
         raise UsageError(f"--root={root}: {RECORD} records claims in the old (arm, relation, "
                          "reference, text) form; pass --study experiments/STUDY.py to report "
                          "its registered claims")
+    scaling = tuple(record.get("scaling", []))
     arms = tuple(dict.fromkeys(split_cell(cell)[0] for cell in record.get("cells", [])))
-    return _claims(claims, arms, tuple(record.get("scaling", [])), f"--root={root}")
+    if scaling:  # the claims name cells; their arms need not all have been swept yet
+        arms = tuple(dict.fromkeys(
+            [*arms, *(split_cell(c[f])[0] for c in claims if isinstance(c, dict)
+                      for f in ("arm", "reference") if isinstance(c.get(f), str))]))
+    return _claims(claims, arms, scaling, f"--root={root}", record.get("paper", {}))
 
 
 def _numerics_since(value, flag: str) -> str:
@@ -389,15 +450,50 @@ def last_line(path: str | Path) -> str:
 def read_record(root: str | Path) -> dict | None:
     """`ROOT/study.json` as a dict, or None when there is none; UsageError if unreadable."""
     path = Path(root) / RECORD
+    if path.is_dir():
+        raise _damaged_record(root, "is a directory, not a file")
     if not path.is_file():
         return None
     try:
-        record = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        raise UsageError(f"--root={root}: {RECORD} cannot be read ({error})") from None
+        record = json.loads(path.read_bytes().decode())
+    except UnicodeDecodeError:
+        raise _damaged_record(root, "holds bytes that are not UTF-8 text") from None
+    except json.JSONDecodeError as error:
+        raise _damaged_record(root, f"is not valid JSON ({error})") from None
+    except OSError as error:
+        raise _damaged_record(root, f"cannot be read ({error.strerror or error})") from None
     if not isinstance(record, dict):
-        raise UsageError(f"--root={root}: {RECORD} is not a JSON object")
+        raise _damaged_record(root, f"holds a JSON {type(record).__name__}, not an object")
+    for key, kind in RECORD_TYPES.items():
+        value = record.get(key)
+        if value is None:
+            continue
+        if kind is list and (not isinstance(value, list) or not all(
+                isinstance(item, RECORD_ITEMS[key]) and not isinstance(item, bool)
+                for item in value)):
+            items = RECORD_ITEMS[key] if isinstance(RECORD_ITEMS[key], tuple) else (
+                RECORD_ITEMS[key],)
+            raise _damaged_record(root, f"has {key}={value!r}, not a list of "
+                                  f"{' or '.join(kind.__name__ for kind in items)}")
+        if kind is not list and not isinstance(value, kind):
+            raise _damaged_record(root, f"has {key}={value!r}, not a {kind.__name__}")
     return record
+
+
+# The types of study.json's fields (a list's items: RECORD_ITEMS), checked when it is read.
+RECORD_TYPES = {"study": str, "scale": str, "baseline": str, "scaling": list, "cells": list,
+                "seeds": list, "overrides": list, "paper": dict, "paper_metric": str,
+                "claims": list, "numerics_since": str}
+# A claim is a dict; a list is one written before claims were registered, which
+# `claims_from_record` refuses with how to report the study's registered claims.
+RECORD_ITEMS = {"scaling": str, "cells": str, "seeds": int, "overrides": str,
+                "claims": (dict, list)}
+
+
+def _damaged_record(root: str | Path, problem: str) -> UsageError:
+    return UsageError(f"--root={root}: {Path(root) / RECORD} {problem}; it is left as is: put "
+                      "back a copy, or move it aside and rerun scripts/sweep.py with this --root "
+                      "and the sweep's arguments to write it again")
 
 
 def record(root: str | Path, study: Study, scale: str, cells: list[str], seeds: list[int],
@@ -429,6 +525,8 @@ def _merge_record(root: Path, study: Study, scale: str, cells: list[str], seeds:
             "paper_metric": study.paper_metric,
             "claims": [dataclasses.asdict(claim) for claim in study.claims],
             "numerics_since": study.numerics_since}
+    if study.scaling_axis != "model":
+        data["scaling_axis"] = study.scaling_axis
     path = root / RECORD
     temporary = path.with_name(RECORD + ".tmp")  # one writer at a time: the lock
     temporary.write_text(json.dumps(data, indent=2) + "\n")

@@ -1,0 +1,218 @@
+"""The IsoFLOP analysis (train/studies/stats.py, report.py) and its study file
+(experiments/attnres_isoflop.py): a profile's parabola minimum against the hand computation, the
+frontier and the compute multiplier recovered from synthetic profiles with a known multiplier,
+the bootstrap interval over seeds, the claim's verdicts, the report on hand-written run
+directories, and every cell of the study building with tokens = C / (6N) — nothing trains."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from arch.accounting import flops_per_token
+from config import resolve
+from config.cli import UsageError, load_module
+from tests.helpers import tiny_config
+from train.studies import stats
+from train.studies import study as studies
+from train.studies.report import describe, write_report
+
+ROOT = Path(__file__).resolve().parents[1]
+STUDY = "experiments/attnres_isoflop.py"
+TRUE = 1.25  # block's frontier is the baseline's at 1.25·C
+A, B, CURVATURE = 10.0, 0.05, 0.04  # the baseline frontier L*(C) = A·C^(−B)
+
+
+def frontier(compute: float, arm: str) -> float:
+    return A * (compute * (TRUE if arm == "block" else 1.0)) ** -B
+
+
+def optimum(compute: float) -> float:
+    return math.sqrt(compute / 120)  # N* = √(C/120), 20 tokens per parameter
+
+
+def profiles(arm: str, noise: float = 0.0, seeds: int = 2,
+             budgets=(2e12, 6e12, 2e13)) -> dict[float, dict[float, list[float]]]:
+    """Synthetic profiles L = κ(ln N − ln N*)² + L*(C), sizes placed off-centre around N*, each
+    seed's loss with Gaussian noise of std `noise`."""
+    rng = np.random.default_rng(1 if arm == "block" else 0)
+    result = {}
+    for compute in budgets:
+        star = optimum(compute)
+        result[compute] = {
+            n: [CURVATURE * math.log(n / star) ** 2 + frontier(compute, arm)
+                + noise * rng.standard_normal() for _ in range(seeds)]
+            for n in star * np.array([0.3, 0.7, 1.3, 2.9, 6.0])}
+    return result
+
+
+# The parabola and the frontier ------------------------------------------------------------
+
+def test_the_parabola_minimum_is_the_hand_computation():
+    # L = a(ln N − ln N*)² + L* = a·x² − 2a·ln N*·x + (a·ln²N* + L*)
+    a, n_star, l_star = 0.05, 3.0e5, 2.0
+    sizes = [5e4, 1e5, 4e5, 9e5, 2e6]
+    minimum = stats.parabola_minimum(sizes, [a * math.log(n / n_star) ** 2 + l_star
+                                             for n in sizes])
+    assert minimum.n == pytest.approx(n_star, rel=1e-9)
+    assert minimum.loss == pytest.approx(l_star, abs=1e-12)
+    assert minimum.coefficients == pytest.approx(
+        (a, -2 * a * math.log(n_star), a * math.log(n_star) ** 2 + l_star), rel=1e-9)
+    assert minimum.interior and minimum.at(n_star) == pytest.approx(l_star)
+    edge = stats.parabola_minimum(sizes[:3], [a * math.log(n / 1e7) ** 2 for n in sizes[:3]])
+    assert not edge.interior and edge.n == pytest.approx(1e7, rel=1e-9)
+    with pytest.raises(ValueError, match="opens downward"):
+        stats.parabola_minimum(sizes, [-a * math.log(n / n_star) ** 2 for n in sizes])
+    with pytest.raises(ValueError, match="three or more sizes"):
+        stats.parabola_minimum([1e5, 1e5, 2e5], [1.0, 1.1, 1.2])
+
+
+def test_the_frontier_and_multiplier_recover_a_known_multiplier():
+    minima, fit = stats.isoflop_frontier(profiles("baseline"))
+    assert list(minima) == [2e12, 6e12, 2e13]
+    for compute, minimum in minima.items():
+        assert minimum.n == pytest.approx(optimum(compute), rel=1e-6)
+        assert minimum.loss == pytest.approx(frontier(compute, "baseline"), rel=1e-9)
+    assert (fit.a, fit.b) == pytest.approx((A, B), rel=1e-6)
+    for compute in (2e12, 2e13):
+        assert stats.frontier_multiplier(profiles("block"), profiles("baseline"), compute) \
+            == pytest.approx(TRUE, rel=1e-6)
+    # the other way round: the baseline is worth 1/1.25 of block's compute
+    assert stats.frontier_multiplier(profiles("baseline"), profiles("block"), 2e13) \
+        == pytest.approx(1 / TRUE, rel=1e-6)
+
+
+def test_the_bootstrap_interval_holds_the_truth_and_widens_with_noise():
+    m, low, high, refits = stats.bootstrap_frontier_multiplier(
+        profiles("block", 1e-5), profiles("baseline", 1e-5), 2e13, samples=200)
+    assert low <= TRUE <= high and m == pytest.approx(TRUE, rel=0.01) and refits == 200
+    quiet = high - low
+    m, low, high, refits = stats.bootstrap_frontier_multiplier(
+        profiles("block", 3e-3), profiles("baseline", 3e-3), 2e13, samples=200)
+    assert low < m < high and high - low > max(10 * quiet, 0.01) and refits > 150
+    # one seed per size: every resample is the data, so the interval is the point
+    m, low, high, _ = stats.bootstrap_frontier_multiplier(
+        profiles("block", 3e-3, seeds=1), profiles("baseline", 3e-3, seeds=1), 2e13,
+        samples=20)
+    assert low == pytest.approx(m) and high == pytest.approx(m)
+
+
+@pytest.mark.parametrize("interval, verdict", [
+    ((1.1, 1.4), "agrees"), ((0.9, 1.6), "inconclusive"), ((1.3, 1.6), "disagrees"),
+    ((1.05, 1.2), "disagrees"), ((0.7, 0.95), "disagrees"), ((math.nan, math.nan),
+                                                            "inconclusive")])
+def test_the_multiplier_verdict(interval, verdict):
+    assert stats.multiplier_verdict(">", interval, 1.25) == verdict
+
+
+# The report --------------------------------------------------------------------------------
+
+ISOFLOP_STUDY = '''"""An IsoFLOP study for the tests: two arms, two budgets, three widths each."""
+
+from experiments.common import claim
+
+ARMS = ("baseline", "block")
+BASELINE = "baseline"
+SEEDS = (0, 1)
+SCALES = ("cpu",)
+SCALING = ("c1e10-d16", "c1e10-d32", "c1e10-d64", "c1e11-d32", "c1e11-d64", "c1e11-d128")
+PAPER = {"block": 1.25}
+PAPER_METRIC = "compute multiplier at matched loss"
+CLAIMS = (claim("block", ">", "baseline", metric="compute_multiplier", quote="1.25x",
+                source="test", family="compute", n=2),)
+
+
+def get_config(arg=None):
+    raise RuntimeError("never trained: the test writes the run directories itself")
+'''
+
+
+def test_the_report_fits_the_profiles_and_judges_the_claim(tmp_path):
+    """Run directories written by hand: each a resolved config.json with steps so that its
+    training FLOPs are its budget, and a final loss on the synthetic profile of its (arm,
+    budget); the report recovers the 1.25 and the claim agrees."""
+    (tmp_path / "isoflop.py").write_text(ISOFLOP_STUDY)
+    study = studies.load_study(str(tmp_path / "isoflop.py"))
+    assert study.claims[0].metric == studies.MULTIPLIER
+    root = tmp_path / "root"
+    studies.record(root, study, "cpu", study.cells(), [0, 1], [])
+    configs = {d: resolve(tiny_config(d_model=d), 1) for d in (16, 32, 64, 128)}
+    n_of = {d: flops_per_token(c.model, c.seq_len) / 6 for d, c in configs.items()}
+    star = {1e10: 1.3 * n_of[32], 1e11: 1.3 * n_of[64]}  # off-centre minima
+    for cell in study.cells():
+        arm, size = studies.split_cell(cell)
+        budget, width = studies.size_budget(size), int(size.split("-d")[1])
+        config, n = configs[width], n_of[width]
+        data = config.to_dict()
+        data["steps"] = round(budget / (6 * n * config.batch_size * config.seq_len))
+        for seed in (0, 1):
+            workdir = studies.run_dir(root, cell, seed)
+            workdir.mkdir(parents=True)
+            (workdir / "config.json").write_text(json.dumps(data))
+            loss = (CURVATURE * math.log(n / star[budget]) ** 2 + A * (budget * (
+                TRUE if arm == "block" else 1)) ** -B + 1e-5 * (seed - 0.5))
+            (workdir / "metrics.jsonl").write_text(
+                json.dumps({"step": data["steps"], "eval_loss": loss}) + "\n")
+    write_report(root, describe(root, None))
+    report = (root / "report.md").read_text()
+    assert "## IsoFLOP frontier" in report and "## Scaling" not in report
+    assert "## Registered claims" not in report  # the multiplier claim is the section's
+    [claim] = [line for line in report.splitlines() if line.startswith("| 1.25x |")]
+    value = claim.split(" | ")[4]
+    point, interval = value.split(" (")[0].split(" [")
+    low, high = (float(bound) for bound in interval.rstrip("]").split(", "))
+    assert float(point) == pytest.approx(TRUE, rel=0.01) and low <= TRUE <= high
+    assert claim.endswith("| agrees |")
+    [block] = [line for line in report.splitlines() if line.startswith("| block | ")]
+    assert float(block.split(" | ")[2]) == pytest.approx(B, rel=0.01)
+    assert (root / "isoflop.png").stat().st_size > 0
+    assert "None: every run finished." in report
+
+
+def test_a_multiplier_claim_needs_an_isoflop_study_and_the_papers_number(tmp_path):
+    text = ISOFLOP_STUDY.replace('"c1e10-d16", ', '"s16", ')
+    (tmp_path / "fixed.py").write_text(text)
+    with pytest.raises(UsageError, match="needs an IsoFLOP study"):
+        studies.load_study(str(tmp_path / "fixed.py"))
+    (tmp_path / "nopaper.py").write_text(ISOFLOP_STUDY.replace('PAPER = {"block": 1.25}',
+                                                               "PAPER = {}"))
+    with pytest.raises(UsageError, match="the paper's multiplier in PAPER"):
+        studies.load_study(str(tmp_path / "nopaper.py"))
+    assert studies.size_budget("c2e13-d64L8") == 2e13 and studies.size_budget("xl") is None
+
+
+# The study file ----------------------------------------------------------------------------
+
+def test_the_study_file_registers_its_claim_and_every_cell_builds():
+    """Every cell's config builds at the cpu scale without training: ≥ 3 budgets spanning ≥
+    10×, ≥ 4 sizes per budget, ≥ 16 sublayers, and tokens = steps × batch × seq within half a
+    step of C / (6N) with N = flops_per_token / 6 of the cell's resolved model."""
+    study = studies.load_study(str(ROOT / STUDY))
+    module = load_module(str(ROOT / STUDY), "--study")
+    [claim] = study.claims
+    assert (claim.arm, claim.relation, claim.reference, claim.metric, claim.n) == \
+        ("block", ">", "baseline", studies.MULTIPLIER, 2)
+    assert study.paper == {"block": 1.25} and studies.is_isoflop(study.scaling)
+    budgets: dict[float, list[str]] = {}
+    for size in study.scaling:
+        budgets.setdefault(studies.size_budget(size), []).append(size)
+    assert len(budgets) >= 3 and max(budgets) / min(budgets) >= 10
+    assert all(len(sizes) >= 4 for sizes in budgets.values())
+    for cell in study.cells():
+        arm, size = studies.split_cell(cell)
+        config = module.get_config(f"{cell},cpu")
+        assert config.to_dict() == module.get_config(cell).to_dict()
+        assert 2 * config.model.num_layers >= 16
+        assert config.model.residual.name == {"baseline": "prenorm",
+                                              "block": "block_attnres"}[arm]
+        resolved = resolve(config, 1)
+        n = flops_per_token(resolved.model, resolved.seq_len, training=True) / 6
+        per_step = config.batch_size * config.seq_len
+        tokens = studies.size_budget(size) / (6 * n)
+        assert abs(config.steps * per_step - tokens) <= per_step / 2
+        assert 0 < config.optimizer.warmup_steps < config.steps
+        assert config.optimizer.schedule == "cosine"
