@@ -71,10 +71,11 @@ def shape_books(name: str, seq_len: int) -> dict:
     return result
 
 
-def shape_names() -> list[str]:
-    from arch import reference_shapes as shapes
-
-    return ["transformer_base", *shapes.worked_examples(), *shapes.PUBLIC_CONFIGS]
+# The reference shapes' names, checked before JAX loads: a copy of arch.reference_shapes's
+# (transformer_base, the worked examples, the public configs), which imports JAX; a test keeps
+# the two equal.
+SHAPES = ("transformer_base", "tying", "wide_glu", "gpt2", "gpt2-medium", "llama-2-7b",
+          "llama-3-8b", "mistral-7b-v0.3")
 
 
 def _rows(books: dict, prefix: str = ""):
@@ -125,6 +126,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give --config PATH and/or --shape NAME (or --shape all)")
     if args.seq_len is not None and args.seq_len < 1:
         parser.error(f"--seq_len={args.seq_len} is invalid: must be a positive integer")
+    names = list(SHAPES) if "all" in args.shape else list(args.shape)
+    unknown = sorted(set(names) - set(SHAPES))
+    if unknown:
+        parser.error(f"--shape: unknown {unknown}; known: all, {', '.join(SHAPES)}")
     try:
         if args.out:
             output_file(args.out)
@@ -136,12 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    # JAX loads here, after the checks: the reference shapes' names live in arch.
-    names = shape_names() if "all" in args.shape else list(args.shape)
-    unknown = sorted(set(names) - set(shape_names()))
-    if unknown:
-        parser.error(f"--shape: unknown {unknown}; known: all, {', '.join(shape_names())}")
-    from arch.accounting import books
+    from arch.accounting import books  # JAX loads here, after the checks
 
     all_books = {}
     if config is not None:

@@ -61,6 +61,7 @@ CASES = [
     ("scripts/accounting.py", ["--no_such_flag"], "--no_such_flag"),
     ("scripts/accounting.py", ["--config", QUICKSTART, BAD_FIELD],
      "optimizer.learning_rate=-1"),
+    ("scripts/accounting.py", ["--shape", "gpt3"], "--shape: unknown ['gpt3']"),
     ("scripts/attention_bench.py", ["--config", QUICKSTART, "--no_such_flag"], "--no_such_flag"),
     ("scripts/attention_bench.py", ["--config", QUICKSTART, BAD_FIELD],
      "optimizer.learning_rate=-1"),
@@ -224,6 +225,13 @@ def test_the_names_a_script_checks_are_the_librarys(script, library, name):
     JAX); the copies agree."""
     ours = getattr(importlib.import_module(f"scripts.{script}"), name)
     assert ours == getattr(importlib.import_module(library), name)
+
+
+def test_the_reference_shapes_accounting_checks_are_archs():
+    from arch import reference_shapes as shapes
+
+    ours = importlib.import_module("scripts.accounting").SHAPES
+    assert list(ours) == ["transformer_base", *shapes.worked_examples(), *shapes.PUBLIC_CONFIGS]
 
 
 def test_the_library_modules_the_scripts_run_parse_no_command_line():
