@@ -44,21 +44,49 @@ class WorkdirError(ConfigError):
     fix (exit status 2, like a config error)."""
 
 
+class DamagedFile(ValueError):
+    """A file that cannot be read as JSON: the message is the problem, as a phrase after the
+    file's path ("is not valid JSON (...)"); callers name the file and the fix."""
+
+
+def read_json(path: str | Path):
+    """The JSON value in the file `path`; `DamagedFile` if it is a directory, unreadable, not
+    UTF-8 text or not JSON (e.g. truncated)."""
+    path = Path(path)
+    if path.is_dir():
+        raise DamagedFile("is a directory, not a file")
+    try:
+        return json.loads(path.read_bytes().decode())
+    except UnicodeDecodeError:
+        raise DamagedFile("holds bytes that are not UTF-8 text") from None
+    except json.JSONDecodeError as error:
+        raise DamagedFile(f"is not valid JSON ({error})") from None
+    except OSError as error:
+        raise DamagedFile(f"cannot be read ({error.strerror or error})") from None
+
+
 def check_workdir(workdir: str | Path) -> None:
     """Raise `WorkdirError` unless `workdir` is, or can be created as, a writable directory."""
     path = Path(workdir)
     if path.exists() and not path.is_dir():
         raise WorkdirError(f"--workdir={workdir} is a file, not a directory; pass a directory "
                            "(it is created if missing)")
+    if problem := creation_problem(path):
+        raise WorkdirError(f"--workdir={workdir} {problem}")
+
+
+def creation_problem(path: Path) -> str | None:
+    """Why the directory `path` cannot be made (a phrase after its name), or None: its nearest
+    existing ancestor, where mkdir would write, must be a directory this user may write."""
     existing = path
-    while not existing.exists():  # the nearest existing ancestor is where mkdir will write
+    while not existing.exists():
         existing = existing.parent
     if not existing.is_dir():
-        raise WorkdirError(f"--workdir={workdir} cannot be created: {existing} is a file")
+        return f"cannot be created: {existing} is a file"
     if not os.access(existing, os.W_OK | os.X_OK):
         where = "" if existing == path else f" ({existing} is where it would be created)"
-        raise WorkdirError(f"--workdir={workdir} is not writable{where}; pass a directory you "
-                           "can write to")
+        return f"is not writable{where}; pass a directory you can write to"
+    return None
 
 
 @contextlib.contextmanager
@@ -302,16 +330,10 @@ def saved_config(workdir: str | Path, defaults: dict) -> dict | None:
     path = Path(workdir) / "config.json"
     if not path.exists():
         return None
-    if path.is_dir():
-        raise _damaged_config(workdir, "is a directory, not a file")
     try:
-        saved = json.loads(path.read_bytes().decode())
-    except UnicodeDecodeError:
-        raise _damaged_config(workdir, "holds bytes that are not UTF-8 text") from None
-    except json.JSONDecodeError as error:
-        raise _damaged_config(workdir, f"is not valid JSON ({error})") from None
-    except OSError as error:
-        raise _damaged_config(workdir, f"cannot be read ({error.strerror or error})") from None
+        saved = read_json(path)
+    except DamagedFile as problem:
+        raise _damaged_config(workdir, str(problem)) from None
     if not isinstance(saved, dict):
         raise _damaged_config(workdir, f"holds a JSON {type(saved).__name__}, not the object of "
                               "a config")

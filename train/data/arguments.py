@@ -35,7 +35,7 @@ from config.defaults import base_config
 from config.mesh_shape import MESH_AXES
 from sharding.launch import device_count_from_environment
 from train.data.tokenizer import check_vocab, tokenizer_of
-from train.rundir import checkpoint_steps, saved_config
+from train.rundir import DamagedFile, checkpoint_steps, creation_problem, read_json, saved_config
 
 
 def saved_run(workdir: str | Path, step: int | None = None) -> dict:
@@ -91,15 +91,8 @@ def check_text(text: str | Path | None) -> None:
 
 def _creatable(path: Path, flag: str) -> None:
     """`path` can be created: its nearest existing ancestor is a directory this user may write."""
-    existing = path
-    while not existing.exists():
-        existing = existing.parent
-    if not existing.is_dir():
-        raise ConfigError(f"{flag}={path} cannot be created: {existing} is a file")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        where = "" if existing == path else f" ({existing} is where it would be created)"
-        raise ConfigError(f"{flag}={path} is not writable{where}; pass a directory you can "
-                          "write to")
+    if problem := creation_problem(path):
+        raise ConfigError(f"{flag}={path} {problem}")
 
 
 def output_directory(path: str | Path, flag: str = "--out") -> Path:
@@ -193,16 +186,10 @@ def read_json_object(path: str | Path, what: str, fix: str) -> dict:
     def damaged(problem: str) -> ConfigError:
         return ConfigError(f"{what}: {path} {problem}; it is left as is: {fix}")
 
-    if path.is_dir():
-        raise damaged("is a directory, not a file")
     try:
-        value = json.loads(path.read_bytes().decode())
-    except UnicodeDecodeError:
-        raise damaged("holds bytes that are not UTF-8 text") from None
-    except json.JSONDecodeError as error:
-        raise damaged(f"is not valid JSON ({error})") from None
-    except OSError as error:
-        raise damaged(f"cannot be read ({error.strerror or error})") from None
+        value = read_json(path)
+    except DamagedFile as problem:
+        raise damaged(str(problem)) from None
     if not isinstance(value, dict):
         raise damaged(f"holds a JSON {_type_name(value)}, not an object")
     return value

@@ -48,7 +48,7 @@ import re
 from pathlib import Path
 
 from config.cli import UsageError, load_module
-from train.rundir import file_lock
+from train.rundir import DamagedFile, file_lock, read_json
 
 NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 COMMIT = re.compile(r"^[0-9a-f]{7,40}$")
@@ -450,18 +450,12 @@ def last_line(path: str | Path) -> str:
 def read_record(root: str | Path) -> dict | None:
     """`ROOT/study.json` as a dict, or None when there is none; UsageError if unreadable."""
     path = Path(root) / RECORD
-    if path.is_dir():
-        raise _damaged_record(root, "is a directory, not a file")
-    if not path.is_file():
+    if not path.exists():
         return None
     try:
-        record = json.loads(path.read_bytes().decode())
-    except UnicodeDecodeError:
-        raise _damaged_record(root, "holds bytes that are not UTF-8 text") from None
-    except json.JSONDecodeError as error:
-        raise _damaged_record(root, f"is not valid JSON ({error})") from None
-    except OSError as error:
-        raise _damaged_record(root, f"cannot be read ({error.strerror or error})") from None
+        record = read_json(path)
+    except DamagedFile as problem:
+        raise _damaged_record(root, str(problem)) from None
     if not isinstance(record, dict):
         raise _damaged_record(root, f"holds a JSON {type(record).__name__}, not an object")
     for key, kind in RECORD_TYPES.items():
