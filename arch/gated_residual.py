@@ -29,10 +29,20 @@ exact form here is [ours]; each default is the mechanism above, bit for bit):
   `residual.dynamic=True`. [ours] W_read and W_write are then initialized N(0, 1/r) (truncated
   normal, fan-in r), not zero: zero up-projections would start every branch at the same gates
   and give them equal gradients, so the branches would stay copies of one stream forever.
+  So this switch changes the initialization as well as removing the static term.
+- `gated_residual.static_frozen=True`: b_read and b_write keep their initial values (the
+  forward pass reads them through `jax.lax.stop_gradient`, so their gradient is 0); everything
+  else, initialization included, is the full GR, so the model equals it at initialization and
+  only the static term's learning is removed (`static=False` also changes the initialization,
+  above). The parameters stay, the same tree as GR's; with a zero gradient AdamW leaves them
+  unchanged bit for bit as long as they get no weight decay (biases get none unless
+  `optimizer.decay_biases=True`). Needs `gated_residual.static`. Cost: none beyond GR.
 - `gated_residual.init="random"`: b_write[m, c] ~ U(logit(1/(2n)), logit(1 − 1/(2n))) i.i.d. per
   branch (and channel, if the writes are channelwise), the range of the graded logits, i.e. s ∈
   (1/n, 2 − 1/n); drawn with the `rngs.params()` key of that parameter, so a seed reproduces it
-  and every other parameter is the same as with "graded". Needs `gated_residual.static`.
+  and every other parameter is the same as with "graded". Needs `gated_residual.static`. The
+  design notes' final GR uses this standard random initialization (the study's `gr` arm);
+  "graded", the model's default, is the variant (experiments/gated_residual_table.py).
 - `gated_residual.read_top_k=k` (1 ≤ k ≤ n; 0: off): per token, the branches are ranked by their
   read gate (its mean over channels, if channelwise; ties to the lower index) and the gates of all
   but the k largest are set to 0: h = Σ_{m ∈ top-k} G_m ⊙ n̂_m (no renormalization; gradient through
@@ -47,7 +57,8 @@ replaces the pre-norm, one GR module per sublayer; ablations: channel-specific v
 writes (`model.gated_residual.channelwise`, or each alone: `gated_residual.channelwise_read`,
 `gated_residual.channelwise_write`), a branch-mixing operator added back
 (`model.gated_residual.mixing`), static vs dynamic gates (`model.residual.dynamic`), the static term
-removed (`model.gated_residual.static`), random instead of graded initialization
+removed (`model.gated_residual.static`; [ours]: or kept untrained,
+`model.gated_residual.static_frozen`), random or graded initialization
 (`model.gated_residual.init`), top-k reads (`model.gated_residual.read_top_k`); an FP8 residual
 state (`model.gated_residual.state_dtype`).
 
@@ -100,9 +111,10 @@ float32).
 
 Parameters: `scale` (the branch gains g, n×D; a norm gain, kept out of weight decay by name),
 `read_gate.bias` and `write_gate.bias` (static logits, kept out as biases; absent with
-`gated_residual.static=False`), `gate_down.kernel`, `read_gate.up.kernel`, `write_gate.up.kernel`
-(dynamic projections, decayed like GatedNorm's) and `mixing` (Δ, decayed toward M = I). Per
-sublayer: nD + nDr·dyn + Σ_{read, write} (nW·static + rnW·dyn) + n²·mixing, W = D or 1 per gate
+`gated_residual.static=False`, untrained with `gated_residual.static_frozen`),
+`gate_down.kernel`, `read_gate.up.kernel`, `write_gate.up.kernel` (dynamic projections, decayed
+like GatedNorm's) and `mixing` (Δ, decayed toward M = I). Per sublayer:
+nD + nDr·dyn + Σ_{read, write} (nW·static + rnW·dyn) + n²·mixing, W = D or 1 per gate
 (`arch.accounting.added_parameters` measures it from the built model, less the Pre-Norm gain d
 that GR replaces).
 """
@@ -199,27 +211,33 @@ class BranchGate(nnx.Module):
     """Gate logits per branch (and channel): bias + z W_up, n×B×T×W for a summary z (B×T×r), or
     the bias alone (static gates, z = None), or z W_up alone (`static=False`: no bias). W_up is
     zero-initialized, or N(0, 1/r) without a bias (module docstring). `bias_init(key, shape,
-    dtype)` overrides the constant logits `bias_per_branch`."""
+    dtype)` overrides the constant logits `bias_per_branch`; `frozen`: the bias gets no gradient
+    (`gated_residual.static_frozen`)."""
 
     def __init__(self, n: int, width: int, rank: int, bias_per_branch: list[float], *,
-                 dynamic: bool, rngs: nnx.Rngs, static: bool = True, bias_init=None):
+                 dynamic: bool, rngs: nnx.Rngs, static: bool = True, frozen: bool = False,
+                 bias_init=None):
         channel_axis = "norm" if width > 1 else None
         values = jnp.broadcast_to(jnp.asarray(bias_per_branch, jnp.float32)[:, None], (n, width))
         bias_init = bias_init or (lambda key, shape, dtype: values.astype(dtype))
         self.bias = (param(rngs, bias_init, (n, width), (None, channel_axis))
                      if static else None)
+        self.frozen = frozen
         up_init = (lambda fan_in, fan_out: nnx.initializers.zeros) if static else None
         self.up = (Dense((rank,), (n, width), ("norm_rank",),
                          (None, "embed" if width > 1 else None), rngs=rngs, init=up_init)
                    if dynamic else None)
 
     def __call__(self, summary_BxTxR: jax.Array | None) -> jax.Array:
+        bias_NxW = None
+        if self.bias is not None:
+            bias_NxW = jax.lax.stop_gradient(self.bias[...]) if self.frozen else self.bias[...]
         if summary_BxTxR is None:
-            return self.bias[...][:, None, None, :]
+            return bias_NxW[:, None, None, :]
         dynamic_NxBxTxW = jnp.moveaxis(self.up(summary_BxTxR), -2, 0)
-        if self.bias is None:
+        if bias_NxW is None:
             return dynamic_NxBxTxW
-        return self.bias[...][:, None, None, :] + dynamic_NxBxTxW
+        return bias_NxW[:, None, None, :] + dynamic_NxBxTxW
 
 
 def channelwise(cfg, which: str) -> bool:
@@ -293,15 +311,15 @@ class GatedResidual(ResidualMechanism):
         dynamic = cfg.residual.dynamic
         self.gate_down = (Dense((n, d), (rank,), (None, "embed"), ("norm_rank",), rngs=rngs)
                           if dynamic else None)
-        static = cfg.gated_residual.static
+        static, frozen = cfg.gated_residual.static, cfg.gated_residual.static_frozen
         self.read_gate = BranchGate(n, read_width, rank, [_logit(1.0 / n)] * n, dynamic=dynamic,
-                                    static=static, rngs=rngs)
+                                    static=static, frozen=frozen, rngs=rngs)
         random_init = ((lambda key, shape, dtype: random_write_logits(key, shape, dtype, n))
                        if cfg.gated_residual.init == "random" else None)
         self.write_gate = BranchGate(n, write_width, rank,
                                      [_logit(s / 2) for s in graded_write_strengths(n)],
-                                     dynamic=dynamic, static=static, bias_init=random_init,
-                                     rngs=rngs)
+                                     dynamic=dynamic, static=static, frozen=frozen,
+                                     bias_init=random_init, rngs=rngs)
         self.mixing = (param(rngs, nnx.initializers.zeros, (n, n), (None, None))
                        if cfg.gated_residual.mixing else None)
 

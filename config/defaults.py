@@ -99,7 +99,8 @@ def model_config() -> ml_collections.ConfigDict:
         ),
         hyper=dict(               # residual.name="hc"/"mhc" (arch.hyper)
             dynamic_scale=0.01,   # initial scale s of the tanh dynamic weights
-            sinkhorn_iters=20,    # mhc: Sinkhorn iterations onto doubly-stochastic matrices
+            sinkhorn_tolerance=1e-3,  # mhc: doubly stochastic to max|column sum − 1| ≤ this
+            sinkhorn_iters=20,    # mhc: the most steps of that projection (arch.kernels)
         ),
         attnres=dict(             # residual.name="attnres"/"block_attnres" (arch.attnres)
             block_size=4,         # block_attnres: sublayers per block S (1: Full AttnRes)
@@ -118,6 +119,7 @@ def model_config() -> ml_collections.ConfigDict:
                                   # channel or scalar per branch; None: follow channelwise
             static=True,          # static gate logits b_read, b_write (False: the gates are the
                                   # dynamic part only; needs residual.dynamic)
+            static_frozen=False,  # True: b_read, b_write keep their initial values (no gradient)
             init="graded",        # write strengths "graded" or "random" at init
             read_top_k=0,         # read the k branches of largest gate per token, the others'
                                   # gates zeroed (0: all n)
@@ -264,6 +266,8 @@ def base_config() -> ml_collections.ConfigDict:
                                   # each window lies inside one document (name="prepared")
             prefetch=4,           # name="prepared": batches read ahead of the step
             read_threads=2,       # name="prepared": threads reading those batches
+            verify=True,          # name="prepared": check each shard's SHA-256 against its
+                                  # metadata, once per process (docs/data.md); False: skip it
             data_dir="",          # tfds data dir; default ~/.cache/blockbench/tfds
             validation_fraction=0.05,  # name="text": the tail kept for validation
             validation="chapters",  # name="kjv": "chapters" (every 20th chapter is validation)

@@ -102,6 +102,10 @@ def resolve_model(cfg) -> None:
     check(is_int(cfg.vocab_size) and cfg.vocab_size > 0, "model.vocab_size", cfg.vocab_size,
           "must be a positive integer")
     check(cfg.dtype in ("float32", "bfloat16"), "model.dtype", cfg.dtype, "use float32 or bfloat16")
+    eps = cfg.norm.eps
+    check(isinstance(eps, int | float) and not isinstance(eps, bool) and math.isfinite(eps)
+          and eps > 0, "model.norm.eps", eps,
+          "must be a finite number > 0 (it keeps the norm's division away from zero), e.g. 1e-6")
     check(_positive_int(cfg.norm.gated_rank), "model.norm.gated_rank", cfg.norm.gated_rank,
           "must be a positive integer")
     check(0 <= cfg.norm.batchnorm_momentum < 1, "model.norm.batchnorm_momentum",
@@ -378,7 +382,12 @@ def _mhc(cfg) -> None:
     _hyper(cfg)
     check(_positive_int(cfg.hyper.sinkhorn_iters), "model.hyper.sinkhorn_iters",
           cfg.hyper.sinkhorn_iters,
-          "must be a positive integer (Sinkhorn-Knopp iterations; the paper uses 20)")
+          "must be a positive integer (the most steps of the Sinkhorn projection)")
+    tolerance = cfg.hyper.sinkhorn_tolerance
+    check(isinstance(tolerance, int | float) and not isinstance(tolerance, bool)
+          and 0 <= tolerance < 1, "model.hyper.sinkhorn_tolerance", tolerance,
+          "must be a number in [0, 1): the largest |column sum − 1| of the mixing matrices "
+          "(0: as close as float32 gets, in at most model.hyper.sinkhorn_iters steps)")
 
 
 def _gated_residual(cfg) -> None:
@@ -394,7 +403,7 @@ def _gated_residual(cfg) -> None:
           f"valid: {', '.join(GR_STATE_DTYPES)}")
     check(isinstance(cfg.residual.dynamic, bool), "model.residual.dynamic",
           cfg.residual.dynamic, "must be a bool")
-    for field in ("channelwise", "mixing", "static"):
+    for field in ("channelwise", "mixing", "static", "static_frozen"):
         check(isinstance(gr[field], bool), f"model.gated_residual.{field}", gr[field],
               "must be a bool")
     for field in ("channelwise_read", "channelwise_write"):
@@ -404,6 +413,9 @@ def _gated_residual(cfg) -> None:
     check(gr.static or cfg.residual.dynamic, "model.gated_residual.static", gr.static,
           "removing the static gate term needs model.residual.dynamic=True (with "
           "residual.dynamic=False the gates have no other term)")
+    check(gr.static or not gr.static_frozen, "model.gated_residual.static_frozen",
+          gr.static_frozen, "freezes the static gate logits, which "
+          "model.gated_residual.static=False removes")
     check(gr.init in GR_INITS, "model.gated_residual.init", gr.init,
           f"valid: {', '.join(GR_INITS)}")
     check(gr.init == "graded" or gr.static, "model.gated_residual.init", gr.init,

@@ -1,6 +1,7 @@
 """Gated Residual (arch/gated_residual.py): its equations, gate ranges, initialization, reduction
 to Pre-Norm, composition with the zoo and decoding, the FP8 residual state, and the ablation
-switches (channelwise reads/writes apart, no static term, random init, top-k reads)."""
+switches (channelwise reads/writes apart, no static term or a frozen one, random init, top-k
+reads)."""
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,7 @@ from arch.gated_residual import (
     store_fp8,
 )
 from config import ConfigError, resolve
+from sharding.mesh import make_mesh
 from tests.helpers import (
     JittedDecoder,
     prefill_then_decode,
@@ -25,6 +27,8 @@ from tests.helpers import (
     tiny_config,
     tiny_model,
 )
+from train.data import in_memory
+from train.step import TrainProgram
 
 N = 4  # branches (the default model.residual.streams)
 # The model most tests share (one build).
@@ -92,6 +96,7 @@ def reference(module: GatedResidual, branches, update, eps):
     dict(gated_residual__channelwise_read=False),
     dict(gated_residual__channelwise=False, gated_residual__channelwise_write=True),
     dict(gated_residual__static=False),
+    dict(gated_residual__static_frozen=True, gated_residual__init="random"),
     dict(gated_residual__init="random", gated_residual__channelwise_write=False),
     dict(gated_residual__read_top_k=2),
     dict(gated_residual__read_top_k=1, gated_residual__channelwise=False, residual__dynamic=False)])
@@ -366,6 +371,60 @@ def test_without_the_static_term_the_gates_are_the_dynamic_part_alone():
     assert str(error.value) == ("model.gated_residual.static=False is invalid: removing the "
                                 "static gate term needs model.residual.dynamic=True (with "
                                 "residual.dynamic=False the gates have no other term)")
+
+
+def trained_parameters(steps: int, **model) -> tuple[dict, dict, list[float]]:
+    """A tiny GR model trained `steps` AdamW steps from seed 0 (the default optimizer: biases
+    out of weight decay): (initial parameters, final parameters, losses) by path."""
+    config = tiny_config(residual="gated_residual", **model)
+    config.steps = steps
+    config.optimizer.update(learning_rate=1e-2, warmup_steps=1)
+    config = resolve(config, 1)
+    program = TrainProgram(config, make_mesh(config, jax.devices()[:1]))
+    corpus = in_memory.load({"name": "kjv"}, "train")
+
+    def parameters(state):
+        return {path: np.array(variable[...]) for path, variable
+                in nnx.to_flat_state(state["params"])}
+
+    state, losses = program.init(0), []
+    initial = parameters(state)
+    for step in range(steps):
+        tokens = corpus.batch(step, 8, 16, seed=0)
+        state, metrics = program.train_step(state, program.put_batch(tokens))
+        losses.append(float(metrics["loss"]))
+    return initial, parameters(state), losses
+
+
+def test_frozen_static_logits_never_move_and_the_model_starts_as_gr():
+    """`static_frozen=True` (with the study's random init): the same parameters as GR at
+    initialization, bit for bit, and the same loss at the first step (separate programs: to
+    rounding); after 3 AdamW steps b_read and b_write equal their initial values bit for bit,
+    while every other parameter moved (and GR's own biases moved)."""
+    frozen_initial, frozen_final, frozen_losses = trained_parameters(
+        3, gated_residual__init="random", gated_residual__static_frozen=True)
+    gr_initial, gr_final, gr_losses = trained_parameters(3, gated_residual__init="random")
+    assert frozen_initial.keys() == gr_initial.keys()
+    for path, value in frozen_initial.items():
+        np.testing.assert_array_equal(value, gr_initial[path], err_msg=str(path))
+    np.testing.assert_allclose(frozen_losses[0], gr_losses[0], rtol=1e-6)
+    biases = [path for path in frozen_initial if path[-1] == "bias" and path[-2] in
+              ("read_gate", "write_gate")]
+    assert len(biases) == 4  # read and write, attention and FFN sublayers (stacked layers)
+    for path, value in frozen_final.items():
+        if path in biases:
+            np.testing.assert_array_equal(value, frozen_initial[path], err_msg=str(path))
+            assert not np.array_equal(gr_final[path], gr_initial[path]), path
+        else:
+            assert not np.array_equal(value, frozen_initial[path]), path
+
+
+def test_frozen_static_needs_the_static_term():
+    with pytest.raises(ConfigError) as error:
+        resolved(gated_residual__static_frozen=True, gated_residual__static=False)
+    assert str(error.value) == ("model.gated_residual.static_frozen=True is invalid: freezes the "
+                                "static gate logits, which model.gated_residual.static=False "
+                                "removes")
 
 
 def test_graded_init_is_exact_and_random_init_is_seeded_and_in_the_graded_range():

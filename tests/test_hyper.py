@@ -9,7 +9,9 @@ import pytest
 from flax import nnx
 
 from arch.hyper import HyperConnection, ManifoldHyperConnection, StreamState, WidthBaseline
+from arch.kernels.sinkhorn import sinkhorn
 from config import ConfigError, resolve
+from config.defaults import model_config
 from tests.helpers import (
     JittedDecoder,
     prefill_then_decode,
@@ -127,18 +129,111 @@ def test_hc_read_and_write_follow_algorithm_2_of_the_paper():
 
 
 def plain_sinkhorn(logits, iterations):
-    m = np.exp(logits)
+    """Sinkhorn–Knopp in float64: columns, then rows, `iterations` times (from the row-max-shifted
+    exp, the same matrices)."""
+    m = np.exp(logits - np.max(logits, axis=(-2, -1), keepdims=True))
     for _ in range(iterations):
         m = m / m.sum(-2, keepdims=True)
         m = m / m.sum(-1, keepdims=True)
     return m
 
 
+def random_logits(scale, identity, count=256, seed=0, n=4):
+    """`count` i.i.d. N(0, scale²) n×n logits, batch (count/8)×8, plus `identity`·I (mHC's
+    initial 4·I)."""
+    return (scale * jax.random.normal(jax.random.key(seed), (count // 8, 8, n, n))
+            + identity * jnp.eye(n))
+
+
+# Logit scales σ (and the 4·I of mHC's initialization). We have no trained mHC checkpoint: the
+# trained runs' largest 20-iteration column error, 0.11, lies between those of random logits of
+# σ = 4 and 8 (docs/performance.md#mhcs-sinkhorn-column-error), so σ = 10 stands for "larger".
+SCALES = [(0.5, 0.0), (4.0, 0.0), (10.0, 0.0), (1.0, 4.0), (10.0, 4.0)]
+HYPER = model_config().hyper  # the default tolerance and cap
+
+
+@pytest.mark.parametrize("scale,identity", SCALES)
+def test_sinkhorn_reaches_the_tolerance_and_the_projection_at_every_scale(scale, identity):
+    """With the default tolerance (1e-3) and a cap of 50 steps: columns within the tolerance and rows to
+    rounding, the recorded error and counts true, and the matrix the doubly-stochastic
+    projection: equal to plain Sinkhorn–Knopp run to convergence in float64, as far as the
+    tolerance allows."""
+    logits = random_logits(scale, identity)
+    cap, tolerance = 50, HYPER.sinkhorn_tolerance  # 50: enough for std 10 (20, the default: 8)
+    assert tolerance == 1e-3
+    result = jax.jit(sinkhorn, static_argnums=(1, 2))(logits, cap, tolerance)
+    matrix = np.asarray(result.matrix, np.float64)
+    columns = np.abs(matrix.sum(-2) - 1).max(-1)
+    assert columns.max() <= tolerance
+    np.testing.assert_allclose(result.column_error, columns, atol=1e-6)
+    np.testing.assert_allclose(matrix.sum(-1), 1, atol=1e-5)
+    assert matrix.min() >= 0
+    assert result.iterations.dtype == jnp.int32 and int(result.iterations.max()) <= cap
+    start_error = np.abs(np.asarray(jax.nn.softmax(logits, -1)).sum(-2) - 1).max(-1)
+    assert np.all(np.asarray(result.iterations)[start_error > tolerance] >= 1)
+    exact = plain_sinkhorn(np.asarray(logits, np.float64), 20_000)
+    converged = np.abs(exact.sum(-2) - 1).max(-1) < 1e-8  # where the reference got there
+    assert converged.mean() > 0.5
+    tight = jax.jit(sinkhorn, static_argnums=(1, 2))(logits, cap, 1e-4)
+    assert float(tight.column_error.max()) <= 1e-4
+    np.testing.assert_allclose(np.asarray(tight.matrix)[converged], exact[converged], atol=1e-4)
+    np.testing.assert_allclose(matrix[converged], exact[converged], atol=2e-3)
+
+
+def unrolled_sinkhorn(logits, iterations):
+    """Reverse-mode differentiable Sinkhorn–Knopp in float32, a fixed number of iterations."""
+    def step(_, log_m):
+        log_m = log_m - jax.nn.logsumexp(log_m, axis=-2, keepdims=True)
+        return log_m - jax.nn.logsumexp(log_m, axis=-1, keepdims=True)
+    return jnp.exp(jax.lax.fori_loop(0, iterations, step, logits))
+
+
+@pytest.mark.parametrize("scale,identity", [(1.0, 0.0), (3.0, 0.0), (1.0, 4.0)])
+def test_sinkhorn_gradient_equals_the_unrolled_iterations_where_both_converge(scale,
+                                                                              identity):
+    """The implicit gradient against reverse-mode through 3,000 plain iterations, on the
+    matrices where those converged (columns within 1e-6), for the loss Σ W ⊙ M; and against a
+    central finite difference of the tolerance-based function along a random direction."""
+    logits = random_logits(scale, identity, count=64)
+    weights = jax.random.normal(jax.random.key(1), logits.shape)
+
+    def loss(function, logits):
+        return jnp.sum(weights * function(logits))
+
+    ours = jax.jit(jax.grad(lambda x: loss(lambda y: sinkhorn(y, 50, 1e-6).matrix, x)))(logits)
+    reference_matrix = unrolled_sinkhorn(logits, 3000)
+    converged = np.abs(np.asarray(reference_matrix).sum(-2) - 1).max(-1) < 1e-6
+    assert converged.mean() > 0.9
+    reference = jax.jit(jax.grad(lambda x: loss(lambda y: unrolled_sinkhorn(y, 3000), x)))(
+        logits)
+    assert np.all(np.isfinite(ours))
+    np.testing.assert_allclose(np.asarray(ours)[converged], np.asarray(reference)[converged],
+                               atol=2e-3 * float(np.abs(reference).max()))
+    direction = jax.random.normal(jax.random.key(2), logits.shape)
+    epsilon = 1e-2
+    value = jax.jit(lambda x: loss(lambda y: sinkhorn(y, 50, 1e-6).matrix, x))
+    finite_difference = (value(logits + epsilon * direction)
+                         - value(logits - epsilon * direction)) / (2 * epsilon)
+    assert float(jnp.sum(ours * direction)) == pytest.approx(float(finite_difference), rel=2e-2)
+
+
+def test_sinkhorn_gradients_stay_finite_at_large_logits():
+    """Logits of std 10 and 30 (near-permutation matrices, entries down to float32's smallest):
+    the ridge in the backward solve keeps every gradient finite."""
+    for scale in (10.0, 30.0):
+        logits = random_logits(scale, 4.0, count=256)
+        gradient = jax.grad(lambda x: jnp.sum(jnp.arange(16.0).reshape(4, 4)
+                                              * sinkhorn(x, 50, 1e-3).matrix))(logits)
+        assert np.all(np.isfinite(gradient)), scale
+
+
 def test_mhc_read_and_write_follow_the_paper_equations():
     """Xie et al. 2025 §4: x̃ = RMSNorm(vec x); H_pre = σ(α_pre x̃φ_pre + b_pre),
     H_post = 2σ(α_post x̃φ_post + b_post), H_res = Sinkhorn(α_res mat(x̃φ_res) + b_res);
-    x ← H_res x + H_postᵀ F(norm(H_pre x)). b_pre carries the ±4 sublayer-k offset."""
-    mechanism, state, x, y, p = mechanism_and_state(ManifoldHyperConnection, sublayer=6)
+    x ← H_res x + H_postᵀ F(norm(H_pre x)), Sinkhorn to convergence (tolerance 1e-6). b_pre
+    carries the ±4 sublayer-k offset."""
+    mechanism, state, x, y, p = mechanism_and_state(ManifoldHyperConnection, sublayer=6,
+                                                    hyper__sinkhorn_tolerance=1e-6)
     n, batch, length, d = x.shape
     vec = np.moveaxis(x, 0, 2).reshape(batch, length, n * d)  # stream-major vec(x)
     x_tilde = rms_norm(vec, p["dynamic_norm.scale"])
@@ -149,7 +244,7 @@ def test_mhc_read_and_write_follow_the_paper_equations():
                              + p["write_bias"])))
     res_logits = (p["mixing_scale"] * (x_tilde @ p["mixing_projection"].reshape(n * d, n * n))
                   .reshape(batch, length, n, n) + p["mixing_bias"])
-    res = plain_sinkhorn(res_logits, 20)
+    res = plain_sinkhorn(res_logits, 5000)
     expected_read = rms_norm(np.einsum("btn,nbtd->btd", pre, x), p["norm.scale"])
     expected_streams = np.einsum("btij,jbtd->ibtd", res, x) + np.einsum("bti,btd->ibtd", post, y)
     np.testing.assert_allclose(mechanism.read(state), expected_read, atol=1e-5)
@@ -189,12 +284,17 @@ def mixing_model(residual: str, **model):
 
 def test_mhc_mixing_matrices_are_doubly_stochastic():
     """Captured from a model forward with random non-zero parameters: every recorded H_res has
-    non-negative entries and row and column sums of 1 (Sinkhorn, 20 iterations, within 1e-3),
-    read weights lie in (0, 1) and write strengths in (0, 2)."""
+    non-negative entries, rows summing to 1 and columns within the default tolerance 1e-3 (the
+    mixing logits of std 5, where 20 plain Sinkhorn iterations are not), as recorded with the
+    iterations per token; read weights lie in (0, 1) and write strengths in (0, 2)."""
     cfg, model = mixing_model("mhc")
+    twenty_iterations_error = 0.0
     for seed, name in enumerate(RESIDUAL_MODULES):  # mixing logits far from the identity init
         bias = getattr(model.blocks, name).mixing_bias
-        bias[...] = jax.random.normal(jax.random.key(10 + seed), bias.shape)
+        bias[...] = 5 * jax.random.normal(jax.random.key(10 + seed), bias.shape)
+        twenty = plain_sinkhorn(np.asarray(bias[...], np.float64), 20)
+        twenty_iterations_error = max(twenty_iterations_error, np.abs(twenty.sum(-2) - 1).max())
+    assert twenty_iterations_error > 2e-3
     _, intermediates = nnx.capture(model, nnx.Intermediate)(random_tokens((2, 16)))
     n, layers = cfg.residual.streams, cfg.num_layers
     for name in RESIDUAL_MODULES:
@@ -205,8 +305,13 @@ def test_mhc_mixing_matrices_are_doubly_stochastic():
         assert mixing.shape == (layers, 2, 16, n, n)
         assert read.shape == write.shape == (layers, 2, 16, n)
         assert float(mixing.min()) >= 0
-        np.testing.assert_allclose(mixing.sum(-1), 1, atol=1e-3)
-        np.testing.assert_allclose(mixing.sum(-2), 1, atol=1e-3)
+        (iterations,) = recorded["sinkhorn_iterations"]
+        (column_error,) = recorded["sinkhorn_column_error"]
+        assert iterations.shape == column_error.shape == (layers, 2, 16)
+        assert 0 < int(iterations.max()) <= cfg.hyper.sinkhorn_iters
+        np.testing.assert_allclose(mixing.sum(-1), 1, atol=1e-5)
+        np.testing.assert_allclose(column_error, jnp.abs(mixing.sum(-2) - 1).max(-1), atol=1e-6)
+        assert float(column_error.max()) <= cfg.hyper.sinkhorn_tolerance == 1e-3
         assert float(jnp.abs(mixing - jnp.eye(n)).max()) > 0.3  # not the identity
         assert float(read.min()) > 0 and float(read.max()) < 1
         assert float(write.min()) > 0 and float(write.max()) < 2
@@ -243,9 +348,13 @@ def test_a_batchnorm_for_the_dynamic_weights_updates_its_statistics_once_per_sub
      "projections a scale of 0 keeps the dynamic part at 0 forever; set "
      "model.residual.dynamic=False for static weights"),
     (dict(residual="mhc", hyper__sinkhorn_iters=0),
-     "model.hyper.sinkhorn_iters=0 is invalid: must be a positive integer (Sinkhorn-Knopp "
-     "iterations; the paper uses 20)"),
-], ids=["width-streams", "hc-scale", "mhc-sinkhorn"])
+     "model.hyper.sinkhorn_iters=0 is invalid: must be a positive integer (the most steps of "
+     "the Sinkhorn projection)"),
+    (dict(residual="mhc", hyper__sinkhorn_tolerance=-1e-3),
+     "model.hyper.sinkhorn_tolerance=-0.001 is invalid: must be a number in [0, 1): the largest "
+     "|column sum − 1| of the mixing matrices (0: as close as float32 gets, in at most "
+     "model.hyper.sinkhorn_iters steps)"),
+], ids=["width-streams", "hc-scale", "mhc-sinkhorn", "mhc-tolerance"])
 def test_config_errors_name_the_field_and_the_fix(overrides, message):
     with pytest.raises(ConfigError) as error:
         resolved_model_config(**overrides)
