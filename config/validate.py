@@ -44,6 +44,8 @@ POSITIVE_INTEGER_FIELDS = ("steps", "batch_size", "seq_len", "log_every", "eval_
                            "checkpoint_every", "eval_batches", "keep_checkpoints",
                            "accumulation_steps")
 
+MAX_SEED = 2**31 - 1  # `train.step.TrainProgram.init` takes the seed as an int32
+
 
 def _is_number(value) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
@@ -58,7 +60,8 @@ def check_fields(config) -> None:
     check(config.batch_size % config.accumulation_steps == 0, "accumulation_steps",
           config.accumulation_steps, f"must divide batch_size={config.batch_size}: each "
           "microbatch has batch_size / accumulation_steps sequences")
-    check(is_int(config.seed), "seed", config.seed, "must be an integer")
+    check(is_int(config.seed) and 0 <= config.seed <= MAX_SEED, "seed", config.seed,
+          f"must be an integer in [0, {MAX_SEED}] (the initialization's key is an int32)")
     model = config.model
     if model.max_seq_len is not None:
         check(model.max_seq_len >= config.seq_len, "model.max_seq_len", model.max_seq_len,
@@ -91,6 +94,7 @@ def check_training(config) -> None:
     _check_data(config.data, config.seq_len)
     check(is_int(config.sample_tokens) and config.sample_tokens >= 0, "sample_tokens",
           config.sample_tokens, "must be a non-negative integer (0 skips the final sample)")
+    check_utf8("sample_prompt", config.sample_prompt or "")
     if config.sample_tokens and model.vocab_size:  # vocab_size=0: checked once it is filled
         # The prompt's length in bytes: exact for the byte tokenizer, an upper bound for a
         # byte-level BPE (every token covers at least one byte).
@@ -165,6 +169,8 @@ def _check_data(data, seq_len: int) -> None:
           "is not supported for data.name='prepared' (its shards stream whole documents); "
           "tune on an in-memory source, or set it to 0")
     _check_validation(data)
+    check(isinstance(data.get("verify", True), bool), "data.verify", data.get("verify"),
+          "must be true or false (false: skip the prepared shards' checksums)")
     if data.name != "text":
         return
     check(_is_number(data.validation_fraction) and 0 < data.validation_fraction < 1,
@@ -214,6 +220,16 @@ def _check_validation(data) -> None:
     check(len(set(books)) == len(books), "data.validation_books", books, "repeats a book")
     check(len(books) < len(KJV_BOOKS), "data.validation_books", books,
           "holds out every book, leaving none to train on")
+
+
+def check_utf8(name: str, text: str) -> None:
+    """Refuse `text`, the argument or field `name`, if it holds bytes that are not UTF-8 (Python
+    keeps such bytes of the command line as lone surrogates, which no encoder takes)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ConfigError(f"{name}={text!r} is invalid: it holds bytes that are not UTF-8 text "
+                          f"(at character {error.start}); pass UTF-8 text") from None
 
 
 def check_generation(vocab_size: int, position: str, context: int, prompt_tokens: int,

@@ -7,7 +7,8 @@ checkpoint (`train.interop.export_hf.export_run`, whose module docstring says wh
 writes and which models export exactly). DIR must not exist or be empty.
 
 Exit status: 0 done; 2 a bad argument, a run that does not restore or a model that cannot be
-exported exactly, one line on stderr. The arguments are checked before JAX loads.
+exported exactly, one line on stderr. The arguments, and whether the export would load back
+(`train.interop.exportable`), are checked before JAX loads.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import sys
 from config import ConfigError
 from config.cli import ArgumentParser
 from train.data.arguments import output_directory, saved_run
+from train.data.tokenizer import tokenizer_of
+from train.interop.exportable import check_exportable
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,7 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="the Hugging Face checkpoint directory")
     args = parser.parse_args(argv)
     try:
-        saved_run(args.workdir)
+        saved = saved_run(args.workdir)
+        check_exportable(saved["model"], tokenizer_of(saved["data"]))
         out = output_directory(args.out)
         if out.is_dir() and any(out.iterdir()):
             raise ConfigError(f"--out={out} is not empty; export into a new directory")

@@ -11,7 +11,10 @@ Train on it with --config.data.name=prepared --config.data.path=runs/kjv-bpe
 
 The arguments (the source, the tokenizer, OUT and the counts) and OUT's plan prepare.json (the
 arguments of an earlier preparation, when resuming) are checked before the data libraries load:
-a bad one, or a damaged plan, is one line on stderr and exit status 2.
+a bad one, or a damaged plan, is one line on stderr and exit status 2. Then the source is opened
+and its first document read before the plan is written: a tfds dataset that is not prepared, a
+directory that is not a saved dataset or a --text_key that a parquet file, saved dataset or tfds
+dataset lacks is one line, and OUT stays as it was.
 """
 
 from __future__ import annotations
@@ -59,6 +62,12 @@ def main(argv: list[str] | None = None) -> int:
                                                ("validation_every", args.validation_every))
               if value is not None}
     try:
+        # The source opens and yields its first document before prepare writes its plan, so a
+        # source that cannot be read leaves no plan behind to refuse the corrected command.
+        documents = shards.read_documents(args.source, shards.SourceReport(warn=lambda _: None),
+                                          text_key=args.text_key, data_dir=args.data_dir)
+        next(documents, None)
+        documents.close()
         metadata = shards.prepare(args.source, args.tokenizer, args.out, workers=args.workers,
                                   text_key=args.text_key, data_dir=args.data_dir, **counts)
     except (ConfigError, OSError) as error:

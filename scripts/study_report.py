@@ -50,10 +50,11 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         description = report.describe(args.root, args.study)
+        written = report.write_report(args.root, description)
     except UsageError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    print(f"wrote {report.write_report(args.root, description)}")
+    print(f"wrote {written}")
     return 0
 
 

@@ -20,13 +20,13 @@ from collections.abc import Mapping, Sequence
 
 import jax
 import numpy as np
-from jax.experimental import mesh_utils
+from jax.experimental import mesh_utils, multihost_utils
 from jax.sharding import AxisType
 
 from config import ConfigError
 from config.mesh_shape import MESH_AXES
 from config.resolution import require_resolved
-from sharding.launch import multiprocess_launch
+from sharding.environment import multiprocess_launch
 
 AUTO_AXES = (AxisType.Auto,) * len(MESH_AXES)
 
@@ -66,8 +66,24 @@ def maybe_initialize_distributed() -> None:
     """Call `jax.distributed.initialize()` when launched as several processes.
 
     JAX reads the coordinator, process count and id from the environment of SLURM, Open MPI,
-    TPU pods and Kubernetes itself; this only decides whether the launch is multi-process
-    (`multiprocess_launch`).
+    TPU pods and Kubernetes itself; `python -m train.launch` gives the count and id in
+    `BLOCKBENCH_NUM_PROCESSES` and `BLOCKBENCH_PROCESS_ID` (and the coordinator in
+    `JAX_COORDINATOR_ADDRESS`). This decides whether the launch is multi-process
+    (`multiprocess_launch`), and has CPU devices' collectives across processes go over gloo.
     """
-    if multiprocess_launch(os.environ) and not jax.distributed.is_initialized():
-        jax.distributed.initialize()
+    if not multiprocess_launch(os.environ) or jax.distributed.is_initialized():
+        return
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    given = {name: int(os.environ[variable]) for name, variable in (
+        ("num_processes", "BLOCKBENCH_NUM_PROCESSES"), ("process_id", "BLOCKBENCH_PROCESS_ID"))
+        if variable in os.environ}
+    jax.distributed.initialize(**given)
+
+
+def any_process(flag: bool) -> bool:
+    """Whether `flag` is set on any process of the job: the same answer on every process, so a
+    decision that one process sees first (a signal, a failed read) is taken by all. A collective
+    of one int per process (none with one process)."""
+    if jax.process_count() == 1:
+        return flag
+    return bool(np.any(multihost_utils.process_allgather(np.int32(flag))))

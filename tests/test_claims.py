@@ -303,8 +303,15 @@ def test_the_sweep_records_provenance_before_each_launch(tmp_path, monkeypatch):
                                                            for r in records))
         return subprocess.CompletedProcess(command, 1 if len(seen) == 1 else 0)
 
+    class Launched:  # the fake trainer, run at once: `wait` gives its status
+        def __init__(self, command, **_):
+            self.status = train(command).returncode
+
+        def wait(self):
+            return self.status
+
     monkeypatch.setattr(sweep, "subprocess", types.SimpleNamespace(
-        run=train, STDOUT=subprocess.STDOUT))
+        Popen=Launched, STDOUT=subprocess.STDOUT))
     assert sweep.run_local([run]) == 1
     assert sweep.run_local([run]) == 0
     assert seen == [1, 2]

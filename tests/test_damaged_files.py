@@ -4,8 +4,9 @@ naming the file, exit status 2, no traceback, and the file left exactly as it wa
 Per file and damage kind (bytes that are not UTF-8, the wrong JSON type, truncated, a directory
 in its place, where each applies) the real entry point runs in a subprocess: `python -m train`
 on a run directory (its lock, config.json, metrics.jsonl) or a prepared dataset (its
-metadata.json and indices), `scripts/prepare_data.py` on a plan, `scripts/study_report.py` on a
-study.json and `scripts/import_hf.py` on a Hugging Face directory. Every case is refused before
+metadata.json and indices) or with a tokenizer file, `scripts/prepare_data.py` on a plan or a
+shard's statistics, `scripts/study_report.py` on a study.json, `scripts/sweep.py --tuned` on a
+tuning.json and `scripts/import_hf.py` on a Hugging Face directory. Every case is refused before
 JAX loads, so each costs about a second."""
 
 from __future__ import annotations
@@ -145,6 +146,57 @@ def study_case(tmp_path, prepared, hf):
     return ["scripts/study_report.py", "--root", str(root)], root / "study.json"
 
 
+def shard_stats_case(tmp_path, prepared, hf):
+    """The preparation rerun with its own arguments: it resumes, reading each shard's .json."""
+    data = copy(prepared, tmp_path)
+    plan = json.loads((data / "prepare.json").read_text())
+    return (["scripts/prepare_data.py", "--source", plan["source"], "--tokenizer", "byte",
+             "--out", str(data), "--docs_per_shard", str(plan["docs_per_shard"]),
+             "--validation_every", str(plan["validation_every"]), "--workers", "1"],
+            data / "train-00000.json")
+
+
+def tokenizer_case(tmp_path, prepared, hf):
+    from train.data.tokenizer import ByteTokenizer
+
+    directory = tmp_path / "tokenizer"
+    directory.mkdir()
+    ByteTokenizer.as_hugging_face().save(str(directory / "tokenizer.json"))
+    return ([*TRAIN, "--workdir", str(tmp_path / "run"), f"--config.data.tokenizer=hf:{directory}",
+             "--config.model.vocab_size=0"], directory / "tokenizer.json")
+
+
+TUNING_STUDY = '''"""A one-arm study with a learning-rate grid, for the tests."""
+
+from experiments.common import base_config
+
+ARMS = ("a",)
+BASELINE = "a"
+SEEDS = (0,)
+SCALES = ("cpu",)
+TUNING = dict(rates=(1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2), seed=3)
+
+
+def get_config(arg=None):
+    return base_config()
+'''
+
+
+def tuning_case(tmp_path, prepared, hf):
+    """`scripts/sweep.py --tuned` of a sweep whose tuning.json is intact before the damage."""
+    study = tmp_path / "tiny.py"
+    study.write_text(TUNING_STUDY)
+    root = tmp_path / "sweep"
+    root.mkdir()
+    (root / "tuning.json").write_text(json.dumps({
+        "study": str(study), "scale": "cpu", "seed": 3, "steps": None, "fraction": 0.1,
+        "overrides": [], "max_extensions": 4, "cells": {"a": {
+            "shared_rate": 3e-3, "grid": [{"rate": 1e-3, "loss": 2.5, "state": "finished"}],
+            "pick": 1e-3, "interior": False, "extensions": 0}}}))
+    return (["scripts/sweep.py", "--study", str(study), "--root", str(root), "--tuned",
+             "--launch", "print"], root / "tuning.json")
+
+
 def hf_case(name):
     def setup(tmp_path, prepared, hf):
         checkpoint = copy(hf, tmp_path)
@@ -239,6 +291,29 @@ CASES: dict[str, tuple[Callable, Callable[[Path], None], str]] = {
                          "study.json has seeds='0,1', not a list of int"),
     "study-truncated": (study_case, truncate, "study.json is not valid JSON"),
     "study-directory": (study_case, DAMAGE["directory"], "study.json is a directory"),
+    "shard-stats-garbage": (shard_stats_case, DAMAGE["garbage"], "train-00000.json holds bytes "
+                            "that are not UTF-8 text; it is left as is: delete it and "
+                            "train-00000.array_record and rerun with the same arguments"),
+    "shard-stats-list": (shard_stats_case, DAMAGE["list"], "train-00000.json holds a JSON list"),
+    "shard-stats-truncated": (shard_stats_case, truncate, "train-00000.json is not valid JSON"),
+    "shard-stats-directory": (shard_stats_case, DAMAGE["directory"],
+                              "train-00000.json is a directory"),
+    "shard-stats-field-type": (shard_stats_case, edit_json(lambda stats: stats.update(
+        documents="four")), "train-00000.json is damaged (documents='four', not an integer)"),
+    "tokenizer-garbage": (tokenizer_case, DAMAGE["garbage"], "tokenizer.json is not a Hugging "
+                          "Face tokenizer.json (|pass a tokenizer.json written by the tokenizers"),
+    "tokenizer-list": (tokenizer_case, DAMAGE["list"], "is not a Hugging Face tokenizer.json ("),
+    "tokenizer-truncated": (tokenizer_case, truncate, "is not a Hugging Face tokenizer.json ("),
+    "tokenizer-directory": (tokenizer_case, DAMAGE["directory"],
+                            "tokenizer.json is a directory, not a file"),
+    "tuning-garbage": (tuning_case, DAMAGE["garbage"], "tuning.json holds bytes that are not "
+                       "UTF-8 text; it is left as is: put back a copy, or move it aside and "
+                       "rerun scripts/sweep.py --tune"),
+    "tuning-list": (tuning_case, DAMAGE["list"], "tuning.json holds a JSON list"),
+    "tuning-field-type": (tuning_case, edit_json(lambda record: record["cells"]["a"].update(
+        pick="fast")), "tuning.json has cells.a.pick='fast', not a number or null"),
+    "tuning-truncated": (tuning_case, truncate, "tuning.json is not valid JSON"),
+    "tuning-directory": (tuning_case, DAMAGE["directory"], "tuning.json is a directory"),
     "hf-config-garbage": (hf_case("config.json"), DAMAGE["garbage"], "config.json holds bytes "
                           "that are not UTF-8 text; it is left as is: download or copy the "
                           "checkpoint's files again"),

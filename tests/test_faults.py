@@ -27,6 +27,7 @@ from config import ConfigError
 from tests.helpers import one_device_env, tiny_config
 from train import rundir
 from train.checkpoint import Checkpointer
+from train.data import in_memory
 from train.generate import check_arguments
 from train.loop import NonFiniteLoss, _start_state, build_program, train
 from train.step import resolve_for_job
@@ -359,3 +360,25 @@ def test_a_second_trainer_is_refused_and_a_stale_lock_is_taken_over(tmp_path, ca
     (tmp_path / "lock").write_text(json.dumps({"host": "elsewhere", "pid": 1}))
     with pytest.raises(rundir.WorkdirError, match="in use by pid 1 on host elsewhere"):
         rundir.check_not_locked(tmp_path)
+
+
+# A data error mid-run saves the last good state first ---------------------------------------
+
+def test_a_data_error_mid_run_saves_the_last_good_state_first(trained_run, tmp_path,
+                                                              monkeypatch):
+    original_batch = in_memory.Dataset.batch
+
+    def batch_then_fail(self, step, *args, **kwargs):
+        if self.split == "train" and step == 2:  # the batch of the third step cannot be read
+            raise ValueError("document 7 of shard 3 is damaged")
+        return original_batch(self, step, *args, **kwargs)
+
+    monkeypatch.setattr(in_memory.Dataset, "batch", batch_then_fail)
+    with pytest.raises(ValueError, match="document 7 of shard 3 is damaged"):
+        train(resolve_for_job(run_config(checkpoint_every=1000)), tmp_path)
+    assert rundir.checkpoint_steps(tmp_path) == [2]  # the state after the last good step
+    monkeypatch.setattr(in_memory.Dataset, "batch", original_batch)
+    assert train(resolve_for_job(run_config()), tmp_path)["step"] == 4
+    assert metric_steps(tmp_path) == [1, 2, 3, 4]
+    assert [json.loads(line)["train_loss"] for line in (tmp_path / "metrics.jsonl").open()] == \
+        [json.loads(line)["train_loss"] for line in (trained_run / "metrics.jsonl").open()]

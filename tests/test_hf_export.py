@@ -15,11 +15,12 @@ import transformers
 from flax import nnx
 
 from arch.hf_config import hf_config_from_model
-from config import resolve
+from config import ConfigError, resolve
 from scripts import export_hf as export_hf_script
 from tests.helpers import tiny_config
 from train.checkpoint import Checkpointer
 from train.data.tokenizer import ByteTokenizer
+from train.interop.export_hf import export_run
 from train.interop.hf import load_hf_checkpoint
 from train.restore import restore_run
 from train.step import build_program, resolve_for_job
@@ -28,6 +29,9 @@ TOKENS_BxT = np.random.default_rng(1).integers(0, 256, (2, 16))
 RUNS = {  # name → model overrides of tests.helpers.tiny_config
     "llama": dict(attention__num_kv_heads=2, head="untied", position__rope_base=500.0),
     "mistral": dict(attention__num_kv_heads=1, attention__window=6),  # binds: 16 tokens
+    # d = 32 not a multiple of 3 heads: MistralConfig takes it (LlamaConfig does not: refused)
+    "mistral_head_dim": dict(attention__num_heads=3, attention__num_kv_heads=1,
+                             attention__head_dim=16, attention__width=48, attention__window=6),
     # trained with dropout and two MTP modules, which the next-token export leaves out
     "llama_mtp_dropout": dict(head__mtp_depth=2, dropout=dict(residual=0.1)),
     "gpt2": dict(position="learned", norm="layernorm", ffn="mlp", linear_bias=True,
@@ -110,3 +114,31 @@ def test_what_cannot_be_exported_is_refused_naming_the_field(tmp_path, capsys):
     assert capsys.readouterr().err == ("error: model.branch_scale.name='layerscale' cannot be "
                                        "exported as llama: its config.json would give 'none'\n")
     assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (dict(vocab_size=97), "model.vocab_size=97 cannot be exported: the run's tokenizer (byte) "
+                          "has 256 tokens"),
+    (dict(attention__num_heads=3, attention__num_kv_heads=1, attention__head_dim=16,
+          attention__width=48),
+     "model.attention.num_heads=3 cannot be exported as llama: transformers' LlamaConfig "
+     "requires hidden_size (model.d_model=32) to be a multiple of num_attention_heads"),
+], ids=["vocab-below-tokenizer", "heads-not-dividing-width"])
+def test_an_export_that_would_not_load_back_is_refused(tmp_path, overrides, message):
+    """`export_run` refuses after restoring too (scripts/export_hf.py refuses before JAX:
+    tests/test_bad_inputs.py), writing nothing; the rules are transformers' own."""
+    config, _ = write_run(tmp_path / "run", **overrides)
+    with pytest.raises(ConfigError) as error:
+        export_run(tmp_path / "run", tmp_path / "hf")
+    assert str(error.value).startswith(message) and "\n" not in str(error.value)
+    assert not (tmp_path / "hf").exists()
+    if "vocab_size" in overrides:  # the byte tokenizer's ids reach past a 97-row embedding
+        assert ByteTokenizer().vocab_size > config.model.vocab_size
+        return
+    model = config.model
+    shape = dict(hidden_size=model.d_model, num_attention_heads=model.attention.num_heads,
+                 num_key_value_heads=model.attention.num_kv_heads,
+                 head_dim=model.attention.head_dim)
+    with pytest.raises(Exception, match="not a multiple of the number of attention heads"):
+        transformers.LlamaConfig(**shape)
+    transformers.MistralConfig(**shape)  # a sliding window's config takes it (exported above)

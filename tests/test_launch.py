@@ -15,7 +15,7 @@ import pytest
 
 from config import ConfigError, resolve
 from config.mesh_shape import MESH_AXES, ici_dcn_shapes
-from sharding.launch import multiprocess_launch
+from sharding.environment import multiprocess_launch
 from sharding.mesh import AUTO_AXES, hybrid_device_grid
 from sharding.rules import logical_to_spec, named_sharding
 from tests.helpers import one_device_env, tiny_config

@@ -13,7 +13,7 @@ import jax
 import pytest
 
 from config import ConfigError, is_resolved, resolve
-from sharding.launch import device_count_from_environment
+from sharding.environment import device_count_from_environment
 from sharding.mesh import make_mesh
 from tests.helpers import one_device_env, tiny_config
 from train.loop import train

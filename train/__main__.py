@@ -2,14 +2,18 @@
 
 Trains the experiment's model, resuming from <workdir>'s newest checkpoint if there is one, and
 ends by printing the validation loss and a generated sample. Exit status: 0 done, 1 stopped on a
-non-finite loss or state, 2 bad config, arguments or run directory (one line on stderr), 143
-preempted (SIGTERM; a checkpoint was saved). The run directory is described in docs/runs.md.
+non-finite loss or state, 2 bad config, arguments or run directory (one line on stderr), 3 a
+checkpoint or metrics.jsonl could not be written (one line naming the path, the error and the
+newest complete checkpoint), 4 a collective failed because another process of the job died
+(several processes only; one line), 130 interrupted (SIGINT, Ctrl-C) and 143 preempted
+(SIGTERM), each after saving the checkpoint of the current step. The run directory is
+described in docs/runs.md.
 
 The config is resolved once (`config.resolve`: every field, component name, model and execution
 rule and the mesh arithmetic for the devices), then the training checks, the workdir, its lock
 and, when resuming, the config's identity with the run's (`train.rundir`), all before JAX is
 imported when the environment says how many devices JAX will see (a CPU-only JAX: the host
-platform's device count, `sharding.launch.device_count_from_environment`); otherwise JAX counts
+platform's device count, `sharding.environment.device_count_from_environment`); otherwise JAX counts
 them first. Before all that, on Linux, the process re-executes itself once with malloc's huge
 pages on (`train.hugepages`).
 """
@@ -17,6 +21,7 @@ pages on (`train.hugepages`).
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 from train import hugepages
@@ -29,11 +34,16 @@ from absl import logging as absl_logging
 
 from config import ConfigError, resolve
 from config.cli import ArgumentParser, parse_with_config
+from config.state_memory import check_state_fits
 from config.validate import check_training
-from sharding.launch import device_count_from_environment, multiprocess_launch
+from sharding.environment import device_count_from_environment, multiprocess_launch
 from train import rundir
 from train.data.arguments import check_prepared
 from train.data.tokenizer import check_vocab, tokenizer_of
+
+# A collective that failed because another process of the job is gone (gloo on the CPU; the
+# coordination service's heartbeat elsewhere).
+LOST_PROCESS = re.compile(r"Gloo|Connection reset|Connection closed|heartbeat|UNAVAILABLE", re.I)
 
 
 def parse(argv: list[str]) -> tuple[ml_collections.ConfigDict, str]:
@@ -60,6 +70,7 @@ def check_run(config, workdir: str) -> None:
     if not multiprocess_launch(os.environ):  # several processes: process 0 locks, in train()
         rundir.check_not_locked(workdir)
     rundir.check_resume(workdir, config, resolved=True)
+    check_state_fits(config)  # parameters and optimizer state against the memory, from the config
 
 
 def main(argv: list[str]) -> int:
@@ -73,28 +84,44 @@ def main(argv: list[str]) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     absl_logging.set_verbosity(absl_logging.WARNING)  # Orbax logs every save at INFO
-    import jax
-
-    from sharding.mesh import maybe_initialize_distributed, slice_count
-    from train.loop import NonFiniteLoss, train
-
     try:
+        import jax
+
+        from sharding.mesh import maybe_initialize_distributed, slice_count
+        from train.checkpoint import WriteError
+        from train.loop import NonFiniteLoss, train
+
         if devices is None:  # JAX counts the devices (of every process), then the same checks
             maybe_initialize_distributed()
             config = resolve(config, jax.device_count(), slice_count(jax.devices()))
             check_run(config, workdir)
         result = train(config, workdir, checked=True)
+    except KeyboardInterrupt as error:  # SIGINT: the loop saved its step first (`Interrupted`)
+        print(str(error) or "SIGINT: stopped; rerun the same command to resume from the newest "
+              "checkpoint", file=sys.stderr)
+        return 130
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     except NonFiniteLoss as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
+    except WriteError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 3
+    except jax.errors.JaxRuntimeError as error:
+        if jax.process_count() == 1 or not LOST_PROCESS.search(str(error)):
+            raise
+        print(f"error: process {jax.process_index()} of {jax.process_count()} lost another "
+              f"process of this job ({str(error).splitlines()[0][:200]}); rerun the job to "
+              "resume from its newest checkpoint", file=sys.stderr)
+        return 4
     if result["preempted"]:
         return 143
-    unit = "byte" if (config.data.tokenizer or "byte") == "byte" else "token"
-    print(f"validation loss at step {result['step']}: {result['eval_loss']:.4f} nats/{unit}")
-    print("sample:\n" + result["sample"])
+    if jax.process_index() == 0:  # one result per job
+        unit = "byte" if (config.data.tokenizer or "byte") == "byte" else "token"
+        print(f"validation loss at step {result['step']}: {result['eval_loss']:.4f} nats/{unit}")
+        print("sample:\n" + result["sample"])
     return 0
 
 

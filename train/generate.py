@@ -5,9 +5,10 @@
         [--ema]
 
 The arguments are checked against the run's config before the model loads: num_tokens ≥ 0 and
-the prompt plus num_tokens within the trained context (model.max_seq_len; beyond it only with
---allow_extrapolation and positions that extrapolate), temperature ≥ 0, top_k in [0, vocab];
---ema (sample from the EMA of the parameters) needs a run trained with optimizer.ema_decay > 0.
+the prompt (UTF-8 text) plus num_tokens within the trained context (model.max_seq_len; beyond it
+only with --allow_extrapolation and positions that extrapolate), temperature ≥ 0, top_k in
+[0, vocab]; --ema (sample from the EMA of the parameters) needs a run trained with
+optimizer.ema_decay > 0.
 
 Everything is checked before JAX is imported: a bad argument is one line and exit status 2 in a
 fraction of a second. The sampling itself: `train.sampling`.
@@ -20,7 +21,7 @@ import sys
 from config import ConfigError
 from config.cli import ArgumentParser
 from config.defaults import base_config
-from config.validate import check_generation
+from config.validate import check_generation, check_utf8
 from train.data.tokenizer import load_tokenizer
 from train.rundir import saved_config
 
@@ -29,6 +30,7 @@ def check_arguments(workdir: str, prompt: str, num_tokens, temperature, top_k,
                     allow_extrapolation: bool, ema: bool = False) -> None:
     """Check the generation arguments against the run's config.json before anything loads:
     one-line ConfigError (or FileNotFoundError when `workdir` holds no run)."""
+    check_utf8("--prompt", prompt)
     saved = saved_config(workdir, base_config().to_dict())  # over the defaults, upgraded
     if saved is None:
         raise FileNotFoundError(f"--workdir={workdir} holds no config.json; train a model there "

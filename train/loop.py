@@ -1,11 +1,13 @@
 """The training loop: data → sharded steps → metrics, evaluation, checkpoints → a sample.
 
 Nothing is lost on a crash or preemption: checkpoints are saved asynchronously every
-`checkpoint_every` steps and on SIGTERM; re-running with the same workdir resumes from the newest
-checkpoint that restores. Batches are a pure function of (seed, step), so a resumed or re-sharded
-run sees exactly the batches an uninterrupted one would. A non-finite loss stops the run before
-anything bad is saved: every step checks the loss, the gradients and the whole new state for
-finiteness inside the jitted step, and a checkpoint is saved only after its step passed.
+`checkpoint_every` steps, on SIGTERM and SIGINT (Ctrl-C), and before a data error stops the run;
+re-running with the same workdir resumes from the newest checkpoint that restores. A checkpoint
+or metrics.jsonl that cannot be written stops the run at once with one line (`WriteError`).
+Batches are a pure function of (seed, step), so a resumed or re-sharded run sees exactly the
+batches an uninterrupted one would. A non-finite loss stops the run before anything bad is
+saved: every step checks the loss, the gradients and the whole new state for finiteness inside
+the jitted step, and a checkpoint is saved only after its step passed.
 The workdir lock, config identity on resume and the checkpoint fallback are in docs/runs.md.
 """
 
@@ -27,6 +29,7 @@ from jax.experimental import multihost_utils
 from arch.accounting import flops_per_token
 from config import ConfigError
 from config.validate import check_training
+from sharding.mesh import any_process
 from sharding.pipeline import bubble_fraction
 from train import rundir
 from train.checkpoint import Checkpointer
@@ -41,6 +44,10 @@ log = logging.getLogger(__name__)
 
 class NonFiniteLoss(RuntimeError):
     """A step made the loss, the gradients or the train state non-finite (exit status 1)."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT (Ctrl-C) stopped the run after it saved the current step (exit status 130)."""
 
 
 def load_splits(data_config) -> tuple[in_memory.Dataset, in_memory.Dataset]:
@@ -148,20 +155,28 @@ def _start_state(program: TrainProgram, config, checkpointer: Checkpointer, work
 
 
 class _Preemption:
-    """Turns SIGTERM into a flag the loop checks between steps."""
+    """Turns SIGTERM and SIGINT into a flag (`signal`, the first received) that the loop checks
+    between steps; the run then saves its current step and stops."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
     def __init__(self):
-        self.requested = False
+        self.signal: int | None = None
+
+    @property
+    def requested(self) -> bool:
+        return self.signal is not None
 
     def __enter__(self):
-        self.previous = signal.signal(signal.SIGTERM, self._handle)
+        self.previous = {signum: signal.signal(signum, self._handle) for signum in self.SIGNALS}
         return self
 
     def _handle(self, signum, frame):
-        self.requested = True
+        self.signal = self.signal or signum
 
     def __exit__(self, *exc):
-        signal.signal(signal.SIGTERM, self.previous)
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
 
 
 def train(config, workdir: str | Path, *, checked: bool = False) -> dict:
@@ -172,9 +187,11 @@ def train(config, workdir: str | Path, *, checked: bool = False) -> dict:
     and of its run directory (writable; the same config as its checkpoints', one-line
     `ConfigError` if not), unless the caller made them (`checked`: the CLI does, before JAX
     loads). Holds the workdir lock for the whole run. Returns {"step", "eval_loss", "sample",
-    "preempted"}, and "eval_loss_ema" with optimizer.ema_decay > 0. Raises `NonFiniteLoss` (with
-    nonfinite_policy="stop") when a step makes the loss or state non-finite; that state is never
-    saved.
+    "preempted"}, and "eval_loss_ema" with optimizer.ema_decay > 0; "preempted" after SIGTERM,
+    once the current step is saved. Raises `Interrupted` (a KeyboardInterrupt) after SIGINT,
+    once the current step is saved; `NonFiniteLoss` (with nonfinite_policy="stop") when a step
+    makes the loss or state non-finite (that state is never saved); `WriteError` when a
+    checkpoint or metrics.jsonl cannot be written; a data error after saving the last good state.
     """
     workdir = Path(workdir)
     program = build_program(config)
@@ -183,10 +200,17 @@ def train(config, workdir: str | Path, *, checked: bool = False) -> dict:
         rundir.check_workdir(workdir)
     workdir.mkdir(parents=True, exist_ok=True)  # on every host (per-host disks)
     with contextlib.ExitStack() as run:
+        refused = None
         if jax.process_index() == 0:  # one lock per run, also on a shared filesystem
-            run.enter_context(rundir.WorkdirLock(workdir))
-            if not checked:
-                rundir.check_resume(workdir, config, resolved=True)
+            try:
+                run.enter_context(rundir.WorkdirLock(workdir))
+                if not checked:
+                    rundir.check_resume(workdir, config, resolved=True)
+            except ConfigError as error:
+                refused = error
+        if any_process(refused is not None):  # the others stop with it, not at a collective
+            raise refused or rundir.WorkdirError(
+                f"--workdir={workdir}: process 0 of this job refused it (its line says why)")
         return _train_locked(program, config, workdir)
 
 
@@ -198,7 +222,9 @@ def _train_locked(program: TrainProgram, config, workdir: Path) -> dict:
     _check_splits(config, (train_data, validation_data))
     skip_nonfinite = config.nonfinite_policy == "skip"
     with contextlib.ExitStack() as stack:  # closes (and finishes saving) on any exit
+        preemption = stack.enter_context(_Preemption())  # until the last save is written
         checkpointer = stack.enter_context(Checkpointer(workdir, config.keep_checkpoints))
+        checkpointer.check_space(program.abstract_state())
         step, state, position = _start_state(program, config, checkpointer, workdir)
         if position["seed"] != config.seed:  # the batch order is a function of (seed, step)
             raise ConfigError(
@@ -211,7 +237,6 @@ def _train_locked(program: TrainProgram, config, workdir: Path) -> dict:
         progress = stack.enter_context(tqdm.tqdm(
             total=config.steps, initial=step, disable=jax.process_index() != 0,
             dynamic_ncols=True))
-        preemption = stack.enter_context(_Preemption())
         tokens_per_step = config.batch_size * config.seq_len
         model_flops = flops_per_token(config.model, config.seq_len) * tokens_per_step
         peak_flops = measure_matmul_peak() * jax.device_count()
@@ -221,6 +246,10 @@ def _train_locked(program: TrainProgram, config, workdir: Path) -> dict:
                 program.mesh.shape["stage"], config.execution.pipeline.virtual_stages,
                 config.execution.pipeline.microbatches)
         rows = program.process_rows()
+        if jax.process_count() > 1:  # what each process reads (tests/test_multiprocess.py)
+            log.warning("process %d of %d loads rows %s of each batch of %d",
+                        jax.process_index(), jax.process_count(), rows.tolist(),
+                        config.batch_size)
         previous = None  # (step, metrics) of the last step, checked a step late: no sync per step
         first_step = timer_step = step
         timer = time.perf_counter()
@@ -228,9 +257,24 @@ def _train_locked(program: TrainProgram, config, workdir: Path) -> dict:
         batches = train_data.batches(step, config.batch_size, config.seq_len, config.seed, rows,
                                      prefetch=config.data.get("prefetch", 4),
                                      read_threads=config.data.get("read_threads", 2))
-        while step < config.steps and not preemption.requested:
-            batch = program.put_batch(next(batches))
-            state, metrics = program.train_step(state, batch)
+        saved = step  # the newest step saved or restored
+
+        def save():
+            if not skip_nonfinite:  # a state that is not finite is never saved
+                _check_finite(step, metrics, checkpointer)
+            checkpointer.save(step, state, {"next_step": step, "seed": config.seed,
+                                            "skipped_steps": int(skipped)}, force=True)
+
+        stopping = False  # a signal reached some process: every process stops at one step
+        while step < config.steps and not stopping:
+            checkpointer.check()  # a save that failed stops the run now
+            try:
+                batch = next(batches)
+            except Exception:
+                if step > saved:  # a data error: keep the last good state, then report it
+                    save()
+                raise
+            state, metrics = program.train_step(state, program.put_batch(batch))
             step += 1
             if skip_nonfinite:
                 skipped = skipped + metrics["skipped"]
@@ -267,17 +311,23 @@ def _train_locked(program: TrainProgram, config, workdir: Path) -> dict:
                         program, state, validation_data, ema=True)
                     progress.write(f"step {step}: eval_loss_ema {eval_loss_ema:.4f}")
             if record:
-                writer.write(step, record)
+                try:
+                    writer.write(step, record)
+                except OSError as error:
+                    raise checkpointer.write_error(writer.path, error) from None
             progress.update(1)
-            if (step % config.checkpoint_every == 0 or step == config.steps
-                    or preemption.requested):
-                if not skip_nonfinite:  # a state that is not finite is never saved
-                    _check_finite(step, metrics, checkpointer)
-                checkpointer.save(step, state, {"next_step": step, "seed": config.seed,
-                                                "skipped_steps": int(skipped)}, force=True)
-        preempted = preemption.requested
-        if preempted:
-            progress.write(f"SIGTERM: saved the checkpoint at step {step}; exiting")
+            stopping = any_process(preemption.requested)
+            if step % config.checkpoint_every == 0 or step == config.steps or stopping:
+                save()
+                saved = step
+    preempted = stopping
+    if preempted:  # the ExitStack finished writing the checkpoint
+        line = (f"{signal.Signals(preemption.signal or signal.SIGTERM).name}: "
+                + (f"the checkpoint of step {step} is saved in {workdir / 'checkpoints'}; rerun "
+                   "the same command to resume" if step else "stopped before the first step"))
+        if preemption.signal == signal.SIGINT:
+            raise Interrupted(line)
+        log.warning(line)
     if math.isnan(eval_loss) and not preempted:
         eval_loss = evaluate(program, state, validation_data)
         if program.uses_ema:

@@ -21,7 +21,7 @@ import socket
 import time
 from pathlib import Path
 
-from config import ConfigError
+from config import ConfigError, is_int
 from config.defaults import base_config
 from config.legacy import upgrade
 
@@ -36,7 +36,8 @@ LOCK_FILE = "lock"
 MAY_CHANGE_ON_RESUME = ("steps", "log_every", "eval_every", "eval_batches", "checkpoint_every",
                         "keep_checkpoints", "sample_tokens", "sample_prompt", "temperature",
                         "top_k", "mesh", "data.data_dir", "resume_mode", "finetune_from",
-                        "nonfinite_policy", "accumulation_steps", "execution", "resolved")
+                        "nonfinite_policy", "accumulation_steps", "execution", "resolved",
+                        "data.verify", "data.prefetch", "data.read_threads")
 
 
 class WorkdirError(ConfigError):
@@ -66,13 +67,21 @@ def read_json(path: str | Path):
 
 
 def check_workdir(workdir: str | Path) -> None:
-    """Raise `WorkdirError` unless `workdir` is, or can be created as, a writable directory."""
+    """Raise `WorkdirError` unless `workdir` is, or can be created as, a writable directory,
+    and its `checkpoints`, if there, a writable directory."""
     path = Path(workdir)
     if path.exists() and not path.is_dir():
         raise WorkdirError(f"--workdir={workdir} is a file, not a directory; pass a directory "
                            "(it is created if missing)")
     if problem := creation_problem(path):
         raise WorkdirError(f"--workdir={workdir} {problem}")
+    checkpoints = path / "checkpoints"
+    if checkpoints.exists() and not checkpoints.is_dir():
+        raise WorkdirError(f"--workdir={workdir}: {checkpoints} is a file, not the directory of "
+                           "the run's checkpoints; move it aside and rerun, or use a new --workdir")
+    if checkpoints.is_dir() and not os.access(checkpoints, os.W_OK | os.X_OK):
+        raise WorkdirError(f"--workdir={workdir}: {checkpoints} is not writable; make it "
+                           "writable (e.g. chmod u+w) and rerun, or use a new --workdir")
 
 
 def creation_problem(path: Path) -> str | None:
@@ -358,9 +367,10 @@ def check_resume(workdir: str | Path, config, *, resolved: bool) -> None:
     """Refuse (`WorkdirError`) to resume the checkpoints in `workdir` with `config` (a
     ConfigDict; `resolved`: its derived model fields are filled in) if it differs from the run's
     config.json in a field that defines the model, the optimizer state, the data or the batch
-    order (every field not in `MAY_CHANGE_ON_RESUME`); refuse a fine-tune into its own source
-    directory, and a damaged config.json or metrics.jsonl (left as is). A fine-tune's own
-    checkpoints resume like any run's."""
+    order (every field not in `MAY_CHANGE_ON_RESUME`), or whose `steps` is below the newest
+    checkpoint's step; refuse a fine-tune into its own source directory, and a damaged
+    config.json or metrics.jsonl (left as is). A fine-tune's own checkpoints resume like any
+    run's."""
     config_json, defaults = _as_json(config), _as_json(base_config())
     source = config_json.get("finetune_from")
     if config_json.get("resume_mode") == "finetune" and source and \
@@ -386,6 +396,12 @@ def check_resume(workdir: str | Path, config, *, resolved: bool) -> None:
             f"--workdir={workdir} holds a run with a different config ({shown}); its checkpoints "
             "are kept: use a new --workdir, or start from its weights in a new one with "
             f"--config.resume_mode=finetune --config.finetune_from={workdir}")
+    target = config_json.get("steps")
+    if is_int(target) and target < steps[-1]:
+        raise WorkdirError(
+            f"steps={target} is invalid: --workdir={workdir} holds a checkpoint at step "
+            f"{steps[-1]}, past it, so there is nothing to train; raise steps to at least "
+            f"{steps[-1]} to resume, or use a new --workdir")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ second. Each raises `config.ConfigError` with one line naming the flag, the valu
   checkpoint's weights), read without the safetensors library.
 
 In `train.data`, the lowest layer that the scripts' library modules share; it imports only the
-standard library, `config`, `sharding.launch`, `train.rundir` and `train.data.tokenizer`.
+standard library, `config`, `sharding.environment`, `train.rundir` and `train.data.tokenizer`.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import ml_collections
 from config import ConfigError, resolve
 from config.defaults import base_config
 from config.mesh_shape import MESH_AXES
-from sharding.launch import device_count_from_environment
+from sharding.environment import device_count_from_environment
 from train.data.tokenizer import check_vocab, tokenizer_of
 from train.rundir import DamagedFile, checkpoint_steps, creation_problem, read_json, saved_config
 
@@ -150,9 +150,10 @@ def check_source(source: str, flag: str = "--source") -> None:
 
 def check_config(config: ml_collections.ConfigDict) -> ml_collections.FrozenConfigDict:
     """`config` (its model.vocab_size 0 filled from its tokenizer, in place) resolved without
-    JAX: for the devices the environment names (`sharding.launch.device_count_from_environment`:
-    a CPU-only JAX), else for the fewest devices its mesh allows (its fixed axes, in ∏ mesh.dcn
-    slices), so every rule but the real device count's arithmetic is checked before JAX loads.
+    JAX: for the devices the environment names
+    (`sharding.environment.device_count_from_environment`: a CPU-only JAX), else for the fewest
+    devices its mesh allows (its fixed axes, in ∏ mesh.dcn slices), so every rule but the real
+    device count's arithmetic is checked before JAX loads.
     Raises ConfigError in one line."""
     check_vocab(config.model, tokenizer_of(config.data))
     devices = device_count_from_environment(os.environ)
@@ -199,7 +200,7 @@ def read_json_object(path: str | Path, what: str, fix: str) -> dict:
 _METADATA_FIELDS = {"tokenizer": str, "tokenizer_fingerprint": str, "dtype": str,
                     "separator": int, "splits": dict}
 _SPLIT_FIELDS = {"documents": int, "tokens": int, "text_bytes": int, "shards": list}
-_SHARD_FIELDS = {"file": str, "file_size": int}
+_SHARD_FIELDS = {"file": str, "file_size": int, "documents": int, "sha256": str}
 
 
 def prepared_metadata(directory: str | Path, flag: str = "data.path") -> dict:

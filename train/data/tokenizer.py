@@ -180,6 +180,9 @@ def load_tokenizer(spec: str = "byte") -> Tokenizer:
     path = Path(path_text).expanduser()
     if kind == "hf" and path.is_dir():
         path = path / "tokenizer.json"
+    if path.is_dir():
+        raise ConfigError(f"data.tokenizer={spec!r} is invalid: {path} is a directory, not a "
+                          "file; give the path of the tokenizer's file")
     if not path.is_file():
         raise ConfigError(f"data.tokenizer={spec!r} is invalid: {path} does not exist; train "
                           "one with scripts/train_tokenizer.py or give the path of an existing "

@@ -5,7 +5,8 @@
 (`train.restore.restore_run`: never the optimizer state). A model that a Llama or GPT-2
 checkpoint represents exactly is written (RoPE → "llama", learned positions → "gpt2":
 `arch.hf_config.hf_config_from_model`; anything else is refused in one line naming the field,
-e.g. an AttnRes stream or a MoE FFN). DIR must not exist or be empty. It gets
+e.g. an AttnRes stream or a MoE FFN, as is what would not load back:
+`train.interop.exportable`). DIR must not exist or be empty. It gets
 
   DIR/config.json        the model's architecture, float32 (`hf_config_from_model`);
   DIR/model.safetensors  float32 weights under the names `save_pretrained` writes
@@ -29,6 +30,7 @@ from safetensors.numpy import save_file
 
 from arch.hf_config import hf_config_from_model
 from train.data.tokenizer import ByteTokenizer, HuggingFaceTokenizer, tokenizer_of
+from train.interop.exportable import check_exportable
 from train.interop.hf import SINGLE_FILE, hf_tensors_from_params
 from train.restore import restore_run
 
@@ -41,9 +43,10 @@ def export_run(workdir: str | Path, out: str | Path) -> Path:
         raise ValueError(f"--out={out} is not empty; export into a new directory")
     program, _, state = restore_run(workdir)
     model_cfg = program.config.model
-    hf_config = hf_config_from_model(model_cfg)  # refuses before anything is written
-    tensors = hf_tensors_from_params(model_cfg, state["params"])
     tokenizer = tokenizer_of(program.config.data)
+    check_exportable(model_cfg, tokenizer)  # these refuse before anything is written
+    hf_config = hf_config_from_model(model_cfg)
+    tensors = hf_tensors_from_params(model_cfg, state["params"])
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, out / SINGLE_FILE, metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")

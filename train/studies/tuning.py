@@ -29,7 +29,7 @@ from pathlib import Path
 
 from config import cli
 from config.cli import UsageError
-from train.rundir import file_lock
+from train.rundir import DamagedFile, file_lock, read_json
 from train.studies import study as studies
 from train.studies import sweep
 
@@ -107,18 +107,82 @@ def cell_record(root: str | Path, cell: str, rates: list[float], extensions: int
             "extensions": extensions}
 
 
+# The fields of tuning.json (`_header`, `cell_record`) and their types, checked when it is read
+# (float: any number; None: null).
+_RECORD_TYPES = {"study": str, "scale": str, "seed": int, "steps": (int, None), "fraction": float,
+                 "overrides": list, "max_extensions": int, "cells": dict}
+_CELL_TYPES = {"shared_rate": float, "grid": list, "pick": (float, None), "interior": bool,
+               "extensions": int}
+_ROW_TYPES = {"rate": float, "loss": (float, None), "state": str}
+_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false",
+               list: "a list", dict: "an object", None: "null"}
+
+
+def _is(value: object, kind: type | None) -> bool:
+    """Whether the JSON value `value` is of `kind` (float: any number; None: null; true and
+    false are of bool only)."""
+    if kind is None:
+        return value is None
+    if kind is bool or isinstance(value, bool):
+        return kind is bool and isinstance(value, bool)
+    return isinstance(value, (int, float) if kind is float else kind)
+
+
+def _type_problem(record: object, types: dict, where: str) -> str | None:
+    """What is wrong with the JSON object `record` (named `where`, e.g. "cells.a.") as a phrase
+    after the file's name: its first field missing or not of its type in `types`; None if
+    none is."""
+    if not isinstance(record, dict):
+        return f"has {where.rstrip('.')}={record!r}, not an object"
+    for key, kinds in types.items():
+        kinds = kinds if isinstance(kinds, tuple) else (kinds,)
+        if key not in record:
+            return f"has no {where}{key}"
+        if not any(_is(record[key], kind) for kind in kinds):
+            return (f"has {where}{key}={record[key]!r}, not "
+                    + " or ".join(_TYPE_NAMES[kind] for kind in kinds))
+    return None
+
+
+def _record_problem(record: object) -> str | None:
+    """What is wrong with tuning.json's value `record`, or None (see `_type_problem`)."""
+    if not isinstance(record, dict):
+        return f"holds a JSON {type(record).__name__}, not an object"
+    if problem := _type_problem(record, _RECORD_TYPES, ""):
+        return problem
+    if not all(isinstance(flag, str) for flag in record["overrides"]):
+        return f"has overrides={record['overrides']!r}, not a list of strings"
+    for cell, entry in record["cells"].items():
+        if problem := _type_problem(entry, _CELL_TYPES, f"cells.{cell}."):
+            return problem
+        for number, row in enumerate(entry["grid"]):
+            if problem := _type_problem(row, _ROW_TYPES, f"cells.{cell}.grid[{number}]."):
+                return problem
+    return None
+
+
 def read_tuning(root: str | Path) -> dict | None:
-    """ROOT/tuning.json as a dict, or None when there is none; UsageError if unreadable."""
+    """ROOT/tuning.json as a dict, or None when there is none; a one-line UsageError naming
+    the file, what is wrong with it and the fix if it is damaged (a directory, not UTF-8, not
+    JSON, or a field missing or of the wrong type: `_record_problem`); it is left as is."""
     path = Path(root) / TUNING_RECORD
-    if not path.is_file():
+    if not path.exists():
         return None
     try:
-        record = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        raise UsageError(f"--root={root}: {TUNING_RECORD} cannot be read ({error})") from None
-    if not isinstance(record, dict) or not isinstance(record.get("cells"), dict):
-        raise UsageError(f"--root={root}: {TUNING_RECORD} is not a tuning record")
+        record = read_json(path)
+    except DamagedFile as problem:
+        raise _damaged(root, str(problem)) from None
+    if problem := _record_problem(record):
+        raise _damaged(root, problem)
     return record
+
+
+def _damaged(root: str | Path, problem: str) -> UsageError:
+    """The one line of a damaged tuning.json: `problem`, a phrase after its path, and the fix."""
+    return UsageError(f"--root={root}: {Path(root) / TUNING_RECORD} {problem}; it is left as is: "
+                      "put back a copy, or move it aside and rerun scripts/sweep.py --tune with "
+                      "this --root and the sweep's arguments to write it again (finished tuning "
+                      "runs are kept)")
 
 
 def _header(study: studies.Study, scale: str, overrides: list[str]) -> dict:
