@@ -1,7 +1,7 @@
 """Run every arm of a study over its seeds, here or through a cluster's launcher (docs/studies.md).
 
     python scripts/sweep.py --study experiments/STUDY.py --root runs/STUDY [--scale SCALE]
-        [--seeds 0,1,2] [--arms A,B] [--sizes S,M] [--launch local|print|slurm|tpu]
+        [--seeds 0,1,2] [--arms A,B] [--sizes S,M] [--launch local|print|slurm|tpu [--submit]]
         [--tune | --tuned] [-- --config.FIELD=VALUE ...]
 
 Each (cell, seed) trains into its own run directory, ROOT/<cell>/seed<k>, with
@@ -18,7 +18,9 @@ launches: `train.studies.sweep`.
           run does not stop the others; the summary lists the failures.
   print   print one `python -m train` command per run (shell-quoted).
   slurm   write ROOT/slurm_runs.txt (one run's arguments per line) and print the command that
-          submits them as one array job of scripts/slurm_train.sbatch.
+          submits them as one array job of scripts/slurm_train.sbatch; with --submit, also
+          run it (from the repository root; ROOT on a filesystem every node sees). Each task
+          is one run, itself one process per node of the job's allocation.
   tpu     print one scripts/launch_tpu_pod.sh command per run; set TPU and ZONE in the shell
           that runs them (ROOT must be a directory every worker sees).
 A learning rate per arm (`train.studies.tuning`), for a study that declares TUNING:
@@ -34,7 +36,9 @@ Neither takes --config.optimizer.learning_rate or --config.data.tuning_fraction 
 Defaults: the study's first scale and its SEEDS, every arm (and every size of a scaling
 study; --sizes picks some). Exit status: 0 every run finished (local) or the commands were
 written, 1 a run failed, 2 bad arguments or study (one line, before anything runs; the sweep
-itself imports no JAX), 130 interrupted.
+itself imports no JAX), 130 or 143 interrupted by SIGINT (Ctrl-C) or SIGTERM: a local sweep
+passes the signal on to the run in progress, which saves its checkpoint, then names that run
+on stderr; rerun the same command to resume.
 """
 
 from __future__ import annotations
@@ -85,7 +89,9 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[Run]]:
     parser.add_argument("--seeds", help="comma-separated seeds (default: the study's SEEDS)")
     parser.add_argument("--arms", help="comma-separated arms (default: all)")
     parser.add_argument("--sizes", help="comma-separated sizes of a scaling study (default: all)")
-    parser.add_argument("--launch", choices=LAUNCHES, default="local")
+    parser.add_argument("--launch", "--launcher", choices=LAUNCHES, default="local")
+    parser.add_argument("--submit", action="store_true",
+                        help="with --launch slurm: submit the array job with sbatch")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--tune", action="store_true",
                       help="tune each arm's learning rate over the study's TUNING grid")
@@ -96,6 +102,9 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[Run]]:
         split = argv.index("--")
         argv, overrides = argv[:split], argv[split + 1:]
     args = parser.parse_args(argv)
+    if args.submit and args.launch != "slurm":
+        parser.error(f"--submit submits a SLURM array job: it needs --launch slurm, not "
+                     f"--launch {args.launch}")
     try:
         study = studies.load_study(args.study)
         scale = args.scale or study.scales[0]
@@ -161,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
         study, scale, cells, overrides = args.plan
         try:
             record = tuning.tune(study, args.root, scale, cells, overrides)
+        except sweep.Interrupted as interrupted:  # in a tuning run (`sweep.run_local`)
+            print(interrupted, file=sys.stderr)
+            return 128 + interrupted.signum
         except KeyboardInterrupt:
             print("\ninterrupted: rerun the same command to resume", file=sys.stderr)
             return 130
@@ -176,15 +188,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.launch == "print":
         sweep.print_commands(runs)
     elif args.launch == "slurm":
-        sweep.slurm(runs, args.root)
+        return sweep.slurm(runs, args.root, submit=args.submit)
     elif args.launch == "tpu":
         sweep.tpu(runs)
     else:
         try:
             return sweep.run_local(runs)
-        except KeyboardInterrupt:
-            print("\ninterrupted: rerun the same command to resume", file=sys.stderr)
-            return 130
+        except sweep.Interrupted as interrupted:
+            print(interrupted, file=sys.stderr)
+            return 128 + interrupted.signum
     return 0
 
 

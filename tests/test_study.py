@@ -12,9 +12,11 @@ import math
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +30,7 @@ from config.validate import check_fields
 from scripts import study_probes as study_probes_script
 from tests.helpers import one_device_env, tiny_config
 from tests.test_launch import calls, fake_command
-from train import restore
+from train import restore, rundir
 from train.step import build_program, resolve_for_job
 from train.studies import stats, study_probes
 from train.studies import study as studies
@@ -175,17 +177,22 @@ def test_the_gated_residual_table_arms_change_what_they_name():
     assert models["mhc_static"].residual.dynamic is False and models["mhc"].residual.dynamic
     gr = models["gr"]
     assert (gr.residual.name, gr.residual.streams) == ("gated_residual", 4)
-    assert gr.gated_residual.to_dict() == base_config().model.gated_residual.to_dict()
-    changed = {"gr_no_channel_read": ("channelwise_read", False),
-               "gr_no_channel_write": ("channelwise_write", False),
-               "gr_mixing": ("mixing", True), "gr_no_static": ("static", False),
-               "gr_random_init": ("init", "random"), "gr_top2": ("read_top_k", 2)}
-    for arm, (field, value) in changed.items():
+    defaults = base_config().model.gated_residual.to_dict()
+    assert gr.gated_residual.to_dict() == defaults | {"init": "random"}  # the notes' final GR
+    # gr_no_static: init back to the default, as init="random" draws the logits it removes.
+    changed = {"gr_graded": dict(init="graded"),
+               "gr_no_channel_read": dict(channelwise_read=False),
+               "gr_no_channel_write": dict(channelwise_write=False),
+               "gr_mixing": dict(mixing=True),
+               "gr_no_static": dict(static=False, init="graded"),
+               "gr_frozen_static": dict(static_frozen=True), "gr_top2": dict(read_top_k=2)}
+    assert set(changed) == {arm for arm in module.ARMS if arm.startswith("gr_")}
+    for arm, fields in changed.items():
         model = models[arm]
         assert {name for name in model if model[name] != gr[name]} == {"gated_residual"}, arm
-        differences = {name for name, setting in model.gated_residual.items()
+        differences = {name: setting for name, setting in model.gated_residual.items()
                        if setting != gr.gated_residual[name]}
-        assert differences == {field} and model.gated_residual[field] == value, (arm, differences)
+        assert differences == fields, (arm, differences)
     assert module.get_config("gr,paper").data.name == "prepared"
 
 
@@ -415,6 +422,51 @@ def test_the_report_of_a_sweep_and_of_one_with_a_missing_run(swept, tmp_path):
     assert "| high | 1 | missing |" in report
 
 
+FAKE_SBATCH = """#!/usr/bin/env bash
+# sbatch --array=0-N SCRIPT ARGS...: each array task in turn, here (SLURM runs them on nodes)
+set -e
+last="${1#--array=0-}"; shift
+for ((task = 0; task <= last; task++)); do
+  SLURM_JOB_ID=41 SLURM_ARRAY_TASK_ID=$task SLURM_GPUS_ON_NODE=1 bash "$@"
+done
+echo "Submitted batch job 41"
+"""
+FAKE_SRUN = """#!/usr/bin/env bash
+# srun --kill-on-bad-exit=1 COMMAND...: one task, here
+shift; exec "$@"
+"""
+
+
+@pytest.mark.slow
+def test_a_slurm_array_sweep_equals_the_local_sweep(swept, tmp_path):
+    """`--launch slurm --submit` through a fake sbatch that runs the array's tasks here (each
+    through scripts/slurm_train.sbatch and a fake srun): the same runs as the local sweep's,
+    bit for bit, recorded in a study.json that asks for the same cells."""
+    local, _ = swept
+    for name, text in (("sbatch", FAKE_SBATCH), ("srun", FAKE_SRUN)):
+        (tmp_path / name).write_text(text)
+        (tmp_path / name).chmod(0o755)
+    study = str(write_study(tmp_path))  # the swept study as written (a test above edits it)
+    root = tmp_path / "root"
+    env = {**one_device_env(), "PYTHONPATH": str(ROOT), "PATH": f"{tmp_path}:{os.environ['PATH']}"}
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "sweep.py"), "--study", study,
+                           "--root", str(root), "--launcher", "slurm", "--submit", "--arms",
+                           "low,high", "--seeds", "0"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines()[-1] == "Submitted batch job 41"
+    def records(metrics: Path) -> list[dict]:
+        return [{k: v for k, v in json.loads(line).items() if k in ("step", "train_loss",
+                                                                   "eval_loss")}
+                for line in metrics.read_text().splitlines()]
+
+    for arm in ("low", "high"):
+        ran = records(root / arm / "seed0" / "metrics.jsonl")
+        assert ran and ran == records(local / arm / "seed0" / "metrics.jsonl")
+    recorded = json.loads((root / "study.json").read_text())
+    assert (recorded["cells"], recorded["seeds"]) == (["low", "high"], [0])
+
+
 def test_the_loss_table_puts_the_papers_difference_beside_the_paired_one():
     def runs(*losses):
         return {seed: Result(loss, [], None) for seed, loss in enumerate(losses)}
@@ -587,3 +639,35 @@ def test_the_tying_arms_spend_the_same_budget(scale):
         model = config.model
     assert counts["untied"] - counts["tied"] == model.vocab_size * model.d_model
     assert abs(counts["tied_wide"] - counts["untied"]) <= 3 * model.d_model * model.num_layers
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_an_interrupted_local_sweep_names_the_run_it_stopped_which_saved(tmp_path, signum):
+    """The signal goes to the sweep alone (as `kill` sends it): the sweep passes it on, the run
+    in progress saves its checkpoint, and the sweep exits 128 + signal naming that run."""
+    long_study = TINY_STUDY.replace('("low", "broken", "high")', '("low", "high")').replace(
+        "steps=3,", "steps=100_000,")
+    path, root = write_study(tmp_path, long_study), tmp_path / "root"
+    interrupted = subprocess.Popen(
+        [sys.executable, str(ROOT / "scripts" / "sweep.py"), "--study", str(path), "--root",
+         str(root)], cwd=ROOT, env={**one_device_env(), "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics, deadline = root / "low" / "seed0" / "metrics.jsonl", time.time() + 300
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+        assert interrupted.poll() is None and time.time() < deadline, interrupted.communicate()
+        time.sleep(0.05)
+    interrupted.send_signal(signum)
+    stdout, stderr = interrupted.communicate(timeout=300)
+    assert interrupted.returncode == 128 + signum, stdout + stderr
+    assert stdout == "[1/4] arm=low seed=0 interrupted\n"
+    saved = rundir.checkpoint_steps(root / "low" / "seed0")
+    assert len(saved) == 1 and saved[0] >= 2
+    log = root / "low" / "seed0" / "train.log"
+    assert stderr.startswith(f"interrupted by {signum.name} while running arm=low seed=0 (its "
+                             "last line: '") and stderr.count("\n") == 1, stderr
+    assert stderr.endswith(  # the run's line, after its logger's prefix (SIGTERM)
+        f"{signum.name}: the checkpoint of step {saved[0]} is saved in "
+        f"{root / 'low' / 'seed0' / 'checkpoints'}; rerun the same command to resume'; log: "
+        f"{log}); 0 of 4 runs finished: rerun the same command to resume (finished runs are "
+        "skipped, a stopped one resumes from its checkpoint)\n"), stderr

@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import shlex
+import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -63,47 +65,89 @@ def run_config(run: Run):
     return config
 
 
+class Interrupted(Exception):
+    """A local sweep stopped by SIGINT or SIGTERM (exit status 128 + `signum`): the message
+    names the run it stopped, if any, which saved its checkpoint, and how to resume."""
+
+    def __init__(self, signum: int, run: Run | None, finished: int, total: int):
+        self.signum = signum
+        log = None if run is None else run.workdir / "train.log"
+        stopped = ("between runs" if run is None else f"while running {run.label()} (its last "
+                   f"line: {studies.last_line(log)!r}; log: {log})")
+        super().__init__(
+            f"interrupted by {signal.Signals(signum).name} {stopped}; {finished} of {total} "
+            "runs finished: rerun the same command to resume (finished runs are skipped, a "
+            "stopped one resumes from its checkpoint)")
+
+
 def run_local(runs: list[Run]) -> int:
     """Run each of `runs` in turn as `python -m train` (output in WORKDIR/train.log), skipping
     those finished with the same config (one finished with another, e.g. after the study file
     changed, is reported as failed and kept); print one line per run and a summary. Each launch
     first appends its provenance (`train.studies.provenance`) to the run directory. Returns 0,
-    or 1 if any failed."""
-    failures = []
-    for index, run in enumerate(runs, 1):
-        print(f"[{index}/{len(runs)}] {run.label()} ", end="", flush=True)
-        try:
-            config = run_config(run)
-        except UsageError as error:
-            failures.append((run, f"bad config: {error}"))
-            print(f"failed: {error}", flush=True)
-            continue
-        state, loss = studies.run_state(run.workdir, int(config.steps))
-        if state == "finished":
+    or 1 if any failed. SIGINT or SIGTERM is passed on to the run in progress, which saves its
+    checkpoint and stops; then `Interrupted` names it."""
+    received: list[int] = []  # the signals, first one first
+    running: list[subprocess.Popen] = []  # the run in progress
+
+    def forward(signum, frame):
+        received.append(signum)
+        for child in running:
+            child.send_signal(signum)
+
+    previous = {signum: signal.signal(signum, forward)
+                for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        failures, finished = [], 0
+        for index, run in enumerate(runs, 1):
+            if received:
+                raise Interrupted(received[0], None, finished, len(runs))
+            print(f"[{index}/{len(runs)}] {run.label()} ", end="", flush=True)
             try:
-                rundir.check_resume(run.workdir, config, resolved=False)
-            except ConfigError as error:
-                failures.append((run, f"stale: {error}"))
-                print(f"failed: finished with another config: {error}", flush=True)
+                config = run_config(run)
+            except UsageError as error:
+                failures.append((run, f"bad config: {error}"))
+                print(f"failed: {error}", flush=True)
                 continue
-            print(f"finished already (eval_loss {loss:.4f}): skipped", flush=True)
-            continue
-        run.workdir.mkdir(parents=True, exist_ok=True)
-        log = run.workdir / "train.log"
-        command = [sys.executable, "-m", "train", *run.train_args()]
-        provenance.append(run.workdir, command)
-        start = time.monotonic()
-        with log.open("a") as output:
-            status = subprocess.run(command, stdout=output, stderr=subprocess.STDOUT,
-                                    env=os.environ).returncode
-        elapsed = time.monotonic() - start
-        state, loss = studies.run_state(run.workdir, int(config.steps))
-        if status == 0 and state == "finished":
-            print(f"done in {elapsed:.0f} s, eval_loss {loss:.4f}", flush=True)
-        else:
-            why = f"exit {status}" if status else state
-            failures.append((run, f"{why}: {studies.last_line(log)} (log: {log})"))
-            print(f"failed ({why}) after {elapsed:.0f} s: {studies.last_line(log)}", flush=True)
+            state, loss = studies.run_state(run.workdir, int(config.steps))
+            if state == "finished":
+                try:
+                    rundir.check_resume(run.workdir, config, resolved=False)
+                except ConfigError as error:
+                    failures.append((run, f"stale: {error}"))
+                    print(f"failed: finished with another config: {error}", flush=True)
+                    continue
+                finished += 1
+                print(f"finished already (eval_loss {loss:.4f}): skipped", flush=True)
+                continue
+            run.workdir.mkdir(parents=True, exist_ok=True)
+            log = run.workdir / "train.log"
+            command = [sys.executable, "-m", "train", *run.train_args()]
+            provenance.append(run.workdir, command)
+            start = time.monotonic()
+            with log.open("a") as output:
+                running.append(subprocess.Popen(command, stdout=output,
+                                                stderr=subprocess.STDOUT, env=os.environ))
+                if received:  # a signal before the run started to be passed on
+                    running[0].send_signal(received[0])
+                status = running[0].wait()
+                running.clear()
+            if received:
+                print("interrupted", flush=True)
+                raise Interrupted(received[0], run, finished, len(runs))
+            elapsed = time.monotonic() - start
+            state, loss = studies.run_state(run.workdir, int(config.steps))
+            if status == 0 and state == "finished":
+                finished += 1
+                print(f"done in {elapsed:.0f} s, eval_loss {loss:.4f}", flush=True)
+            else:
+                why = f"exit {status}" if status else state
+                failures.append((run, f"{why}: {studies.last_line(log)} (log: {log})"))
+                print(f"failed ({why}) after {elapsed:.0f} s: {studies.last_line(log)}",
+                      flush=True)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
     print(f"{len(runs) - len(failures)} of {len(runs)} runs finished", flush=True)
     if failures:
         print(f"{len(failures)} failed:")
@@ -119,14 +163,24 @@ def print_commands(runs: list[Run]) -> None:
         print(shlex.join(["python", "-m", "train", *run.train_args()]))
 
 
-def slurm(runs: list[Run], root: str | Path) -> None:
+def slurm(runs: list[Run], root: str | Path, *, submit: bool = False) -> int:
     """Write ROOT/slurm_runs.txt, one run's scripts/slurm_train.sbatch arguments per line, and
-    print the `sbatch --array` command whose task k runs line k + 1."""
+    print the `sbatch --array` command whose task k runs line k + 1; with `submit`, run it
+    (here, as the printed command would be run: from the repository root). Returns the exit
+    status: sbatch's when submitting."""
     path = Path(root) / SLURM_RUNS
     path.write_text("".join(shlex.join([run.config, str(run.workdir), *run.flags()]) + "\n"
                             for run in runs))
-    print(shlex.join(["sbatch", f"--array=0-{len(runs) - 1}", "scripts/slurm_train.sbatch",
-                      "--runs", str(path)]))
+    command = ["sbatch", f"--array=0-{len(runs) - 1}", "scripts/slurm_train.sbatch", "--runs",
+               str(path)]
+    print(shlex.join(command), flush=True)
+    if not submit:
+        return 0
+    if shutil.which("sbatch") is None:
+        print("error: --submit: sbatch is not on PATH; run the command above on the cluster's "
+              "login node", file=sys.stderr)
+        return 2
+    return subprocess.run(command).returncode
 
 
 def tpu(runs: list[Run]) -> None:

@@ -1,0 +1,160 @@
+"""Several JAX processes on this machine (`python -m train.launch`), as a pod runs one per host:
+2 processes × 2 CPU devices against 1 process × 4; the job preempted (SIGTERM), one of its
+processes SIGKILLed, and the job relaunched; a 2-process checkpoint restored by 1 process."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.helpers import one_device_env
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS, EVERY = 40, 5
+TRAIN_ARGS = ["--config", "experiments/quickstart.py", *[
+    f"--config.{field}={value}" for field, value in dict(
+        steps=STEPS, checkpoint_every=EVERY, batch_size=8, seq_len=16, log_every=1,
+        eval_every=STEPS, eval_batches=1, sample_tokens=0, keep_checkpoints=20, **{
+            "mesh.data": 4, "model.d_model": 32, "model.num_layers": 2,
+            "model.attention.num_heads": 4, "model.attention.num_kv_heads": 2,
+            "optimizer.warmup_steps": 2}).items()]]
+LAUNCH = [sys.executable, "-m", "train.launch", "--processes", "2", "--devices", "2", "--"]
+
+
+def one_process(workdir: Path) -> subprocess.CompletedProcess:
+    """The same job as 1 process with 4 devices."""
+    return subprocess.run([sys.executable, "-m", "train", *TRAIN_ARGS, "--workdir", str(workdir)],
+                          cwd=REPO, env=dict(one_device_env(), JAX_NUM_CPU_DEVICES="4"),
+                          capture_output=True, text=True, timeout=600)
+
+
+def two_processes(workdir: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([*LAUNCH, *TRAIN_ARGS, "--workdir", str(workdir)], cwd=REPO,
+                          env=one_device_env(), capture_output=True, text=True, timeout=600)
+
+
+def losses(workdir: Path) -> list[float]:
+    records = [json.loads(line) for line in (workdir / "metrics.jsonl").open()]
+    assert [r["step"] for r in records] == list(range(1, len(records) + 1))  # each step once
+    return [r["train_loss"] for r in records]
+
+
+def eval_loss(workdir: Path) -> float:
+    [last] = [json.loads(line) for line in (workdir / "metrics.jsonl").open()][-1:]
+    return last["eval_loss"]
+
+
+def checkpoints(workdir: Path) -> list[int]:
+    directory = workdir / "checkpoints"
+    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit()) \
+        if directory.is_dir() else []
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    """ROOT/one (1 × 4 devices) and ROOT/two (2 × 2), each trained uninterrupted."""
+    root = tmp_path_factory.mktemp("multiprocess")
+    for name, run in (("one", one_process), ("two", two_processes)):
+        done = run(root / name)
+        assert done.returncode == 0, done.stderr[-3000:]
+        (root / f"{name}.stderr").write_text(done.stderr)
+        (root / f"{name}.stdout").write_text(done.stdout)
+    return root
+
+
+@pytest.mark.slow
+def test_two_processes_train_as_one_with_each_reading_its_own_rows(runs):
+    np.testing.assert_allclose(losses(runs / "two"), losses(runs / "one"), rtol=1e-5)
+    np.testing.assert_allclose(eval_loss(runs / "two"), eval_loss(runs / "one"), rtol=1e-5)
+    # Each process loaded only the rows of each global batch of 8 its 2 devices hold (the batch
+    # axis is data=4 over devices 0-1 of process 0 and 2-3 of process 1); and the global
+    # batch they make equals the 1-process run's, since the losses do.
+    stderr = (runs / "two.stderr").read_text()
+    read = dict(re.findall(r"\[p\d\] .*process (\d) of 2 loads rows (\[[\d, ]+\])", stderr))
+    assert {int(k): json.loads(v) for k, v in read.items()} == {0: [0, 1, 2, 3],
+                                                                1: [4, 5, 6, 7]}
+    # Config and metrics are written once, by process 0; both processes saved each checkpoint.
+    assert (runs / "two.stdout").read_text().count("validation loss at step") == 1
+    assert checkpoints(runs / "two") == list(range(EVERY, STEPS + 1, EVERY))
+    assert json.loads((runs / "two" / "config.json").read_text())["steps"] == STEPS
+    # The 2-process checkpoint restores in one process, for generation.
+    done = subprocess.run([sys.executable, "-m", "train.generate", "--workdir", str(runs / "two"),
+                           "--prompt", "And God", "--num_tokens", "8", "--temperature", "0"],
+                          cwd=REPO, env=one_device_env(), capture_output=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.startswith(f"[step {STEPS}]\nAnd God".encode())
+
+
+def start(workdir: Path) -> tuple[subprocess.Popen, int]:
+    """(the launcher of the 2-process job, the pid of its process 1)."""
+    launcher = subprocess.Popen([*LAUNCH, *TRAIN_ARGS, "--workdir", str(workdir)], cwd=REPO,
+                                env=one_device_env(), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+    pids = launcher.stderr.readline()
+    assert pids.startswith("launched 2 processes (pids "), pids
+    return launcher, int(re.search(r"pids \d+, (\d+)\)", pids).group(1))
+
+
+def wait_for_checkpoint(launcher: subprocess.Popen, workdir: Path, after: int) -> None:
+    """Until the job has saved a checkpoint past step `after` (it must still be running)."""
+    deadline = time.monotonic() + 600
+    while not checkpoints(workdir) or checkpoints(workdir)[-1] <= after:
+        assert launcher.poll() is None and time.monotonic() < deadline, launcher.stderr.read()
+        time.sleep(0.02)
+
+
+@pytest.mark.slow
+def test_preemption_and_a_killed_process_end_the_job_and_it_resumes_bit_identically(
+        runs, tmp_path):
+    workdir = tmp_path / "job"
+    launcher, _ = start(workdir)  # SIGTERM to the job: both processes save one step, and exit
+    wait_for_checkpoint(launcher, workdir, after=0)
+    launcher.send_signal(signal.SIGTERM)
+    _, stderr = launcher.communicate(timeout=120)
+    assert launcher.returncode == 143 and "Traceback" not in stderr, stderr[-3000:]
+    preempted = checkpoints(workdir)[-1]
+    assert EVERY <= preempted < STEPS and stderr.count(f"SIGTERM: the checkpoint of step "
+                                                       f"{preempted} is saved") == 2
+
+    launcher, process_1 = start(workdir)  # resumed, then process 1 SIGKILLed
+    wait_for_checkpoint(launcher, workdir, after=preempted)
+    subprocess.run(["kill", "-KILL", str(process_1)], check=True)
+    _, stderr = launcher.communicate(timeout=60)  # the job ends within 60 s
+    assert launcher.returncode == 128 + signal.SIGKILL, stderr[-3000:]
+    assert stderr.splitlines()[-1] == "error: process 1 of 2 was killed by SIGKILL; " \
+                                      "stopped process 0"
+    assert "Traceback" not in stderr, stderr[-3000:]
+    kept = checkpoints(workdir)[-1]
+    assert preempted < kept < STEPS
+
+    restored = tmp_path / "restored"  # the killed job, resumed by 1 process with 4 devices
+    shutil.copytree(workdir, restored)
+    done = two_processes(workdir)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"resuming from the checkpoint at step {kept}" in done.stderr
+    assert losses(workdir) == losses(runs / "two")  # the same program: bit for bit
+
+    done = one_process(restored)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"resuming from the checkpoint at step {kept}" in done.stderr
+    np.testing.assert_allclose(losses(restored), losses(runs / "two"), rtol=1e-5)
+
+
+def test_bad_launcher_arguments_are_one_line():
+    done = subprocess.run([sys.executable, "-m", "train.launch", "--processes", "0", "--"],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stderr == (
+        "error: argument --processes: 0 is invalid: must be a positive integer\n")
+    done = subprocess.run([sys.executable, "-m", "train.launch", "--processes", "2"],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stderr.startswith(
+        "error: the training arguments are missing")

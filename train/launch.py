@@ -1,0 +1,182 @@
+"""`python -m train.launch --processes N [--devices D] [--port P] -- TRAIN ARGS...`
+
+Runs one training job as N JAX processes on this machine, as a pod or a cluster runs one per
+host: each is `python -m train TRAIN ARGS...` with the coordinator on localhost
+(`JAX_COORDINATOR_ADDRESS`, a free port unless `--port`), its process id and count
+(`BLOCKBENCH_PROCESS_ID`, `BLOCKBENCH_NUM_PROCESSES`, read by `sharding.mesh.
+maybe_initialize_distributed`) and, with `--devices`, D simulated CPU devices
+(`JAX_NUM_CPU_DEVICES`); on the CPU the processes' collectives go over gloo. The trainer's code
+is the one a pod runs: only where the processes come from differs (docs/pods.md).
+
+The launcher first prints the processes' pids on stderr; each line a process writes is prefixed
+with `[pI] ` on the launcher's stdout or stderr. SIGTERM and SIGINT are forwarded to every
+process (each saves a checkpoint and exits; the processes run in their own session, so a
+terminal's Ctrl-C reaches them once, through here). When a process fails (an exit status other
+than 0, 130 or 143, or a signal), the launcher kills the others at once, since they cannot finish
+a collective without it, and stops showing their output (their errors would only follow from
+it); it prints one line naming the process and how it ended, and exits with its status (128 +
+the signal for a process killed by one). Exit status: the processes' (0 when all finished), 2
+for bad launcher arguments.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+from config.cli import ArgumentParser, positive_int
+
+POLL_S = 0.05
+
+
+def free_port() -> int:
+    """A TCP port on localhost that nothing listens on now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def process_environment(environ: dict[str, str], index: int, count: int, port: int,
+                        devices: int | None) -> dict[str, str]:
+    """The environment of process `index` of `count` with the coordinator at localhost:`port`."""
+    env = dict(environ, JAX_COORDINATOR_ADDRESS=f"localhost:{port}",
+               BLOCKBENCH_NUM_PROCESSES=str(count), BLOCKBENCH_PROCESS_ID=str(index),
+               PYTHONUNBUFFERED="1")
+    if devices is not None:
+        env["JAX_NUM_CPU_DEVICES"] = str(devices)
+    return env
+
+
+_LINE = re.compile(rb"[^\r\n]*(?:\r\n|\r|\n)|[^\r\n]+$")
+
+
+def _copy_prefixed(stream, out, prefix: bytes, lock: threading.Lock,
+                   muted: threading.Event) -> None:
+    """Copy `stream` to `out` line by line (a progress bar's \\r-ended updates are lines),
+    each with `prefix`, until `muted` is set."""
+    pending = b""
+    for chunk in iter(lambda: stream.read1(65536), b""):
+        pending += chunk
+        lines = _LINE.findall(pending)
+        complete = [line for line in lines if line.endswith((b"\n", b"\r"))]
+        pending = pending[sum(map(len, complete)):]
+        with lock:
+            if not muted.is_set():
+                out.writelines(prefix + line for line in complete)
+                out.flush()
+    with lock:
+        if pending and not muted.is_set():
+            out.write(prefix + pending + b"\n")
+            out.flush()
+
+
+def describe_exit(status: int) -> str:
+    """How a process ended, from its `Popen.returncode`."""
+    if status < 0:
+        try:
+            return f"was killed by {signal.Signals(-status).name}"
+        except ValueError:
+            return f"was killed by signal {-status}"
+    return f"exited with status {status}"
+
+
+def shell_status(status: int) -> int:
+    """A `Popen.returncode` as a shell reports it (128 + the signal for a killed process)."""
+    return 128 - status if status < 0 else status
+
+
+def launch(train_args: list[str], processes: int, devices: int | None = None,
+           port: int | None = None) -> int:
+    """Run `python -m train TRAIN_ARGS` as `processes` processes; the exit status (module
+    docstring)."""
+    port = port or free_port()
+    children = [subprocess.Popen(
+        [sys.executable, "-m", "train", *train_args],
+        env=process_environment(dict(os.environ), index, processes, port, devices),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        for index in range(processes)]
+    print(f"launched {processes} processes (pids {', '.join(str(c.pid) for c in children)}), "
+          f"coordinator localhost:{port}", file=sys.stderr, flush=True)
+    lock = threading.Lock()
+    muted = [threading.Event() for _ in children]
+    copiers = [threading.Thread(target=_copy_prefixed, args=(
+        getattr(child, name), getattr(sys, name).buffer, f"[p{index}] ".encode(), lock,
+        muted[index]), daemon=True)
+        for index, child in enumerate(children) for name in ("stdout", "stderr")]
+    for copier in copiers:
+        copier.start()
+
+    def forward(signum, frame):
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signum)
+
+    previous = {signum: signal.signal(signum, forward) for signum in (signal.SIGTERM,
+                                                                        signal.SIGINT)}
+    try:
+        failed = _wait(children)
+        if failed is not None:  # the others' errors now only follow from it: not shown
+            for index, child in enumerate(children):
+                if index != failed[0]:
+                    muted[index].set()
+                    if child.poll() is None:
+                        child.kill()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+            child.wait()
+        for copier in copiers:
+            copier.join(timeout=5)
+    if failed is not None:
+        index, status = failed
+        stopped = [i for i, child in enumerate(children)
+                   if i != index and child.returncode == -signal.SIGKILL]
+        others = (f"; stopped process{'es' if len(stopped) > 1 else ''} "
+                  f"{', '.join(map(str, stopped))}" if stopped else "")
+        print(f"error: process {index} of {processes} {describe_exit(status)}{others}",
+              file=sys.stderr, flush=True)
+        return shell_status(status)
+    return shell_status(children[0].returncode)
+
+
+def _wait(children: list[subprocess.Popen]) -> tuple[int, int] | None:
+    """Wait until every child ended, or one failed: (index, status) of the first that failed;
+    None when all exited 0 or with the status of an interrupt they were sent (130, 143)."""
+    while True:
+        statuses = [child.poll() for child in children]
+        failures = [(i, s) for i, s in enumerate(statuses) if s not in (None, 0, 130, 143)]
+        if failures:
+            return failures[0]
+        if all(status is not None for status in statuses):
+            return None
+        time.sleep(POLL_S)
+
+
+def main(argv: list[str]) -> int:
+    parser = ArgumentParser("python -m train.launch", __doc__)
+    parser.add_argument("--processes", type=positive_int, required=True, metavar="N",
+                        help="the number of JAX processes to run")
+    parser.add_argument("--devices", type=positive_int, metavar="D",
+                        help="simulated CPU devices per process (JAX_NUM_CPU_DEVICES)")
+    parser.add_argument("--port", type=int, metavar="P",
+                        help="the coordinator's port on localhost (default: a free one)")
+    parser.add_argument("train_args", nargs="*", metavar="TRAIN ARGS",
+                        help="after --: the arguments of python -m train")
+    args = parser.parse_args(argv[1:])
+    if not args.train_args:
+        parser.error("the training arguments are missing, e.g. -- --config "
+                     "experiments/quickstart.py --workdir runs/quickstart")
+    return launch(args.train_args, args.processes, args.devices, args.port)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
