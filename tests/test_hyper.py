@@ -154,8 +154,8 @@ HYPER = model_config().hyper  # the default tolerance and cap
 
 @pytest.mark.parametrize("scale,identity", SCALES)
 def test_sinkhorn_reaches_the_tolerance_and_the_projection_at_every_scale(scale, identity):
-    """With the default tolerance (1e-3) and a cap of 50 steps: columns within the tolerance and rows to
-    rounding, the recorded error and counts true, and the matrix the doubly-stochastic
+    """With the default tolerance (1e-3) and a cap of 50 steps: columns within the tolerance and
+    rows to rounding, the recorded error and counts true, and the matrix the doubly-stochastic
     projection: equal to plain Sinkhorn–Knopp run to convergence in float64, as far as the
     tolerance allows."""
     logits = random_logits(scale, identity)
