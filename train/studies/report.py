@@ -503,9 +503,13 @@ class Length:
 
 
 def _saved_config(workdir: Path) -> ml_collections.ConfigDict:
-    """The run's config.json over the current defaults."""
+    """The run's config.json over the current defaults; FileNotFoundError without one (a run
+    not started, or a size not yet trained)."""
     defaults = json.loads(base_config().to_json_best_effort())
-    return ml_collections.ConfigDict(rundir.saved_config(workdir, defaults))
+    saved = rundir.saved_config(workdir, defaults)
+    if saved is None:
+        raise FileNotFoundError(workdir / "config.json")
+    return ml_collections.ConfigDict(saved)
 
 
 def _train_windows(config: ml_collections.ConfigDict) -> int:
