@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from pathlib import Path
 
 import ml_collections
@@ -190,3 +191,19 @@ def test_the_report_tables_delta_per_length_and_plots_it(tmp_path):
     (root / "study.json").write_text(json.dumps(del_axis))
     write_report(root, describe(root, None))
     assert "## Training length" not in (root / "report.md").read_text()
+
+
+def test_a_report_with_only_the_first_length_trained_leaves_the_others_empty(tmp_path):
+    """A sweep part of the way through: the lengths without runs are rows of dashes."""
+    study = studies.load_study(STUDY)
+    root = tmp_path / "root"
+    studies.record(root, study, "cpu", study.cells(), list(study.seeds), [])
+    _write_runs(root, study)
+    for cell in study.cells():
+        if not cell.endswith("@steps400"):
+            shutil.rmtree(root / cell)
+    write_report(root, describe(root, None))
+    rows = {line.split(" | ")[0][2:]: line.split(" | ")[1:] for line in
+            (root / "report.md").read_text().splitlines() if line.startswith("| steps")}
+    assert rows["steps400"][:4] == ["400", "1,638,400", "3.8", "0.42"]
+    assert rows["steps800"][:4] == ["—"] * 4
