@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import jax
 import ml_collections
@@ -120,3 +121,17 @@ def write_run(config, workdir, step: int) -> None:
         checkpointer.save(step, program.init(config.seed), {"next_step": step, "seed": 0},
                           force=True)
     (workdir / "config.json").write_text(config.to_json_best_effort(indent=2) + "\n")
+
+
+def tiny_prepared(tmp_path_factory, docs_per_shard: int) -> Path:
+    """A tiny prepared dataset: 8 byte-level documents, every 2nd to validation, its plan
+    prepare.json beside the shards."""
+    from train.data.shards import prepare
+
+    sources = tmp_path_factory.mktemp("sources")
+    for index in range(8):
+        (sources / f"doc{index}.txt").write_text(f"document {index} " * 40)
+    out = tmp_path_factory.mktemp("prepared") / "data"
+    prepare(str(sources / "*.txt"), "byte", out, docs_per_shard=docs_per_shard,
+            validation_every=2, progress=False)
+    return out

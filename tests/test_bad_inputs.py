@@ -20,26 +20,11 @@ import pytest
 
 from config import ConfigError, resolve, state_memory
 from tests.helpers import one_device_env, tiny_config
+from tests.test_entry_points import QUICKSTART, WRAPPER
 from train import rundir
 from train.__main__ import parse
 
 ROOT = Path(__file__).resolve().parents[1]
-HEAVY = ("jax", "flax", "orbax", "tensorflow_datasets", "grain", "tensorboardX")
-QUICKSTART = "experiments/quickstart.py"
-
-WRAPPER = f"""
-import os, runpy, sys
-target, *arguments = sys.argv[1:]
-sys.argv = [target, *arguments]
-try:
-    if target.endswith(".py"):
-        sys.path[0] = os.path.dirname(os.path.abspath(target))
-        runpy.run_path(target, run_name="__main__")
-    else:
-        runpy.run_module(target, run_name="__main__", alter_sys=True)
-finally:
-    print(sorted(m for m in {HEAVY!r} if m in sys.modules), flush=True)
-"""
 
 
 def run(target: str, *arguments: str | bytes) -> subprocess.CompletedProcess:

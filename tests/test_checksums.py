@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from config import ConfigError
-from tests.helpers import one_device_env, tiny_config
+from tests.helpers import one_device_env, tiny_config, tiny_prepared
 from train.data import shards
 from train.data.shard_writer import sha256_of
-from train.data.shards import load_split, prepare
+from train.data.shards import load_split
 
 REPO = Path(__file__).resolve().parents[1]
 SHARD = "train-00000.array_record"
@@ -25,13 +25,7 @@ SHARD = "train-00000.array_record"
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory) -> Path:
     """A tiny prepared dataset (bytes, 8 documents, 2 to a shard: 2 train shards)."""
-    sources = tmp_path_factory.mktemp("sources")
-    for index in range(8):
-        (sources / f"doc{index}.txt").write_text(f"document {index} " * 40)
-    out = tmp_path_factory.mktemp("prepared") / "data"
-    prepare(str(sources / "*.txt"), "byte", out, docs_per_shard=2, validation_every=2,
-            progress=False)
-    return out
+    return tiny_prepared(tmp_path_factory, docs_per_shard=2)
 
 
 def damaged_copy(prepared: Path, target: Path) -> Path:

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.helpers import one_device_env
+from tests.helpers import one_device_env, tiny_prepared
 
 REPO = Path(__file__).resolve().parents[1]
 GARBAGE = b"\xff\xfe\x00\x9c not utf-8 \x80\x81"
@@ -57,15 +57,7 @@ DAMAGE: dict[str, Callable[[Path], None]] = {
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory) -> Path:
     """A tiny prepared dataset (bytes, 8 documents) with its plan prepare.json."""
-    from train.data.shards import prepare
-
-    sources = tmp_path_factory.mktemp("sources")
-    for index in range(8):
-        (sources / f"doc{index}.txt").write_text(f"document {index} " * 40)
-    out = tmp_path_factory.mktemp("prepared") / "data"
-    prepare(str(sources / "*.txt"), "byte", out, docs_per_shard=4, validation_every=2,
-            progress=False)
-    return out
+    return tiny_prepared(tmp_path_factory, docs_per_shard=4)
 
 
 @pytest.fixture(scope="module")

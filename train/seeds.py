@@ -52,7 +52,8 @@ def parse(argv: list[str]):
 
 
 def check_seed_mode(config) -> None:
-    """What this mode cannot train: dropout, and more than one device or process."""
+    """What this mode cannot train beyond one device (the config is resolved for one): dropout,
+    whose keys come from the config's one seed."""
     from arch import dropout
 
     if dropout.enabled(config.model):
