@@ -34,13 +34,7 @@ def check_study(root: str, study: str | None, initialization: bool) -> None:
             output_directory(root, "--root")
         except ConfigError as error:
             raise UsageError(str(error)) from None
-    elif not Path(root).is_dir():
-        raise UsageError(f"--root={root} is not a directory; pass a sweep's --root")
-    if studies.read_record(root) is None and study is None:
-        raise UsageError(f"--root={root} has no {studies.RECORD} (scripts/sweep.py writes it); "
-                         "pass --study experiments/STUDY.py")
-    if study is not None:
-        studies.load_study(study)
+    studies.check_root(root, study, exists=not initialization)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,22 +18,9 @@ are checked before JAX loads.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 from config.cli import ArgumentParser, UsageError
 from train.studies import study as studies
-
-
-def check_study(root: str, study: str | None) -> None:
-    """ROOT (a directory) holds a readable study.json, or --study names a study file: one-line
-    UsageError."""
-    if not Path(root).is_dir():
-        raise UsageError(f"--root={root} is not a directory; pass a sweep's --root")
-    if studies.read_record(root) is None and study is None:
-        raise UsageError(f"--root={root} has no {studies.RECORD} (scripts/sweep.py writes it); "
-                         "pass --study experiments/STUDY.py")
-    if study is not None:
-        studies.load_study(study)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--study", metavar="PATH", help="the study file (default: study.json's)")
     args = parser.parse_args(argv)
     try:
-        check_study(args.root, args.study)
+        studies.check_root(args.root, args.study)
     except UsageError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

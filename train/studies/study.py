@@ -526,3 +526,15 @@ def _merge_record(root: Path, study: Study, scale: str, cells: list[str], seeds:
     temporary.write_text(json.dumps(data, indent=2) + "\n")
     temporary.replace(path)
     return data
+
+
+def check_root(root: str, study: str | None, *, exists: bool = True) -> None:
+    """A report's or probe's ROOT (with `exists`, an existing directory) holds a readable
+    study.json, or `study` (--study) names a study file: one-line UsageError."""
+    if exists and not Path(root).is_dir():
+        raise UsageError(f"--root={root} is not a directory; pass a sweep's --root")
+    if read_record(root) is None and study is None:
+        raise UsageError(f"--root={root} has no {RECORD} (scripts/sweep.py writes it); "
+                         "pass --study experiments/STUDY.py")
+    if study is not None:
+        load_study(study)
