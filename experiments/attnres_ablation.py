@@ -48,15 +48,18 @@ A learning rate per arm (registered before any tuning run: `TUNING`). The table'
 factor of 2 apart around the shared 3e-3, widened at an edge while the best lies there), each
 at its full 800 steps with tuning seed 100 (not a reporting seed), on the last 10% of the train
 split; then seeds 0–3 of each train at its own rate into ROOT/tuned, the table's family at its
-registered n = 4. The variants keep the shared rate.
+registered n = 4. The variants keep the shared rate. The tuning and tuned runs unroll the layer
+scan (`execution.scan_unroll=8`, after `--`: the same model to float rounding, faster on the
+CPU, docs/performance.md#the-layer-scan-unrolled-on-the-cpu).
 
 Commands (results: docs/results/attnres_ablation/):
     python scripts/sweep.py --study experiments/attnres_ablation.py --root runs/attnres_ablation \\
         --scale cpu --seeds 0,1,2 --arms baseline,block,full
     python scripts/sweep.py --study experiments/attnres_ablation.py --root runs/attnres_ablation \\
-        --scale cpu --arms baseline,block,full,mhc --tune
+        --scale cpu --arms baseline,block,full,mhc --tune -- --config.execution.scan_unroll=8
     python scripts/sweep.py --study experiments/attnres_ablation.py --root runs/attnres_ablation \\
-        --scale cpu --arms baseline,block,full,mhc --seeds 0,1,2,3 --tuned
+        --scale cpu --arms baseline,block,full,mhc --seeds 0,1,2,3 --tuned \\
+        -- --config.execution.scan_unroll=8
     python scripts/study_report.py --root runs/attnres_ablation
 """
 

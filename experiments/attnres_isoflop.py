@@ -39,10 +39,17 @@ Scales (the config argument is "ARM@SIZE" or "ARM@SIZE,SCALE"):
   up to 6 times (c6e12-d16L8 5.7, c2e13-d32L8 6.1 epochs), sizes near 20 tokens per parameter
   1–2 times; repetition beyond ~4 epochs costs loss (Muennighoff et al. 2023), so the left
   ends of the profiles may read high, which would move N* up, for both arms alike.
-  AdamW 3e-3, the shared rate of the ablation and scaling studies at these widths; no
-  `TUNING`: the tuning machinery tunes each cell over at least 5 rates (here 30 cells, 150
-  runs, five times the study) with one tuning length for all cells, where each cell's length
-  is its budget's. CPU time: at the ablation's measured 2.4e10 FLOP/s (d = 128, one core:
+  AdamW at a learning rate per arm (`TUNING`, registered before any run): each arm is tuned
+  once, at c2e12-d48L8 (the smallest budget's middle width, 575 steps), over 7.5e-4 … 1.2e-2
+  (a factor of 2 apart around the ablation's shared 3e-3, widened at an edge while the best
+  lies there), tuning seed 100, on the last 10% of the train split, and every size of the arm
+  trains at that rate (`Tuning.at`). Tuning each of the 30 cells (150 runs, five times the
+  study) does not fit the CPU. The price: under standard parametrization the best rate drifts
+  with width and length, so sizes far from d = 48 at 575 steps train at a rate not quite their
+  own, both arms alike (it can bend the profiles' ends; it does not favour one arm). The
+  layer scan runs unrolled (`execution.scan_unroll` = 8: equal to the rolled scan to float
+  rounding, faster on the CPU at these widths, docs/performance.md).
+  CPU time: at the ablation's measured 2.4e10 FLOP/s (d = 128, one core:
   docs/performance.md) a run takes C / 2.4e10 s, 1.4–14 minutes; narrower models run at a lower
   FLOP rate, so allow up to twice that (the largest, 2e13 at d = 32, ≤ 28 minutes). In all,
   2 arms × 2 seeds × 5 × (2e12 + 6e12 + 2e13) = 5.6e14 FLOPs: 6.5 core-hours at 2.4e10
@@ -62,12 +69,14 @@ interval excludes 1.25 or lies below 1, and is inconclusive otherwise (it holds 
 containing 1.25 alone would agree by ignorance with a wide two-seed interval, and excluding 1
 alone would accept any gain, so both are needed (`train.studies.stats.multiplier_verdict`).
 
-Commands (results: docs/results/attnres_isoflop/, pending runs; one sweep per core):
+Commands (results: docs/results/attnres_isoflop/, pending runs; the tuned sweeps one per core):
+    python scripts/sweep.py --study experiments/attnres_isoflop.py --root runs/attnres_isoflop \\
+        --scale cpu --tune
     taskset -c 0 python scripts/sweep.py --study experiments/attnres_isoflop.py \\
-        --root runs/attnres_isoflop --scale cpu --seeds 0
+        --root runs/attnres_isoflop --scale cpu --tuned --seeds 0
     taskset -c 1 python scripts/sweep.py --study experiments/attnres_isoflop.py \\
-        --root runs/attnres_isoflop --scale cpu --seeds 1
-    python scripts/study_report.py --root runs/attnres_isoflop
+        --root runs/attnres_isoflop --scale cpu --tuned --seeds 1
+    python scripts/study_report.py --root runs/attnres_isoflop/tuned
 """
 
 from __future__ import annotations
@@ -82,6 +91,7 @@ SEEDS = (0, 1)
 SCALES = ("cpu", "paper")
 PAPER = {"block": 1.25}
 PAPER_METRIC = "compute multiplier at matched loss"
+TUNING = dict(rates=(7.5e-4, 1.5e-3, 3e-3, 6e-3, 1.2e-2), seed=100, at="c2e12-d48L8")
 CLAIMS = (
     claim("block", ">", "baseline", metric="compute_multiplier",
           quote="Block AttnRes matches the loss of a baseline trained with 1.25× the compute",
@@ -129,6 +139,7 @@ def _shape(config, arm: str, scale: str, d_model: int, layers: int) -> None:
         model.attention.update(num_heads=heads, num_kv_heads=heads)
         model.position.name, model.head.name = "learned", "untied"
         model.ffn.update(name="mlp", activation="gelu")
+        config.execution.scan_unroll = layers
     else:
         subword(config, d_model=d_model, num_layers=layers, num_heads=heads, steps=2,
                 batch_size=BATCH["paper"][0], seq_len=BATCH["paper"][1], learning_rate=1e-3,

@@ -129,6 +129,7 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[Run]]:
             args.plan = (study, scale, cells, overrides)
             return args, []
         if args.tuned:
+            args.plan = (study, scale, cells, overrides)
             runs = tuning.tuned_plan(study, args.root, scale, cells, seeds, overrides)
             studies.record(Path(args.root) / tuning.TUNED_DIR, study, scale, cells, seeds,
                            overrides)
@@ -176,14 +177,16 @@ def main(argv: list[str] | None = None) -> int:
         except KeyboardInterrupt:
             print("\ninterrupted: rerun the same command to resume", file=sys.stderr)
             return 130
-        lines = tuning.summary(record, cells)
+        tuned = list(dict.fromkeys(study.tuning.tuning_cell(cell) for cell in cells))
+        lines = tuning.summary(record, tuned)
         print("\n".join(["tuned rates (ROOT/tuning.json):", *lines]))
-        return 1 if any(record["cells"][cell]["pick"] is None for cell in cells) else 0
+        return 1 if any(record["cells"][cell]["pick"] is None for cell in tuned) else 0
     if args.tuned:
-        record = tuning.read_tuning(args.root)
+        record, study = tuning.read_tuning(args.root), args.plan[0]
         for cell in dict.fromkeys(run.cell for run in runs):
-            if not record["cells"][cell]["interior"]:
-                print(f"warning: arm={cell}'s tuned rate is at the edge of its grid "
+            source = study.tuning.tuning_cell(cell) if study.tuning else cell
+            if not record["cells"][source]["interior"]:
+                print(f"warning: arm={source}'s tuned rate is at the edge of its grid "
                       "(ROOT/tuning.json)", file=sys.stderr)
     if args.launch == "print":
         sweep.print_commands(runs)

@@ -312,6 +312,31 @@ def test_tune_needs_a_tuning_declaration_and_the_tuned_sweep_its_overrides(tmp_p
     assert status == 2 and "no tuned rate for arm 'b'" in err
 
 
+SCALING_STUDY = STUDY.replace('SCALES = ("cpu",)', 'SCALES = ("cpu",)\nSCALING = ("s", "m", "l")') \
+    .replace("steps=2)", "steps=2, at='m')").replace(
+    'CLAIMS = (claim("b", "<", "a",', 'CLAIMS = (claim("b@l", "<", "a@l",') \
+    .replace('arm, _, scale = (arg or "a").partition(",")',
+             'arm, _, scale = (arg or "a@s").partition(",")')
+
+
+def test_a_scaling_study_tunes_each_arm_at_its_at_size_and_every_size_takes_that_rate(
+        tmp_path, capsys):
+    study = write_study(tmp_path, SCALING_STUDY)
+    assert study.tuning.at == "m" and study.tuning.tuning_cell("b@l") == "b@m"
+    root, calls = tmp_path / "root", []
+    tuning.tune(study, root, "cpu", study.cells(), [],
+                runner=fake_runner({"a@m": 4e-3, "b@m": 2e-3}, calls=calls))
+    assert {run.cell for runs in calls for run in runs} == {"a@m", "b@m"}
+    assert sorted(tuning.read_tuning(root)["cells"]) == ["a@m", "b@m"]
+    status, out, _ = sweep(capsys, "--study", study.path, "--root", str(root), "--tuned",
+                           "--seeds", "0", "--launch", "print")
+    assert status == 0
+    rates = {line.split("--workdir ")[1].split()[0]: float(line.rsplit("=", 1)[1])
+             for line in out.splitlines()}
+    assert rates == {str(root / "tuned" / f"{arm}@{size}" / "seed0"): rate
+                     for arm, rate in (("a", 4e-3), ("b", 2e-3)) for size in ("s", "m", "l")}
+
+
 # The declaration ------------------------------------------------------------------------------
 
 BAD_TUNING = [
@@ -325,6 +350,8 @@ BAD_TUNING = [
     ("dict(rates=(1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2), seed=-1)", "seed=-1 must be a non-negative"),
     ("dict(rates=(1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2), seed=0, steps=0)", "steps=0 must be a pos"),
     ("dict(rates=(1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2), seed=0, fraction=1)", "fraction=1 must be"),
+    ("dict(rates=(1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2), seed=0, at='big')",
+     "at='big' must be one of the study's SCALING sizes (none: it is not a scaling study)"),
 ]
 
 

@@ -18,8 +18,10 @@ A study file `experiments/<study>.py` is an experiment file (`get_config(arg)`, 
   claim whose runs trained at older code, or have no provenance record, is exploratory;
 - optionally `TUNING`: the learning-rate grid of `scripts/sweep.py --tune` (`Tuning`), e.g.
   `dict(rates=(7.5e-4, 1.5e-3, 3e-3, 6e-3, 1.2e-2), seed=0)` with optional `steps` (the tuning
-  runs' length; default the arm's) and `fraction` (the tail of the train split they evaluate on;
-  default 0.1): at least 5 rates, ascending, each twice the one before;
+  runs' length; default the arm's), `fraction` (the tail of the train split they evaluate on;
+  default 0.1) and, in a scaling study, `at` (a SCALING size: each arm is tuned at that size
+  only and every size of the arm trains at its rate): at least 5 rates, ascending, each twice
+  the one before;
 - optionally `SCALING`: a tuple of size names for a scaling study. Each arm then runs at each
   size, as the run cell `ARM@SIZE` (get_config gets `"ARM@SIZE,SCALE"`), and the report fits
   a power law of loss against training compute per arm;
@@ -89,12 +91,19 @@ class Tuning:
     """A study's learning-rate grid (`TUNING`): each cell trains once, at `seed`, for `steps`
     (None: its config's), at each of `rates`, evaluating on the tuning split, the last
     `fraction` of its train split (`data.tuning_fraction`); `train.studies.tuning` extends the
-    grid by a factor of 2 at an edge while the best rate lies there."""
+    grid by a factor of 2 at an edge while the best rate lies there. With `at` (a scaling
+    study's size), each arm is tuned at `ARM@at` only and every cell of the arm takes its
+    rate (`tuning_cell`)."""
 
     rates: tuple[float, ...]
     seed: int
     steps: int | None = None
     fraction: float = 0.1
+    at: str | None = None
+
+    def tuning_cell(self, cell: str) -> str:
+        """The cell whose tuned rate `cell` trains at: itself, or `ARM@at`."""
+        return cell if self.at is None else f"{split_cell(cell)[0]}@{self.at}"
 
 
 TUNING_FIELDS = tuple(field.name for field in dataclasses.fields(Tuning))
@@ -218,7 +227,8 @@ def load_study(path: str) -> Study:
                  paper_metric=str(metric), scaling=scaling,
                  claims=_claims(getattr(module, "CLAIMS", ()), arms, scaling, flag, paper),
                  numerics_since=_numerics_since(getattr(module, "NUMERICS_SINCE", ""), flag),
-                 tuning=_tuning(getattr(module, "TUNING", None), flag), scaling_axis=axis)
+                 tuning=_tuning(getattr(module, "TUNING", None), flag, scaling),
+                 scaling_axis=axis)
 
 
 def _is_number(value) -> bool:
@@ -226,10 +236,10 @@ def _is_number(value) -> bool:
         and math.isfinite(value)
 
 
-def _tuning(value, flag: str) -> Tuning | None:
+def _tuning(value, flag: str, scaling: tuple[str, ...] = ()) -> Tuning | None:
     """`TUNING` checked (None when not declared): a dict of `Tuning`'s fields with at least
-    MIN_RATES positive rates, ascending, each twice the one before (to 1e-6); one-line
-    UsageErrors."""
+    MIN_RATES positive rates, ascending, each twice the one before (to 1e-6), and `at` one of
+    the `scaling` sizes; one-line UsageErrors."""
     if value is None:
         return None
     example = "e.g. TUNING = dict(rates=(7.5e-4, 1.5e-3, 3e-3, 6e-3, 1.2e-2), seed=0)"
@@ -260,8 +270,12 @@ def _tuning(value, flag: str) -> Tuning | None:
     if not _is_number(fraction) or not 0 < fraction < 1:
         raise UsageError(f"{flag}: TUNING fraction={fraction!r} must be in (0, 1): the tail "
                          "of the train split the tuning runs evaluate on")
+    at = value.get("at")
+    if at is not None and at not in scaling:
+        raise UsageError(f"{flag}: TUNING at={at!r} must be one of the study's SCALING sizes "
+                         f"{scaling or '(none: it is not a scaling study)'}")
     return Tuning(rates=tuple(float(rate) for rate in rates), seed=seed, steps=steps,
-                  fraction=float(fraction))
+                  fraction=float(fraction), at=at)
 
 
 FIELDS = tuple(field.name for field in dataclasses.fields(Claim))

@@ -108,7 +108,7 @@ def cell_record(root: str | Path, cell: str, rates: list[float], extensions: int
 
 
 # The fields of tuning.json (`_header`, `cell_record`) and their types, checked when it is read
-# (float: any number; None: null).
+# (float: any number; None: null); "at" may be absent (records written before it: None).
 _RECORD_TYPES = {"study": str, "scale": str, "seed": int, "steps": (int, None), "fraction": float,
                  "overrides": list, "max_extensions": int, "cells": dict}
 _CELL_TYPES = {"shared_rate": float, "grid": list, "pick": (float, None), "interior": bool,
@@ -188,7 +188,7 @@ def _damaged(root: str | Path, problem: str) -> UsageError:
 def _header(study: studies.Study, scale: str, overrides: list[str]) -> dict:
     tuning = study.tuning
     return {"study": study.path, "scale": scale, "seed": tuning.seed, "steps": tuning.steps,
-            "fraction": tuning.fraction, "overrides": list(overrides),
+            "fraction": tuning.fraction, "at": tuning.at, "overrides": list(overrides),
             "max_extensions": MAX_EXTENSIONS}
 
 
@@ -233,11 +233,12 @@ def _write(root: Path, study: studies.Study, scale: str, overrides: list[str],
 def tune(study: studies.Study, root: str | Path, scale: str, cells: list[str],
          overrides: list[str],
          runner: Callable[[list[sweep.Run]], int] | None = None) -> dict:
-    """Tune the learning rate of each of `cells` (module docstring), launching each round's
-    runs with `runner` (default `sweep.run_local`), and record ROOT/tuning.json after each
-    round. Returns the record."""
+    """Tune the learning rate of each of `cells` (module docstring; with TUNING's `at`, of
+    their arms' cells at that size), launching each round's runs with `runner` (default
+    `sweep.run_local`), and record ROOT/tuning.json after each round. Returns the record."""
     root, runner = Path(root), runner or sweep.run_local
     check_root(root, study, scale, overrides)
+    cells = list(dict.fromkeys(study.tuning.tuning_cell(cell) for cell in cells))
     shared = {cell: shared_rate(study, scale, cell, overrides) for cell in cells}
     grids = {cell: list(study.tuning.rates) for cell in cells}
     extensions = dict.fromkeys(cells, 0)
@@ -290,10 +291,11 @@ def tuned_rates(root: str | Path, study: studies.Study, scale: str, cells: list[
                          "after --")
     rates = {}
     for cell in cells:
-        pick = tuning["cells"].get(cell, {}).get("pick")
+        source = study.tuning.tuning_cell(cell) if study.tuning else cell
+        pick = tuning["cells"].get(source, {}).get("pick")
         if pick is None:
-            raise UsageError(f"--root={root}: {TUNING_RECORD} has no tuned rate for arm {cell!r}; "
-                             f"tune it: --tune --arms {studies.split_cell(cell)[0]}")
+            raise UsageError(f"--root={root}: {TUNING_RECORD} has no tuned rate for arm "
+                             f"{source!r}; tune it: --tune --arms {studies.split_cell(cell)[0]}")
         rates[cell] = float(pick)
     return rates
 
