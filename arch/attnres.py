@@ -51,7 +51,9 @@ completed sources once (phase 1) and each read merges its block's partial sum in
 (phase 2), the layer scan stepping one block at a time (`arch.kernels.block_scan`,
 `arch.kernels.depth_read`; equal to the naive read to float rounding). It applies to softmax
 weights with static queries and no window when blocks are whole scan units
-(`units_per_block`); the other variants and layouts keep the naive read.
+(`units_per_block`); the other variants and layouts keep the naive read. Its one-head softmax
+case runs as XLA ops, or with `execution.depth_read="pallas"` as one fused Pallas kernel, forward
+and backward (`arch.kernels.pallas_depth_read`).
 
 Pipeline parallelism: a stage is sent only the slots written since it last held the buffer
 (`stage_message`, `stage_merge`; `arch.kernels.stage_transfer`); `execution.pipeline.transfer=
@@ -86,6 +88,7 @@ from arch.kernels.depth_read import (
     split_heads,
     write_slot,
 )
+from arch.kernels.pallas_depth_read import pallas_softmax_read
 from arch.layers import Dense, param
 from arch.norms import make_norm
 from arch.residual import (
@@ -115,6 +118,7 @@ class DepthLayout:
     key_norm: bool
     window: int          # 0: every source
     eps: float
+    depth_read: str = "xla"  # the one-head softmax read: xla | pallas (`execution.depth_read`)
 
     @property
     def slots(self) -> int:
@@ -163,7 +167,8 @@ def _read(layout: DepthLayout, state: dict, query_projection, module: nnx.Module
             current.reshape(*current.shape[:-2], -1))
     if layout.heads == 1 and layout.weights == "softmax" and not is_capturing(module):
         ones = jnp.ones(sources.shape[:3], jnp.float32)
-        return softmax_read(query, sources, ones if inverse is None else inverse[..., 0], valid)
+        read = pallas_softmax_read if layout.depth_read == "pallas" else softmax_read
+        return read(query, sources, ones if inverse is None else inverse[..., 0], valid)
     mixed, weights = depth_read(query, sources, inverse, valid, layout.heads, layout.weights)
     record(module, "depth_weights", weights.mean((0, 1, 3)))
     return mixed
@@ -271,8 +276,8 @@ class AttentionResidual(ResidualMechanism):
     `arch/attnres.py`). Parameters here: the read's norm (`model.norm`, gain 1) and, with
     `attnres.query="input"`, the zero-initialized query projection W_l."""
 
-    def __init__(self, cfg, *, rngs: nnx.Rngs):
-        self.layout = self.depth_layout(cfg)
+    def __init__(self, cfg, *, execution=None, rngs: nnx.Rngs):
+        self.layout = self.depth_layout(cfg, execution)
         self.norm = make_norm(cfg, rngs=rngs)
         self.query_projection = (_query_projection(cfg, rngs) if self.layout.query == "input"
                                  else None)
@@ -282,17 +287,23 @@ class AttentionResidual(ResidualMechanism):
         return 1
 
     @classmethod
-    def depth_layout(cls, cfg) -> DepthLayout:
+    def depth_layout(cls, cfg, execution=None) -> DepthLayout:
+        """The layout of `cfg` (the `model` section), with the depth read of `execution`."""
         return DepthLayout(sublayers=cfg.num_layers * (2 if cfg.use_ffn else 1),
                            block_size=cls.block_size(cfg), heads=cfg.attnres.heads,
                            weights=cfg.attnres.weights, query=cfg.attnres.query,
                            query_scale=cfg.attnres.query_scale,
                            key_norm=cfg.attnres.key_norm, window=cfg.attnres.window,
-                           eps=cfg.norm.eps)
+                           eps=cfg.norm.eps,
+                           depth_read="xla" if execution is None else execution.depth_read)
 
     @classmethod
-    def stream(cls, cfg, *, rngs: nnx.Rngs) -> nnx.Module:
-        return AttnResStream(cls.depth_layout(cfg), cfg, rngs=rngs)
+    def stream(cls, cfg, *, execution=None, rngs: nnx.Rngs) -> nnx.Module:
+        return AttnResStream(cls.depth_layout(cfg, execution), cfg, rngs=rngs)
+
+    @classmethod
+    def build(cls, cfg, *, execution=None, rngs: nnx.Rngs) -> AttentionResidual:
+        return cls(cfg, execution=execution, rngs=rngs)
 
     @classmethod
     def residual_io(cls, cfg) -> ResidualIO:

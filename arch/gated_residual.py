@@ -324,7 +324,7 @@ class GatedResidual(ResidualMechanism):
                        if cfg.gated_residual.mixing else None)
 
     @classmethod
-    def stream(cls, cfg, *, rngs: nnx.Rngs) -> nnx.Module:
+    def stream(cls, cfg, *, execution=None, rngs: nnx.Rngs) -> nnx.Module:
         return GatedResidualStream(cfg)
 
     def _gates_input(self, state: dict):

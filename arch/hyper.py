@@ -151,7 +151,7 @@ class _CopiedStreamsMechanism(ResidualMechanism):
     residual I/O and history (`_hyper_io`; the n streams)."""
 
     @classmethod
-    def stream(cls, cfg, *, rngs: nnx.Rngs) -> nnx.Module:
+    def stream(cls, cfg, *, execution=None, rngs: nnx.Rngs) -> nnx.Module:
         return CopiedStreams(cfg.residual.streams)
 
     @classmethod
@@ -401,7 +401,7 @@ class WidthBaseline(ResidualMechanism):
                                     MixingParam)
 
     @classmethod
-    def stream(cls, cfg, *, rngs: nnx.Rngs) -> nnx.Module:
+    def stream(cls, cfg, *, execution=None, rngs: nnx.Rngs) -> nnx.Module:
         return SeparateBranches(cfg.residual.streams)
 
     @classmethod

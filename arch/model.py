@@ -58,10 +58,12 @@ class Block(nnx.Module):
                  attention: str | None = None, rngs: nnx.Rngs):
         self.attention = ATTENTION[attention or cfg.attention.name](cfg, execution=execution,
                                                                     rngs=rngs)
-        self.attention_residual = RESIDUALS[cfg.residual.name](cfg, rngs=rngs)
+        self.attention_residual = RESIDUALS[cfg.residual.name].build(
+            cfg, execution=execution, rngs=rngs)
         if cfg.use_ffn:  # False: a pure-attention stack (rank-collapse ablation)
             self.ffn = FFNS[ffn or cfg.ffn.name](cfg, rngs=rngs)
-            self.ffn_residual = RESIDUALS[cfg.residual.name](cfg, rngs=rngs)
+            self.ffn_residual = RESIDUALS[cfg.residual.name].build(
+                cfg, execution=execution, rngs=rngs)
         self.use_ffn = cfg.use_ffn
         self.scales_branches = cfg.branch_scale.name != "none"
         if self.scales_branches:  # arch/branch_scale.py: γ ⊙ F or c·F before the write
@@ -175,7 +177,8 @@ class TransformerLM(nnx.Module):
             return unit(cfg, execution=self.execution, rngs=rngs)
 
         self.blocks = stacked_blocks(rngs)
-        self.residual_stream = RESIDUALS[cfg.residual.name].stream(cfg, rngs=rngs)
+        self.residual_stream = RESIDUALS[cfg.residual.name].stream(
+            cfg, execution=self.execution, rngs=rngs)
         self.final_norm = make_norm(cfg, rngs=rngs) if cfg.norm.final else None
         self.head = HEADS[cfg.head.name](cfg, rngs=rngs)
         if cfg.head.get("mtp_depth", 0):  # multi-token prediction modules (arch/mtp.py)

@@ -34,6 +34,8 @@ accounting, probes, pruning, the pipeline and the optimizer name no mechanism:
                  (default: nothing to adjust)
     pipeline     `ResidualStream.stage_message` / `stage_merge` (default: the whole state)
     layer scan   `ResidualStream.units_per_block` / `scan` (default: the model's own scan)
+    execution    `build(cfg, execution=, rngs=)` and `stream(cfg, execution=, rngs=)` receive the
+                 `execution` section, for a mechanism with a kernel to choose (default: unused)
     optimizer    mixing weights are `MixingParam`s, kept out of weight decay unless
                  `optimizer.decay_mixing`
 """
@@ -221,9 +223,16 @@ class ResidualMechanism(nnx.Module):
         return self.read(state), None
 
     @classmethod
-    def stream(cls, cfg, *, rngs: nnx.Rngs) -> ResidualStream:
-        """The model-level module. Default `SumStream` (the state is the embedding itself)."""
+    def stream(cls, cfg, *, execution=None, rngs: nnx.Rngs) -> ResidualStream:
+        """The model-level module (`execution`: the execution section, None: defaults). Default
+        `SumStream` (the state is the embedding itself)."""
         return SumStream()
+
+    @classmethod
+    def build(cls, cfg, *, execution=None, rngs: nnx.Rngs) -> ResidualMechanism:
+        """One sublayer's instance as the model makes it; `execution` (the `execution` section,
+        None: defaults) for a mechanism with a kernel to choose. Default `cls(cfg, rngs=rngs)`."""
+        return cls(cfg, rngs=rngs)
 
     @classmethod
     def residual_io(cls, cfg) -> ResidualIO:

@@ -173,6 +173,7 @@ def execution_config() -> ml_collections.ConfigDict:
                                   # REMAT_POLICIES): none, full (recompute each block), ...
         scan_unroll=1,            # layers per loop iteration of the layer scan (its unroll;
                                   # not the pipeline's nor two-phase AttnRes's own scan)
+        depth_read="xla",         # AttnRes's one-head softmax read: "xla" or "pallas" (fused)
         # Pipeline parallelism, with mesh.stage > 1 (sharding/pipeline.py); bubble fraction
         # (P − 1)/(V·M + P − 1) for P = mesh.stage, V virtual stages, M microbatches.
         pipeline=dict(

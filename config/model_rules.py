@@ -39,6 +39,7 @@ ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "blocked", "cudnn", "splash")
 SEQUENCE_ATTENTIONS = ("all_gather", "ring")  # sharding.sequence
 PIPELINE_SCHEDULES = ("gpipe", "circular")  # sharding.pipeline
 PIPELINE_TRANSFERS = ("cached", "full")
+DEPTH_READS = ("xla", "pallas")  # arch.kernels.depth_read, arch.kernels.pallas_depth_read
 # What a block keeps for its backward pass (arch.remat binds each name to a jax.checkpoint policy).
 REMAT_POLICIES: dict[str, str] = {
     # Everything autodiff keeps; no recomputation. Most memory, no extra compute.
@@ -168,8 +169,9 @@ def resolve_model(cfg) -> None:
 
 def check_execution(execution) -> None:
     """Check the `execution` section: the attention kernel and its tile, sequence attention, the
-    remat policy, the layer scan's unroll and the pipeline's fields (what they ask of the mesh:
-    `config.resolve`; host offload, a property of the devices: `train.step.build_program`)."""
+    remat policy, AttnRes's depth read, the layer scan's unroll and the pipeline's fields (what
+    they ask of the mesh: `config.resolve`; host offload, a property of the devices:
+    `train.step.build_program`)."""
     check(execution.attention_implementation in ATTENTION_IMPLEMENTATIONS,
           "execution.attention_implementation", execution.attention_implementation,
           f"valid: {', '.join(ATTENTION_IMPLEMENTATIONS)}")
@@ -180,6 +182,8 @@ def check_execution(execution) -> None:
           execution.sequence_attention, f"valid: {', '.join(SEQUENCE_ATTENTIONS)}")
     check(execution.remat in REMAT_POLICIES, "execution.remat", execution.remat,
           f"valid: {', '.join(REMAT_POLICIES)}")
+    check(execution.depth_read in DEPTH_READS, "execution.depth_read", execution.depth_read,
+          f"valid: {', '.join(DEPTH_READS)}")
     pipeline = execution.pipeline
     check(pipeline.schedule in PIPELINE_SCHEDULES, "execution.pipeline.schedule",
           pipeline.schedule, f"valid schedules: {', '.join(PIPELINE_SCHEDULES)}")

@@ -194,7 +194,7 @@ class _RecordingPreNorm(PreNormSum):
         self.gate = Dense((cfg.d_model,), (3,), ("embed",), (None,), rngs=rngs)
 
     @classmethod
-    def stream(cls, cfg, *, rngs):
+    def stream(cls, cfg, *, execution=None, rngs):
         return _GateStream(cfg, rngs=rngs)
 
     def read(self, stream_BxTxD):
