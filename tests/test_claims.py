@@ -160,6 +160,39 @@ def test_runs_older_than_numerics_since_or_without_provenance_are_exploratory(tm
     assert provenance.descends_from("0" * 40, boundary) is None
 
 
+def test_runs_launched_before_the_claims_were_registered_make_them_exploratory():
+    """REGISTERED 2026-12-06T05:30: a run first launched before it (even if resumed after) or
+    without provenance makes its claims post hoc; runs launched at or after it count."""
+    def at(*dates):
+        return [{"commit": "a" * 40, "date": date} for date in dates]
+
+    losses = (2.0, 2.1, 2.2)
+    results = {"base": runs(*losses, launches=at("2026-12-06T05:30:00+00:00")),
+               "fresh": runs(*(x - 0.1 for x in losses),
+                             launches=at("2026-12-06T07:00:00+00:00")),
+               "old": runs(*(x - 0.1 for x in losses),
+                           launches=at("2026-12-01T10:00:00+00:00", "2026-12-07T10:00:00+00:00")),
+               "unknown": runs(*(x - 0.1 for x in losses))}
+    claims = [claim(arm, "<", "base", n=3) for arm in ("fresh", "old", "unknown")]
+    fresh, old, unknown = assess_claims(results, claims, registered="2026-12-06T05:30")
+    assert not fresh.exploratory and fresh.verdict == "agrees"
+    assert old.exploratory == ("old seeds 0, 1, 2: launched 2026-12-01T10:00, before the claims "
+                               "were registered (REGISTERED 2026-12-06T05:30)")
+    assert unknown.exploratory == ("unknown seeds 0, 1, 2: no provenance (REGISTERED "
+                                   "2026-12-06T05:30)")
+    assert fresh.adjusted_p == pytest.approx(fresh.p)  # the only confirmatory claim
+
+
+def test_registered_must_be_an_iso_time(tmp_path):
+    path = write(tmp_path, extra="REGISTERED = 'yesterday'")
+    with pytest.raises(UsageError, match="REGISTERED='yesterday' is not an ISO 8601 date or time"):
+        studies.load_study(str(path))
+    study = studies.load_study(str(write(tmp_path, extra="REGISTERED = '2026-12-06'")))
+    assert study.registered == "2026-12-06"
+    record = studies.record(tmp_path / "root", study, "cpu", ["a", "b"], [0, 1], [])
+    assert record["registered"] == "2026-12-06"
+
+
 # The loader ----------------------------------------------------------------------------------
 
 STUDY = '''"""A study with claims."""

@@ -9,7 +9,9 @@ run starts:
 checkout), `dirty` whether its tracked files differed from that commit. A study that registers
 `NUMERICS_SINCE` (a commit from which the code gives its numbers) counts a run as trained at
 that code when every launch's commit descends from it (`git merge-base --is-ancestor`);
-`numerics_reason` says why a run does not. Standard library only.
+`numerics_reason` says why a run does not. A study that registers its claims after some of
+their runs (`REGISTERED`, a UTC time) counts a run as post hoc when its first launch came
+before it (`registration_reason`). Standard library only.
 """
 
 from __future__ import annotations
@@ -119,3 +121,22 @@ def numerics_reason(launches: list[dict], boundary: str,
         if not descends:
             return f"trained at {commit[:7]}, before {boundary[:7]}"
     return None
+
+
+def registration_reason(launches: list[dict], registered: str) -> str | None:
+    """Why a run with these launches is post hoc for claims registered at `registered` (an ISO
+    8601 UTC date or time): "no provenance", or "launched DATE, before the claims were
+    registered"; None when its first launch came at or after it."""
+    if not launches or not launches[0].get("date"):
+        return "no provenance"
+    first = launches[0]["date"]
+    if utc_time(first) < utc_time(registered):
+        return f"launched {first[:16]}, before the claims were registered"
+    return None
+
+
+def utc_time(text: str) -> datetime.datetime:
+    """An ISO 8601 date or time as an aware datetime (a naive one is taken as UTC); ValueError
+    when it is not one."""
+    moment = datetime.datetime.fromisoformat(text)
+    return moment if moment.tzinfo else moment.replace(tzinfo=datetime.UTC)

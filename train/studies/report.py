@@ -187,10 +187,11 @@ def _seed_list(seeds: list[int]) -> str:
 
 
 def _exploratory(claim: studies.Claim, losses: list[dict[int, float]],
-                 numerics: dict[tuple[str, int], str | None], boundary: str) -> str:
+                 numerics: dict[tuple[str, int], str | None], boundary: str,
+                 post_hoc: dict[tuple[str, int], str | None], registered: str) -> str:
     """Why `claim` is exploratory ("" when it is not): an arm whose finished-seed count is not
-    the registered n, arms that do not share their seeds, or runs not known to have trained at
-    code from the study's NUMERICS_SINCE."""
+    the registered n, arms that do not share their seeds, runs not known to have trained at
+    code from the study's NUMERICS_SINCE, or runs launched before its REGISTERED time."""
     reasons = [f"{cell} has {len(runs)} finished seeds, registered n = {claim.n}"
                for cell, runs in zip((claim.arm, claim.reference), losses, strict=True)
                if len(runs) != claim.n]
@@ -198,35 +199,43 @@ def _exploratory(claim: studies.Claim, losses: list[dict[int, float]],
     if not reasons and len(shared) != claim.n:
         reasons.append(f"{claim.arm} and {claim.reference} share {len(shared)} of their "
                        f"{claim.n} seeds")
-    if boundary:
+    for rule, label in ((numerics, f"NUMERICS_SINCE {boundary[:7]}"),
+                        (post_hoc, f"REGISTERED {registered}")):
+        if not rule:
+            continue
         stale: dict[tuple[str, str], list[int]] = {}
         for cell, runs in zip((claim.arm, claim.reference), losses, strict=True):
             for seed in runs:
-                why = numerics[cell, seed]
+                why = rule[cell, seed]
                 if why:
                     stale.setdefault((cell, why), []).append(seed)
-        reasons += [f"{cell} seeds {_seed_list(seeds)}: {why} (NUMERICS_SINCE {boundary[:7]})"
+        reasons += [f"{cell} seeds {_seed_list(seeds)}: {why} ({label})"
                     for (cell, why), seeds in stale.items()]
     return "; ".join(reasons)
 
 
 def assess_claims(results: dict[str, dict[int, Result]], claims: list[studies.Claim],
-                  numerics_since: str = "") -> list[ClaimResult]:
+                  numerics_since: str = "", registered: str = "") -> list[ClaimResult]:
     """Each claim tested on the seeds both arms finished (`ClaimResult`), in the given order.
 
     A claim is exploratory when an arm's finished-seed count is not the registered n, when the
-    arms do not share all n seeds, or (with `numerics_since`) when a run of its arms has no
-    provenance or trained at a commit that does not descend from that one; it is reported with
+    arms do not share all n seeds, (with `numerics_since`) when a run of its arms has no
+    provenance or trained at a commit that does not descend from that one, or (with
+    `registered`) when a run of its arms was first launched before that time; it is reported with
     the reason and left out of its family's correction. The other claims of a family share one
     Holm adjustment (`stats.holm`) of their raw p: the two-sided paired t-test
     (`stats.paired_p`) for a direction, the TOST (`stats.tost_p`) for an equivalence.
     Compute-multiplier claims are left out: `isoflop_section` assesses them."""
     claims = [claim for claim in claims if claim.metric != studies.MULTIPLIER]
-    numerics = {}
-    if numerics_since:
-        numerics = {(cell, seed): provenance.numerics_reason(run.launches, numerics_since)
-                    for claim in claims for cell in (claim.arm, claim.reference)
-                    for seed, run in results.get(cell, {}).items()}
+    def per_run(reason) -> dict[tuple[str, int], str | None]:
+        return {(cell, seed): reason(run.launches) for claim in claims
+                for cell in (claim.arm, claim.reference)
+                for seed, run in results.get(cell, {}).items()}
+
+    numerics = per_run(lambda launches: provenance.numerics_reason(
+        launches, numerics_since)) if numerics_since else {}
+    post_hoc = per_run(lambda launches: provenance.registration_reason(
+        launches, registered)) if registered else {}
     rows = []
     for claim in claims:
         losses = [{s: r.loss for s, r in results.get(cell, {}).items()}
@@ -241,7 +250,8 @@ def assess_claims(results: dict[str, dict[int, Result]], claims: list[studies.Cl
             agreeing = sum(d < 0 if claim.relation == "<" else d > 0 for d in differences)
         rows.append(ClaimResult(claim, mean, std, n, stats.t_interval(mean, std, n, stats.LEVEL),
                                 agreeing, p, math.nan, "",
-                                _exploratory(claim, losses, numerics, numerics_since)))
+                                _exploratory(claim, losses, numerics, numerics_since,
+                                             post_hoc, registered)))
     for family in dict.fromkeys(row.claim.family for row in rows):
         members = [i for i, row in enumerate(rows)
                    if row.claim.family == family and not row.exploratory]
@@ -259,11 +269,11 @@ def _p(p: float) -> str:
 
 
 def claims_table(results: dict[str, dict[int, Result]], claims: list[studies.Claim],
-                 numerics_since: str = "") -> list[str]:
+                 numerics_since: str = "", registered: str = "") -> list[str]:
     """The Markdown table of `assess_claims`, family by family (in order of first mention):
     the claim, its source, the check, n registered / paired, Δ [95% CI], the seeds agreeing,
     the raw and the Holm-adjusted p, and the verdict (or "exploratory: why")."""
-    rows = assess_claims(results, claims, numerics_since)
+    rows = assess_claims(results, claims, numerics_since, registered)
     lines = ["| Family | Claim | Source | Check | n (registered / paired) | "
              "Δ = arm − reference [95% CI] | Seeds agreeing | p | Holm p | Verdict |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -323,7 +333,7 @@ def _losses(runs: dict[int, Result]) -> str:
 
 def regimes_table(shared: dict[str, dict[int, Result]], tuned: dict[str, dict[int, Result]],
                   rates: dict[str, dict], claims: list[studies.Claim],
-                  numerics_since: str = "") -> list[str]:
+                  numerics_since: str = "", registered: str = "") -> list[str]:
     """The shared-rate and tuned-rate sweeps side by side: per cell its rate and final loss in
     each; then per claim (`assess_claims` in each regime) Δ [95% CI], the Holm p and the
     verdict in each."""
@@ -338,8 +348,8 @@ def regimes_table(shared: dict[str, dict[int, Result]], tuned: dict[str, dict[in
         lines += ["", "| Claim | Check | Shared rate: Δ [95% CI] | Holm p | Verdict | "
                   "Tuned rate: Δ [95% CI] | Holm p | Verdict |",
                   "|---|---|---|---|---|---|---|---|"]
-        pairs = zip(assess_claims(shared, claims, numerics_since),
-                    assess_claims(tuned, claims, numerics_since), strict=True)
+        pairs = zip(assess_claims(shared, claims, numerics_since, registered),
+                    assess_claims(tuned, claims, numerics_since, registered), strict=True)
         for at_shared, at_tuned in pairs:
             cells = [at_shared.claim.quote.replace("|", "\\|"), at_shared.claim.check(),
                      _claim_cells(at_shared), _claim_cells(at_tuned)]
@@ -376,7 +386,8 @@ def tuning_section(root: Path, description: dict,
                   "the validation split, mean ± std (n); claims tested as above, in each "
                   "regime.", ""]
         lines += regimes_table(results, tuned, (record or {"cells": {}})["cells"],
-                               description["claims"], description["numerics_since"]) + [""]
+                               description["claims"], description["numerics_since"],
+                               description.get("registered", "")) + [""]
     return lines
 
 
@@ -913,7 +924,8 @@ def describe(root: str | Path, study_path: str | None) -> dict:
         study = studies.load_study(study_path)
         description.update(study=study.path, baseline=study.baseline, paper=study.paper,
                            paper_metric=study.paper_metric, scaling=list(study.scaling),
-                           claims=list(study.claims), numerics_since=study.numerics_since)
+                           claims=list(study.claims), numerics_since=study.numerics_since,
+                           registered=study.registered)
         if study.scaling_axis != "model":
             description["scaling_axis"] = study.scaling_axis
         description.setdefault("scale", study.scales[0])
@@ -939,7 +951,7 @@ def write_report(root: str | Path, description: dict) -> Path:
     plot_curves(results, root / CURVES)
     lines += ["", f"![Validation loss curves]({CURVES})", ""]
     if any(claim.metric != studies.MULTIPLIER for claim in description["claims"]):
-        boundary = description["numerics_since"]
+        boundary, registered = description["numerics_since"], description.get("registered", "")
         lines += ["## Registered claims", "",
                   "Each claim as registered in the study file: Δ = arm − "
                   "reference in final eval loss, paired by seed, with its 95% t interval; `<` "
@@ -956,8 +968,10 @@ def write_report(root: str | Path, description: dict) -> Path:
                   "an arm has a finished-seed count other than the registered n"
                   + (f", or a run of its arms is not known to have trained at code from "
                      f"NUMERICS_SINCE {boundary} (provenance.jsonl)" if boundary else "")
+                  + (f", or a run of its arms was first launched before the claims were "
+                     f"registered (REGISTERED {registered}: post hoc)" if registered else "")
                   + ".", ""]
-        lines += claims_table(results, description["claims"], boundary) + [""]
+        lines += claims_table(results, description["claims"], boundary, registered) + [""]
     lines += tuning_section(root, description, results)
     if studies.is_isoflop(description["scaling"]):
         lines += isoflop_section(root, description, results, arms)

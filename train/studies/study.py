@@ -16,6 +16,9 @@ A study file `experiments/<study>.py` is an experiment file (`get_config(arg)`, 
   registered before the runs that test them; the report tests each (not in scaling studies);
 - optionally `NUMERICS_SINCE`: the commit from which the code gives the study's numbers; a
   claim whose runs trained at older code, or have no provenance record, is exploratory;
+- optionally `REGISTERED`: when the claims were registered (an ISO 8601 date or time in UTC,
+  e.g. "2026-12-06T05:30"), for claims registered after some of their runs: a claim with a run
+  first launched before it, or without a provenance record, is exploratory (post hoc);
 - optionally `TUNING`: the learning-rate grid of `scripts/sweep.py --tune` (`Tuning`), e.g.
   `dict(rates=(7.5e-4, 1.5e-3, 3e-3, 6e-3, 1.2e-2), seed=0)` with optional `steps` (the tuning
   runs' length; default the arm's), `fraction` (the tail of the train split they evaluate on;
@@ -51,6 +54,7 @@ from pathlib import Path
 
 from config.cli import UsageError, load_module
 from train.rundir import DamagedFile, file_lock, read_json
+from train.studies import provenance
 
 NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 COMMIT = re.compile(r"^[0-9a-f]{7,40}$")
@@ -124,6 +128,7 @@ class Study:
     scaling: tuple[str, ...]
     claims: tuple[Claim, ...] = ()
     numerics_since: str = ""
+    registered: str = ""
     tuning: Tuning | None = None
     scaling_axis: str = "model"
 
@@ -227,6 +232,7 @@ def load_study(path: str) -> Study:
                  paper_metric=str(metric), scaling=scaling,
                  claims=_claims(getattr(module, "CLAIMS", ()), arms, scaling, flag, paper),
                  numerics_since=_numerics_since(getattr(module, "NUMERICS_SINCE", ""), flag),
+                 registered=_registered(getattr(module, "REGISTERED", ""), flag),
                  tuning=_tuning(getattr(module, "TUNING", None), flag, scaling),
                  scaling_axis=axis)
 
@@ -399,6 +405,19 @@ def _numerics_since(value, flag: str) -> str:
                      "digits, e.g. 'a954c45')")
 
 
+def _registered(value, flag: str) -> str:
+    """`REGISTERED` checked: "" or an ISO 8601 date or time (UTC), returned as given."""
+    if value == "":
+        return value
+    try:
+        if isinstance(value, str) and provenance.utc_time(value):
+            return value
+    except ValueError:
+        pass
+    raise UsageError(f"{flag}: REGISTERED={value!r} is not an ISO 8601 date or time in UTC "
+                     "(e.g. '2026-12-06T05:30')")
+
+
 def run_dir(root: str | Path, cell: str, seed: int) -> Path:
     """The run directory of (cell, seed) in a sweep root: `ROOT/<cell>/seed<k>`."""
     return Path(root) / cell / f"seed{seed}"
@@ -491,7 +510,7 @@ def read_record(root: str | Path) -> dict | None:
 # The types of study.json's fields (a list's items: RECORD_ITEMS), checked when it is read.
 RECORD_TYPES = {"study": str, "scale": str, "baseline": str, "scaling": list, "cells": list,
                 "seeds": list, "overrides": list, "paper": dict, "paper_metric": str,
-                "claims": list, "numerics_since": str}
+                "claims": list, "numerics_since": str, "registered": str}
 # A claim is a dict; a list is one written before claims were registered, which
 # `claims_from_record` refuses with how to report the study's registered claims.
 RECORD_ITEMS = {"scaling": str, "cells": str, "seeds": int, "overrides": str,
@@ -532,7 +551,7 @@ def _merge_record(root: Path, study: Study, scale: str, cells: list[str], seeds:
             "overrides": list(overrides), "paper": study.paper,
             "paper_metric": study.paper_metric,
             "claims": [dataclasses.asdict(claim) for claim in study.claims],
-            "numerics_since": study.numerics_since}
+            "numerics_since": study.numerics_since, "registered": study.registered}
     if study.scaling_axis != "model":
         data["scaling_axis"] = study.scaling_axis
     path = root / RECORD
