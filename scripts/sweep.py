@@ -2,7 +2,7 @@
 
     python scripts/sweep.py --study experiments/STUDY.py --root runs/STUDY [--scale SCALE]
         [--seeds 0,1,2] [--arms A,B] [--sizes S,M] [--launch local|print|slurm|tpu [--submit]]
-        [--tune | --tuned] [-- --config.FIELD=VALUE ...]
+        [--tune | --tuned] [--vmap_seeds] [--compile_cache] [-- --config.FIELD=VALUE ...]
 
 Each (cell, seed) trains into its own run directory, ROOT/<cell>/seed<k>, with
 `python -m train --config STUDY:CELL,SCALE --workdir ROOT/<cell>/seed<k> --config.seed=K`
@@ -15,7 +15,12 @@ launches: `train.studies.sweep`.
   local   run each in turn here (default): one progress line per run, its output in
           ROOT/<cell>/seed<k>/train.log. A finished run is skipped and an interrupted one
           resumes from its checkpoint, so stopping and rerunning the command is safe. A failed
-          run does not stop the others; the summary lists the failures.
+          run does not stop the others; the summary lists the failures. Study mode
+          (docs/studies.md#study-mode): --vmap_seeds trains the unstarted seeds of each cell as
+          one vmapped program (`python -m train.seeds`: one compile, output in
+          ROOT/<cell>/seeds.log; an interrupted group's seeds then resume one by one), and
+          --compile_cache shares JAX's persistent compilation cache, ROOT/compilation_cache,
+          across the runs (compiled once per program, not per run).
   print   print one `python -m train` command per run (shell-quoted).
   slurm   write ROOT/slurm_runs.txt (one run's arguments per line) and print the command that
           submits them as one array job of scripts/slurm_train.sbatch; with --submit, also
@@ -92,6 +97,10 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[Run]]:
     parser.add_argument("--launch", "--launcher", choices=LAUNCHES, default="local")
     parser.add_argument("--submit", action="store_true",
                         help="with --launch slurm: submit the array job with sbatch")
+    parser.add_argument("--vmap_seeds", action="store_true",
+                        help="local: train each cell's unstarted seeds as one vmapped program")
+    parser.add_argument("--compile_cache", action="store_true",
+                        help="local: share JAX's compilation cache, ROOT/compilation_cache")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--tune", action="store_true",
                       help="tune each arm's learning rate over the study's TUNING grid")
@@ -105,6 +114,9 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[Run]]:
     if args.submit and args.launch != "slurm":
         parser.error(f"--submit submits a SLURM array job: it needs --launch slurm, not "
                      f"--launch {args.launch}")
+    for flag in ("vmap_seeds", "compile_cache"):
+        if getattr(args, flag) and args.launch != "local":
+            parser.error(f"--{flag} is for local launches, not --launch {args.launch}")
     try:
         study = studies.load_study(args.study)
         scale = args.scale or study.scales[0]
@@ -195,8 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     elif args.launch == "tpu":
         sweep.tpu(runs)
     else:
+        cache = Path(args.root) / "compilation_cache" if args.compile_cache else None
         try:
-            return sweep.run_local(runs)
+            return sweep.run_local(runs, vmap_seeds=args.vmap_seeds, compile_cache=cache)
         except sweep.Interrupted as interrupted:
             print(interrupted, file=sys.stderr)
             return 128 + interrupted.signum

@@ -467,6 +467,57 @@ def test_a_slurm_array_sweep_equals_the_local_sweep(swept, tmp_path):
     assert (recorded["cells"], recorded["seeds"]) == (["low", "high"], [0])
 
 
+def test_vmap_groups_join_the_unstarted_seeds_of_a_cell(tmp_path):
+    """Consecutive unstarted seed<k> runs of one cell and overrides form one group; a started
+    run (it has metrics.jsonl), another cell or a non-seed directory (a tuning run) stays
+    alone."""
+    from train.studies.sweep import Run, vmap_groups
+
+    def run(cell, seed, directory=None, overrides=()):
+        return Run(cell, seed, f"s.py:{cell}", tmp_path / cell / (directory or f"seed{seed}"),
+                   tuple(overrides))
+
+    started = run("a", 2)
+    started.workdir.mkdir(parents=True)
+    (started.workdir / "metrics.jsonl").write_text("")
+    runs = [run("a", 0), run("a", 1), started, run("a", 3), run("b", 0), run("b", 1),
+            run("b", 2, overrides=("--config.steps=5",)), run("c", 100, "lr0.001"),
+            run("c", 100, "lr0.002")]
+    groups = vmap_groups(runs)
+    assert [[(r.cell, r.seed) for r in group] for group in groups] == [
+        [("a", 0), ("a", 1)], [("a", 2)], [("a", 3)], [("b", 0), ("b", 1)], [("b", 2)],
+        [("c", 100)], [("c", 100)]]
+
+
+@pytest.mark.slow
+def test_a_vmapped_sweep_with_a_compilation_cache_equals_the_local_sweep(swept, tmp_path):
+    """--vmap_seeds --compile_cache: each cell's two seeds train as one `python -m train.seeds`
+    program, sharing ROOT/compilation_cache; the runs equal the local sweep's to float32
+    tolerance (two programs), and a rerun skips them all."""
+    local, _ = swept
+    study = str(write_study(tmp_path))
+    root = tmp_path / "root"
+    done = sweep("--study", study, "--root", str(root), "--arms", "low,high", "--vmap_seeds",
+                 "--compile_cache")
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert lines[0] == "[1/4] arm=low seed=0 queued" and lines[1] == "[2/4] arm=low seed=1 queued"
+    assert lines[2].startswith("arm=low seed=0: done in ") and lines[-1] == "4 of 4 runs finished"
+    assert (root / "low" / "seeds.log").is_file()
+    assert any((root / "compilation_cache").iterdir())
+    for arm in ("low", "high"):
+        for seed in (0, 1):
+            mine = studies.read_metrics(root / arm / f"seed{seed}")
+            theirs = studies.read_metrics(local / arm / f"seed{seed}")
+            assert [r["step"] for r in mine] == [r["step"] for r in theirs]
+            np.testing.assert_allclose([r["train_loss"] for r in mine],
+                                       [r["train_loss"] for r in theirs], rtol=2e-5)
+            assert json.loads((root / arm / f"seed{seed}" / "provenance.jsonl").read_text()
+                              )["command"][1:3] == ["-m", "train.seeds"]
+    again = sweep("--study", study, "--root", str(root), "--arms", "low,high", "--vmap_seeds")
+    assert again.returncode == 0 and again.stdout.count("finished already") == 4
+
+
 def test_the_loss_table_puts_the_papers_difference_beside_the_paired_one():
     def runs(*losses):
         return {seed: Result(loss, [], None) for seed, loss in enumerate(losses)}

@@ -80,71 +80,130 @@ class Interrupted(Exception):
             "stopped one resumes from its checkpoint)")
 
 
-def run_local(runs: list[Run]) -> int:
+def vmap_groups(runs: list[Run]) -> list[list[Run]]:
+    """`runs` in order, consecutive runs that can train as one vmapped program (`python -m
+    train.seeds`) grouped: the seeds of one cell with the same config and overrides, in sibling
+    directories `seed<k>` that hold no run yet (a started run resumes alone, as `python -m
+    train`); every other run alone."""
+    groups: list[list[Run]] = []
+    for run in runs:
+        fresh = (run.workdir.name == f"seed{run.seed}"
+                 and not (run.workdir / "metrics.jsonl").exists())
+        last = groups[-1][-1] if groups else None
+        if (fresh and last is not None and last.workdir.parent == run.workdir.parent
+                and (last.cell, last.config, last.overrides, last.workdir.name)
+                == (run.cell, run.config, run.overrides, f"seed{last.seed}")
+                and not (last.workdir / "metrics.jsonl").exists()):
+            groups[-1].append(run)
+        else:
+            groups.append([run])
+    return groups
+
+
+def _command(group: list[Run]) -> list[str]:
+    """The command that trains `group`: `python -m train` for one run, `python -m train.seeds`
+    for several seeds of one cell (`vmap_groups`)."""
+    if len(group) == 1:
+        return [sys.executable, "-m", "train", *group[0].train_args()]
+    first = group[0]
+    return [sys.executable, "-m", "train.seeds", "--config", first.config, "--workdir",
+            str(first.workdir.parent), "--seeds", ",".join(str(run.seed) for run in group),
+            *first.overrides]
+
+
+def run_local(runs: list[Run], *, vmap_seeds: bool = False,
+              compile_cache: Path | None = None) -> int:
     """Run each of `runs` in turn as `python -m train` (output in WORKDIR/train.log), skipping
     those finished with the same config (one finished with another, e.g. after the study file
     changed, is reported as failed and kept); print one line per run and a summary. Each launch
     first appends its provenance (`train.studies.provenance`) to the run directory. Returns 0,
     or 1 if any failed. SIGINT or SIGTERM is passed on to the run in progress, which saves its
-    checkpoint and stops; then `Interrupted` names it."""
+    checkpoint and stops; then `Interrupted` names it.
+
+    With `vmap_seeds`, the unstarted seeds of a cell train at once as one vmapped program
+    (`vmap_groups`; docs/studies.md#study-mode: one compile for the seeds, no resume within
+    the group, so an interrupted group starts again). With `compile_cache`, every run shares
+    JAX's persistent compilation cache in that directory."""
     received: list[int] = []  # the signals, first one first
     running: list[subprocess.Popen] = []  # the run in progress
+    env = dict(os.environ)
+    if compile_cache is not None:
+        env.update(JAX_COMPILATION_CACHE_DIR=str(compile_cache),
+                   JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
 
     def forward(signum, frame):
         received.append(signum)
         for child in running:
             child.send_signal(signum)
 
+    def launch(group: list[Run], log: Path) -> int:
+        command = _command(group)
+        for run in group:
+            run.workdir.mkdir(parents=True, exist_ok=True)
+            provenance.append(run.workdir, command)
+        with log.open("a") as output:
+            running.append(subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT,
+                                            env=env))
+            if received:  # a signal before the run started to be passed on
+                running[0].send_signal(received[0])
+            status = running[0].wait()
+            running.clear()
+        return status
+
     previous = {signum: signal.signal(signum, forward)
                 for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
-        failures, finished = [], 0
-        for index, run in enumerate(runs, 1):
-            if received:
-                raise Interrupted(received[0], None, finished, len(runs))
-            print(f"[{index}/{len(runs)}] {run.label()} ", end="", flush=True)
-            try:
-                config = run_config(run)
-            except UsageError as error:
-                failures.append((run, f"bad config: {error}"))
-                print(f"failed: {error}", flush=True)
-                continue
-            state, loss = studies.run_state(run.workdir, int(config.steps))
-            if state == "finished":
+        failures, finished, index = [], 0, 0
+        for group in (vmap_groups(runs) if vmap_seeds else [[run] for run in runs]):
+            pending = []  # (run, its steps) to train
+            for run in group:
+                index += 1
+                if received:
+                    raise Interrupted(received[0], None, finished, len(runs))
+                print(f"[{index}/{len(runs)}] {run.label()} ", end="", flush=True)
                 try:
-                    rundir.check_resume(run.workdir, config, resolved=False)
-                except ConfigError as error:
-                    failures.append((run, f"stale: {error}"))
-                    print(f"failed: finished with another config: {error}", flush=True)
+                    config = run_config(run)
+                except UsageError as error:
+                    failures.append((run, f"bad config: {error}"))
+                    print(f"failed: {error}", flush=True)
                     continue
-                finished += 1
-                print(f"finished already (eval_loss {loss:.4f}): skipped", flush=True)
+                state, loss = studies.run_state(run.workdir, int(config.steps))
+                if state == "finished":
+                    try:
+                        rundir.check_resume(run.workdir, config, resolved=False)
+                    except ConfigError as error:
+                        failures.append((run, f"stale: {error}"))
+                        print(f"failed: finished with another config: {error}", flush=True)
+                        continue
+                    finished += 1
+                    print(f"finished already (eval_loss {loss:.4f}): skipped", flush=True)
+                    continue
+                pending.append((run, int(config.steps)))
+                if len(group) > 1:
+                    print("queued", flush=True)
+            if not pending:
                 continue
-            run.workdir.mkdir(parents=True, exist_ok=True)
-            log = run.workdir / "train.log"
-            command = [sys.executable, "-m", "train", *run.train_args()]
-            provenance.append(run.workdir, command)
+            batch = [run for run, _ in pending]
+            log = (batch[0].workdir / "train.log" if len(batch) == 1
+                   else batch[0].workdir.parent / "seeds.log")
             start = time.monotonic()
-            with log.open("a") as output:
-                running.append(subprocess.Popen(command, stdout=output,
-                                                stderr=subprocess.STDOUT, env=os.environ))
-                if received:  # a signal before the run started to be passed on
-                    running[0].send_signal(received[0])
-                status = running[0].wait()
-                running.clear()
+            status = launch(batch, log)
             if received:
                 print("interrupted", flush=True)
-                raise Interrupted(received[0], run, finished, len(runs))
+                raise Interrupted(received[0], batch[0], finished, len(runs))
             elapsed = time.monotonic() - start
-            state, loss = studies.run_state(run.workdir, int(config.steps))
-            if status == 0 and state == "finished":
-                finished += 1
-                print(f"done in {elapsed:.0f} s, eval_loss {loss:.4f}", flush=True)
-            else:
-                why = f"exit {status}" if status else state
-                failures.append((run, f"{why}: {studies.last_line(log)} (log: {log})"))
-                print(f"failed ({why}) after {elapsed:.0f} s: {studies.last_line(log)}",
-                      flush=True)
+            for run, steps in pending:
+                state, loss = studies.run_state(run.workdir, steps)
+                where = "" if len(batch) == 1 else f"{run.label()}: "
+                if status == 0 and state == "finished":
+                    finished += 1
+                    print(f"{where}done in {elapsed:.0f} s, eval_loss {loss:.4f}", flush=True)
+                else:
+                    why = f"exit {status}" if status else state
+                    failures.append((run, f"{why}: {studies.last_line(log)} (log: {log})"))
+                    print(f"{where}failed ({why}) after {elapsed:.0f} s: "
+                          f"{studies.last_line(log)}", flush=True)
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
