@@ -131,7 +131,8 @@ def decode_runner(program, prompt_BxP: jax.Array, length: int) -> Callable[[], N
     back to the first position after the prompt when the cache is full (the cost of a decode
     step does not depend on its position: attention reads the whole masked cache). The
     callable's `cache_bytes` and `cache_positions` are the cache's size in bytes and in
-    positions held (min(length, W) with a sliding window W)."""
+    positions held (min(length, W) with a sliding window W); its `hlo()` the compiled decode
+    program's text."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -173,8 +174,14 @@ def decode_runner(program, prompt_BxP: jax.Array, length: int) -> Callable[[], N
                                                     carry["cache"], carry["token"], position)
         carry["count"] += 1
         jax.block_until_ready(carry["token"])
+    def hlo() -> str:  # the compiled decode program's text, for --profile's op names
+        with jax.set_mesh(program.mesh):
+            return decode.lower(state["params"], state["model_state"], carry["cache"],
+                                carry["token"], jnp.int32(0)).compile().as_text()
+
     step.cache_bytes = cache_bytes
     step.cache_positions = cache_slots(program.model_cfg, length)
+    step.hlo = hlo
     return step
 
 
