@@ -23,6 +23,13 @@ Measure: `res(h_i)` = ‖X − 1x̄ᵀ‖_F / ‖X‖_F by boundary i (`probes.d
 of log res against depth (negative: faster than exponential), and ‖∂loss/∂W_Q‖, ‖∂loss/∂W_K‖ by
 layer, at initialization and after training (`scripts/study_probes.py`).
 
+Registered claims: none, and so no REGISTERED. Neither paper claims anything of the final
+validation loss: the collapse (res by depth and its curvature), the vanishing Q/K gradients and
+what skips, MLPs and the 1/√L branch scale do to them are measured by `scripts/study_probes.py`
+(docs/results/rank_collapse/probes_init.md and probes.md), and report.md's loss table is
+descriptive. A loss claim added later gets its own REGISTERED time (a time set now, with no
+claims, would predate it).
+
 Scales:
 - `cpu` (default): `experiments.common.small_cpu` at 8 layers (d = 64, batch 32 × 64 bytes,
   300 steps, AdamW 1e-3: the norm-free stacks do not train at 3e-3), GELU MLP, learned

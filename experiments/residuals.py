@@ -10,6 +10,12 @@ harness for checking the direction of such claims on one machine, not a reproduc
 scale. Compare `eval_loss` in each run's metrics.jsonl; plot what each mechanism learned to read
 with `python scripts/depth_mixing.py --workdir runs/residuals-NAME`.
 
+Registered claims: none. This is a single-run experiment file, not a study (no ARMS, seeds or
+committed results), so it has no CLAIMS or REGISTERED; the claims it could check are registered
+in the studies that test them: experiments/attnres_ablation.py (AttnRes, mHC),
+experiments/gated_residual_table.py (HC, mHC, the width baseline, the Gated Residual),
+experiments/attnres_isoflop.py (the 1.25× compute multiplier).
+
 Run one mechanism (the config argument names it; default prenorm):
     python -m train --config experiments/residuals.py:block_attnres \
         --workdir runs/residuals-block_attnres

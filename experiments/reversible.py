@@ -18,6 +18,10 @@ Measures (`scripts/bench.py`, one run each; docs/results/reversible/):
 - step time of reversible against ordinary and against remat, timed interleaved in one run
   (`--compare`).
 
+Registered claims: none, and so no REGISTERED. The papers' claims are about memory and step
+time, measured by `scripts/bench.py` (docs/results/reversible/bench_*.json, one run each, no
+seeds), not final validation loss; no training runs of this study are committed.
+
 Scales:
 - `cpu` (default): `experiments.common.small_cpu` at 8 layers (d = 64, batch 32 × 64 bytes).
 - `paper`: d = 1024, 24 layers, 16 heads on subword shards at 4,096 tokens, 20,000 steps of
