@@ -221,6 +221,27 @@ def test_a_full_disk_while_writing_metrics_is_one_line(corpus, tmp_path):
         "once the directory is writable and has space")
 
 
+def test_unretrieved_tensorstore_errors_are_dropped_and_other_errors_kept(caplog):
+    """asyncio reports a TensorStore future nobody awaited after a failed save; its exception,
+    set from C++, has no Python frames, only its `tensorstore_spec`. Other errors still show."""
+    import asyncio
+    import logging
+
+    import train.checkpoint  # noqa: F401  (installs the filter on asyncio's logger)
+
+    def never_retrieved(error: Exception) -> None:
+        future = asyncio.new_event_loop().create_future()
+        future.set_exception(error)
+        del future  # asyncio logs "Future exception was never retrieved" here
+
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        never_retrieved(ValueError("RESOURCE_EXHAUSTED: Failed writing: No space left on "
+                                   "device [tensorstore_spec='{\"driver\":\"zarr\"}']"))
+        assert not caplog.records
+        never_retrieved(ValueError("an error of someone else's"))
+        assert [r.exc_info[1].args for r in caplog.records] == [("an error of someone else's",)]
+
+
 def test_too_little_space_or_a_file_for_checkpoints_is_refused_before_the_first_step(
         corpus, tmp_path, monkeypatch):
     config = tiny_config()

@@ -61,8 +61,9 @@ def _reason(error: BaseException) -> str:
 
 class _OrbaxErrors(logging.Filter):
     """Drops Orbax's error records (and their tracebacks), and asyncio's reports of Orbax tasks
-    whose exception nobody retrieved: each failure they describe reaches the caller as one
-    exception (a `WriteError`, a restore error)."""
+    or TensorStore futures whose exception nobody retrieved: each failure they describe reaches
+    the caller as one exception (a `WriteError`, a restore error). TensorStore's errors are set
+    from C++, without Python frames; they name their `tensorstore_spec`."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno < logging.ERROR:
@@ -70,7 +71,8 @@ class _OrbaxErrors(logging.Filter):
         orbax = f"{os.sep}orbax{os.sep}"
         error = record.exc_info[1] if record.exc_info else None
         frames = traceback.extract_tb(error.__traceback__) if error is not None else []
-        return orbax not in record.pathname and not any(orbax in f.filename for f in frames)
+        return (orbax not in record.pathname and not any(orbax in f.filename for f in frames)
+                and "tensorstore_spec=" not in str(error or ""))
 
 
 def _quiet_closed_loops(unraisable) -> None:
