@@ -48,8 +48,9 @@ VARIANTS = {
     "noskip-none-sigmoid-sigsoftmax-sinusoidal": dict(residual="noskip", norm="none", ffn="mlp",
                                                       ffn__activation="sigmoid",
                                                       head="sigsoftmax", position="sinusoidal"),
-    "hc-relu-zero-outputs": dict(residual="hc", ffn="mlp", ffn__activation="relu",
-                                 init=dict(attention_output="zeros", ffn_output="zeros")),
+    "hc-differential-relu-zero-outputs": dict(
+        residual="hc", attention="differential", ffn="mlp", ffn__activation="relu",
+        init=dict(attention_output="zeros", ffn_output="zeros")),
     "width-moe-every-2nd-shared-mlp-silu-hybrid-LA-dropout": dict(
         residual="width", ffn="moe", moe__every=2, moe__experts=4, moe__shared_experts=1,
         moe__expert_ffn="mlp", ffn__activation="silu", layer_pattern="LA", deltanet__chunk=4,
