@@ -192,6 +192,22 @@ def test_a_resumed_run_logs_each_step_once(trained_run, tmp_path):
     assert sorted({e.step for e in events if e.HasField("summary")}) == [4, 5]
 
 
+def test_tensorboard_is_written_without_importing_torch_which_imports_later(tmp_path):
+    """tensorboardX imports PyTorch where it is installed (about 2 s of every run's start) only
+    to accept its tensors; the writer loads without it, and torch still imports afterwards."""
+    code = ("import sys; from train.metrics import MetricsWriter\n"
+            "with MetricsWriter(sys.argv[1]) as writer:\n"
+            "    writer.write(3, {'train_loss': 2.5})\n"
+            "print('torch' in sys.modules, end=' '); import torch; print(torch.__name__)")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=REPO,
+                          env=one_device_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout == "False torch\n", done.stderr[-3000:]
+    (events,) = (tmp_path / "tensorboard").iterdir()
+    [value] = [(e.step, v.tag, v.simple_value) for e in read_events(events)
+               for v in e.summary.value]
+    assert value == (3, "train_loss", 2.5)
+
+
 # 3. keep_checkpoints ≥ 1, and 6-8: one line and exit 2 for every bad input, before JAX --------
 
 @pytest.mark.parametrize("args,message", [

@@ -3,7 +3,9 @@ when a writer opens), and the measured matmul peak used for MFU."""
 
 from __future__ import annotations
 
+import functools
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -11,6 +13,21 @@ import jax
 import jax.numpy as jnp
 
 from train.rundir import truncate_metrics
+
+
+def _summary_writer() -> type:
+    """tensorboardX's `SummaryWriter`, imported when a run writes, without PyTorch: where torch
+    is installed (the tests' oracle), tensorboardX imports it only to accept its tensors, which
+    these scalars never are, and that import is about 2 s of every run's start."""
+    unloaded = "torch" not in sys.modules
+    if unloaded:
+        sys.modules["torch"] = None  # tensorboardX's optional `import torch` fails, and is skipped
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        if unloaded:
+            del sys.modules["torch"]
+    return SummaryWriter
 
 
 class MetricsWriter:
@@ -25,13 +42,11 @@ class MetricsWriter:
     def __init__(self, workdir: str | Path, resume_step: int = 0):
         self.enabled = jax.process_index() == 0
         if self.enabled:
-            from tensorboardX import SummaryWriter  # slow to import: only when a run writes
-
             self.path = Path(workdir) / "metrics.jsonl"
             truncate_metrics(self.path, resume_step)
             tensorboard = Path(workdir) / "tensorboard"
             purge_step = resume_step + 1 if tensorboard.exists() else None
-            self.tensorboard = SummaryWriter(str(tensorboard), purge_step=purge_step)
+            self.tensorboard = _summary_writer()(str(tensorboard), purge_step=purge_step)
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:
@@ -54,8 +69,11 @@ class MetricsWriter:
         self.close()
 
 
-def measure_matmul_peak(size: int = 1024, dtype=jnp.float32, repeats: int = 5) -> float:
-    """Measured FLOP/s of one device on a square matmul chain (best of `repeats`).
+@functools.cache
+def measure_matmul_peak(size: int = 1024, dtype=jnp.float32, repeats: int = 3,
+                        chain_length: int = 4) -> float:
+    """Measured FLOP/s of one device on a chain of square matmuls (best of `repeats`), once per
+    process. Cost: (repeats + 1) · chain_length · 2·size³ FLOPs (34 GFLOP by default).
 
     A same-run baseline for MFU: an absolute peak from a datasheet holds on no shared CPU.
     """
@@ -63,7 +81,7 @@ def measure_matmul_peak(size: int = 1024, dtype=jnp.float32, repeats: int = 5) -
 
     @jax.jit
     def chain(a):
-        for _ in range(8):
+        for _ in range(chain_length):
             a = (a @ x) * (1.0 / size)
         return a
 
@@ -73,4 +91,4 @@ def measure_matmul_peak(size: int = 1024, dtype=jnp.float32, repeats: int = 5) -
         start = time.perf_counter()
         chain(x).block_until_ready()
         best = min(best, time.perf_counter() - start)
-    return 8 * 2 * size**3 / best
+    return chain_length * 2 * size**3 / best
