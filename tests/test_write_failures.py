@@ -243,6 +243,31 @@ def test_unretrieved_tensorstore_errors_are_dropped_and_other_errors_kept(caplog
         assert [r.exc_info[1].args for r in caplog.records] == [("an error of someone else's",)]
 
 
+def test_after_a_failed_save_its_abandoned_writes_are_not_reported(tmp_path):
+    """Orbax's writes of a failed save may be coroutines nobody awaits: Python reports each
+    when collected (at exit, after the one error line) unless the failure muted them."""
+    import errno
+    import types
+    import warnings
+
+    from train.checkpoint import Checkpointer
+
+    async def write_fragment():
+        pass
+
+    checkpointer = Checkpointer.__new__(Checkpointer)  # the state a failed save reads
+    checkpointer.saving, checkpointer.directory = 8, tmp_path
+    checkpointer.manager = types.SimpleNamespace(latest_step=lambda: 4)
+    with warnings.catch_warnings(record=True) as caught:  # restores the filters after
+        warnings.simplefilter("always")
+        write_fragment()  # collected at once, never awaited: reported
+        error = checkpointer._write_error(OSError(errno.ENOSPC, "No space left on device"))
+        write_fragment()  # after the failure: muted
+    assert [str(w.message).split("'")[1] for w in caught] == [write_fragment.__qualname__]
+    assert str(error).startswith(f"cannot write the checkpoint of step 8 to {tmp_path}/8: No "
+                                 "space left on device; the newest complete checkpoint, step 4")
+
+
 def test_too_little_space_or_a_file_for_checkpoints_is_refused_before_the_first_step(
         corpus, tmp_path, monkeypatch):
     config = tiny_config()

@@ -27,6 +27,7 @@ import shutil
 import sys
 import time
 import traceback
+import warnings
 from pathlib import Path
 
 import jax
@@ -190,6 +191,9 @@ class Checkpointer:
 
     def _write_error(self, error: Exception) -> WriteError:
         step, self.saving, self.failed = self.saving, None, True
+        # The failed save's other writes, which Orbax made and never awaited, are reported
+        # when collected (at exit): the one error says what failed.
+        warnings.filterwarnings("ignore", r"coroutine '.*' was never awaited", RuntimeWarning)
         latest = self.manager.latest_step()
         kept = ("no checkpoint is complete yet; rerun the same command to start again" if latest
                 is None else f"the newest complete checkpoint, step {latest}, is kept; rerun "
