@@ -8,8 +8,9 @@ checkpoint's tokenizer) that every script reading a run takes: `train.interop.im
 module docstring says what it reads and writes. --seq_len: the run's seq_len (default: the
 model's context capped at `import_hf.DEFAULT_MAX_SEQ_LEN`, 1024). Nothing is downloaded.
 
-Exit status: 0 done; 2 a bad argument or a checkpoint that cannot be imported exactly, one line
-on stderr. The paths and --seq_len are checked before JAX loads.
+Exit status: 0 done; 2 a bad argument or a checkpoint that cannot be imported exactly; 3 the
+run cannot be written (no space, a read-only directory); one line on stderr. The paths and
+--seq_len are checked before JAX loads.
 """
 
 from __future__ import annotations
@@ -77,13 +78,18 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    from train.interop.import_hf import import_checkpoint  # JAX loads here, after the checks
+    from train.checkpoint import WriteError, failure_reason  # JAX loads here, after the checks
+    from train.interop.import_hf import import_checkpoint
 
     try:
         config_path = import_checkpoint(args.checkpoint, workdir, args.seq_len)
     except (FileNotFoundError, ValueError) as error:  # ConfigError is a ValueError
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except (WriteError, OSError) as error:
+        print(f"error: cannot write the run into {workdir}: {failure_reason(error)}; remove "
+              "it and rerun once the directory is writable and has space", file=sys.stderr)
+        return 3
     print(f"wrote {config_path} and a step-0 checkpoint in {workdir / 'checkpoints'}")
     return 0
 

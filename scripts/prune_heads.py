@@ -12,8 +12,9 @@ importance on --calibration_batches training batches; the removable rounds are t
 the timing). Writes heads.md, heads.json and heads.png into --out:
 `train.instruments.pruning_report.measure_heads`, whose module docstring says what it measures.
 
-Exit status: 0 done; 2 a bad argument or a run that does not restore, one line on stderr. The
-arguments are checked against the run's config.json before JAX loads.
+Exit status: 0 done; 2 a bad argument or a run that does not restore; 3 --out cannot be
+written (no space, a read-only directory); one line on stderr. The arguments are checked against
+the run's config.json before JAX loads.
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    from train.instruments import pruning_report  # JAX loads here, after the checks
+    from train.checkpoint import failure_reason  # JAX loads here, after the checks
+    from train.instruments import pruning_report
 
     try:
         report = pruning_report.measure_heads(
@@ -68,7 +70,12 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as error:  # ConfigError is a ValueError
         print(f"error: {error}", file=sys.stderr)
         return 2
-    pruning_report.write_heads(report, args.out)
+    try:
+        pruning_report.write_heads(report, args.out)
+    except OSError as error:
+        print(f"error: cannot write into --out={args.out}: {failure_reason(error)}; rerun "
+              "once the directory is writable and has space", file=sys.stderr)
+        return 3
     return 0
 
 

@@ -11,8 +11,9 @@ channel); --calibration_batches: training batches the calibration reads (llm_int
 --threshold: llm_int8's outlier threshold; --measure: also the loss delta, weight bytes and the
 decode-time ratio.
 
-Exit status: 0 done; 2 a bad argument or a run that does not restore, one line on stderr. The
-arguments are checked against RUN's config.json before JAX loads.
+Exit status: 0 done; 2 a bad argument or a run that does not restore; 3 OUT cannot be written
+(no space, a read-only directory); one line on stderr. The arguments are checked against RUN's
+config.json before JAX loads.
 """
 
 from __future__ import annotations
@@ -70,19 +71,24 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    from train.interop import quantize  # JAX loads here, after the checks
+    from train.checkpoint import WriteError, failure_reason  # JAX loads here, after the checks
+    from train.interop import quantize
 
     try:
         report = quantize.quantize_run(args.workdir, args.out, args.method,
                                        group_size=args.group_size,
                                        calibration_batches=args.calibration_batches,
                                        threshold=args.threshold)
+        if args.measure:
+            report.update(quantize.measure(args.workdir, args.out))
+        (Path(args.out) / "quantization.json").write_text(json.dumps(report, indent=2) + "\n")
     except (FileNotFoundError, ValueError) as error:  # ConfigError is a ValueError
         print(f"error: {error}", file=sys.stderr)
         return 2
-    if args.measure:
-        report.update(quantize.measure(args.workdir, args.out))
-    (Path(args.out) / "quantization.json").write_text(json.dumps(report, indent=2) + "\n")
+    except (WriteError, OSError) as error:
+        print(f"error: cannot write into --out={args.out}: {failure_reason(error)}; remove it "
+              "and rerun once the directory is writable and has space", file=sys.stderr)
+        return 3
     print(json.dumps({k: v for k, v in report.items() if k != "outlier_features"}, indent=2))
     return 0
 

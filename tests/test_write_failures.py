@@ -1,7 +1,8 @@
 """Write failures and interrupts (docs/runs.md): a checkpoint that cannot be written stops the run
 at that save with one line and exit status 3, the newest complete checkpoint is kept and a rerun
 resumes from it as if nothing happened; the same for metrics.jsonl; too little space, or a file
-where `checkpoints` goes, is refused before the first step; Ctrl-C saves the current step.
+where `checkpoints` goes, is refused before the first step; Ctrl-C saves the current step. The
+other command lines that write a run or a report say a failed write in one line, exit 3.
 
 Faults are injected into Orbax's own file operations at each stage of a save (making the step's
 directory, writing its files, the rename that commits it), by replacing `checkpoints` with a
@@ -311,3 +312,64 @@ def test_ctrl_c_saves_the_current_step_and_the_resume_is_uninterrupted(
     saved = int(match[1])
     assert EVERY < saved < STEPS and rundir.checkpoint_steps(workdir)[-1] == saved
     assert_resumes_as_uninterrupted(workdir, corpus, saved, uninterrupted)
+
+
+def _no_space(*args, **kwargs):
+    import errno
+
+    raise OSError(errno.ENOSPC, "No space left on device", "the/file")
+
+
+def _checkpoint_fails(*args, **kwargs):
+    from train.checkpoint import WriteError
+
+    try:
+        _no_space()
+    except OSError as error:  # the chain a failed Checkpointer.save leaves
+        raise WriteError("cannot write the checkpoint of step 0 to the/file: ...") from error
+
+
+@pytest.mark.parametrize("command", ["import_hf", "quantize", "prune_heal", "prune_heads",
+                                     "seeds"])
+def test_the_other_commands_that_write_say_a_failed_write_in_one_line(command, tmp_path,
+                                                                     monkeypatch, capsys):
+    """Every command line that writes a run or a report (besides `python -m train`) turns a
+    failed write, a checkpoint's `WriteError` or an OSError, into one line and exit status 3.
+    The work itself is replaced: only the command line's handling is under test."""
+    import importlib
+
+    out = tmp_path / "out"
+    saved = {"model": {"num_layers": 16}}
+    if command == "seeds":
+        import train.seeds as module
+
+        monkeypatch.setattr(module, "train_seeds", _checkpoint_fails)
+        argv = ["train.seeds", "--config", str(REPO / "experiments/quickstart.py"),
+                "--workdir", str(out), "--seeds", "0,1"]
+        expected = f"error: cannot write the runs in {out}: "
+    else:
+        module = importlib.import_module(f"scripts.{command}")
+        work = {"import_hf": ("train.interop.import_hf", "import_checkpoint", _checkpoint_fails),
+                "quantize": ("train.interop.quantize", "quantize_run", _checkpoint_fails),
+                "prune_heal": ("train.instruments.pruning_report", "write_blocks", _no_space),
+                "prune_heads": ("train.instruments.pruning_report", "write_heads", _no_space)}
+        target, name, failing = work[command]
+        monkeypatch.setattr(importlib.import_module(target), name, failing)
+        for check, value in (("check_checkpoint", None), ("check_arguments", None),
+                             ("saved_run", saved), ("check_analysis", None)):
+            if hasattr(module, check):
+                monkeypatch.setattr(module, check, lambda *args, value=value: value)
+        for measure in ("measure_blocks", "measure_heads"):
+            monkeypatch.setattr(importlib.import_module("train.instruments.pruning_report"),
+                                measure, lambda *args, **kwargs: {})
+        source = "--checkpoint" if command == "import_hf" else "--workdir"
+        argv = [source, str(tmp_path / "source"),
+                "--workdir" if command == "import_hf" else "--out", str(out),
+                *(["--method", "int8"] if command == "quantize" else [])]
+        expected = (f"error: cannot write the run into {out}: " if command == "import_hf" else
+                    f"error: cannot write into --out={out}: ")
+    assert module.main(argv) == 3
+    stderr = capsys.readouterr().err
+    assert stderr.count("\n") == 1 and stderr.startswith(
+        expected + "No space left on device; "), stderr
+    assert "once the directory is writable and has space" in stderr

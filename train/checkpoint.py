@@ -46,7 +46,7 @@ class WriteError(RuntimeError):
     the error and the newest complete checkpoint, which a rerun resumes from."""
 
 
-def _reason(error: BaseException) -> str:
+def failure_reason(error: BaseException) -> str:
     """The system's words for a failed write ("No space left on device") where the error, or
     one it came from, carries an OS error (TensorStore's `os_error_code='28'` included), else
     its first line."""
@@ -199,7 +199,7 @@ class Checkpointer:
                 is None else f"the newest complete checkpoint, step {latest}, is kept; rerun "
                 "the same command to resume from it")
         return WriteError(f"cannot write the checkpoint of step {step} to "
-                          f"{self.directory / str(step)}: {_reason(error)}; {kept} once the "
+                          f"{self.directory / str(step)}: {failure_reason(error)}; {kept} once the "
                           "directory is writable and has space")
 
     def write_error(self, path: Path, error: OSError) -> WriteError:
@@ -209,7 +209,7 @@ class Checkpointer:
         latest = self.latest_step()
         kept = ("no checkpoint is complete yet" if latest is None else
                 f"the newest complete checkpoint, step {latest}, is kept in {self.directory}")
-        return WriteError(f"cannot write {path}: {_reason(error)}; {kept}; rerun the same "
+        return WriteError(f"cannot write {path}: {failure_reason(error)}; {kept}; rerun the same "
                           "command once the directory is writable and has space")
 
     def check_space(self, abstract_state) -> None:

@@ -150,7 +150,15 @@ def main(argv: list[str]) -> int:
     except (ConfigError, UsageError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    losses = train_seeds(config, workdir, seeds)
+    from train.checkpoint import WriteError, failure_reason
+
+    try:
+        losses = train_seeds(config, workdir, seeds)
+    except (WriteError, OSError) as error:  # a checkpoint, metrics.jsonl, config.json
+        print(f"error: cannot write the runs in {workdir}: {failure_reason(error)}; rerun the "
+              "same command once the directory is writable and has space (the seeds start "
+              "again)", file=sys.stderr)
+        return 3
     for seed, loss in losses.items():
         print(f"seed {seed}: validation loss at step {config.steps}: {loss:.4f}")
     return 0 if len(losses) == len(seeds) else 1
