@@ -51,6 +51,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 from config import cli
 from config.cli import ArgumentParser, UsageError
@@ -84,8 +85,18 @@ def check_overrides(study: studies.Study, scale: str, overrides: list[str]) -> N
     cli.apply_overrides(config, fields)
 
 
-def parse(argv: list[str]) -> tuple[argparse.Namespace, list[Run]]:
-    """(arguments, runs) of the command line `argv` (without the program), recorded in
+class Plan(NamedTuple):
+    """What a command line asks for: the study's cells at a scale, and the runs to launch
+    (none for --tune, whose runs `tuning.tune` chooses as the losses come in)."""
+    study: studies.Study
+    scale: str
+    cells: list[str]
+    overrides: list[str]
+    runs: list[Run]
+
+
+def parse(argv: list[str]) -> tuple[argparse.Namespace, Plan]:
+    """(arguments, plan) of the command line `argv` (without the program), recorded in
     ROOT/study.json; a bad argument or study exits 2 with one line."""
     parser = ArgumentParser("python scripts/sweep.py", __doc__)
     parser.add_argument("--study", required=True, metavar="PATH", help="the study file")
@@ -138,18 +149,17 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[Run]]:
             check_tuning(args, study, arms, overrides)
         if args.tune:
             tuning.check_root(args.root, study, scale, overrides)
-            args.plan = (study, scale, cells, overrides)
-            return args, []
+            return args, Plan(study, scale, cells, overrides, [])
         if args.tuned:
-            args.plan = (study, scale, cells, overrides)
             runs = tuning.tuned_plan(study, args.root, scale, cells, seeds, overrides)
             studies.record(Path(args.root) / tuning.TUNED_DIR, study, scale, cells, seeds,
                            overrides)
-            return args, runs
+            return args, Plan(study, scale, cells, overrides, runs)
         studies.record(args.root, study, scale, cells, seeds, overrides)
     except UsageError as error:
         parser.error(str(error))
-    return args, sweep.plan(study, args.root, scale, cells, seeds, overrides)
+    runs = sweep.plan(study, args.root, scale, cells, seeds, overrides)
+    return args, Plan(study, scale, cells, overrides, runs)
 
 
 def check_tuning(args: argparse.Namespace, study: studies.Study, arms: tuple[str, ...],
@@ -178,23 +188,23 @@ def check_tuning(args: argparse.Namespace, study: studies.Study, arms: tuple[str
 
 def main(argv: list[str] | None = None) -> int:
     """The command line (module docstring); returns the exit status."""
-    args, runs = parse(sys.argv[1:] if argv is None else argv)
+    args, plan = parse(sys.argv[1:] if argv is None else argv)
+    study, runs = plan.study, plan.runs
     if args.tune:
-        study, scale, cells, overrides = args.plan
         try:
-            record = tuning.tune(study, args.root, scale, cells, overrides)
+            record = tuning.tune(study, args.root, plan.scale, plan.cells, plan.overrides)
         except sweep.Interrupted as interrupted:  # in a tuning run (`sweep.run_local`)
             print(interrupted, file=sys.stderr)
             return 128 + interrupted.signum
         except KeyboardInterrupt:
             print("\ninterrupted: rerun the same command to resume", file=sys.stderr)
             return 130
-        tuned = list(dict.fromkeys(study.tuning.tuning_cell(cell) for cell in cells))
+        tuned = list(dict.fromkeys(study.tuning.tuning_cell(cell) for cell in plan.cells))
         lines = tuning.summary(record, tuned)
         print("\n".join(["tuned rates (ROOT/tuning.json):", *lines]))
         return 1 if any(record["cells"][cell]["pick"] is None for cell in tuned) else 0
     if args.tuned:
-        record, study = tuning.read_tuning(args.root), args.plan[0]
+        record = tuning.read_tuning(args.root)
         for cell in dict.fromkeys(run.cell for run in runs):
             source = study.tuning.tuning_cell(cell) if study.tuning else cell
             if not record["cells"][source]["interior"]:
