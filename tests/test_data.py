@@ -2,6 +2,7 @@
 
 import os
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -75,7 +76,11 @@ def test_kjv_prepares_offline_into_data_dir(kjv, kjv_dir):
 def test_kjv_prepared_once_by_runs_started_at_once(tmp_path, monkeypatch):
     """Two sweeps started at once on a fresh cache both built KJV; the second's rename of its
     incomplete directory failed (FileExistsError). Both callers now check, wait for the lock
-    held here, and only the first builds; the other finds it prepared."""
+    held here, and only the first builds; the other finds it prepared. Nothing is left in the
+    temporary directory (tfds's metadata lookup left an empty one per builder opened)."""
+    temporary = tmp_path / "temporary"
+    temporary.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temporary))
     builds = []
     build = in_memory.KjvBible.download_and_prepare
     monkeypatch.setattr(in_memory.KjvBible, "download_and_prepare",
@@ -87,6 +92,7 @@ def test_kjv_prepared_once_by_runs_started_at_once(tmp_path, monkeypatch):
             assert not any(name.done() for name in names)
         assert [name.result() for name in names] == ["kjv_bible", "kjv_bible"]
     assert builds == [1]
+    assert not list(temporary.iterdir())
 
 
 def test_kjv_splits_are_disjoint_chapters_spanning_the_book(kjv):
