@@ -37,6 +37,16 @@ def _data_dir(tmp_path_factory):
     os.environ["BLOCKBENCH_DATA_DIR"] = str(tmp_path_factory.mktemp("tfds"))
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Unmap the machine code of the module's compiled programs once it is done: JAX's caches
+    keep every program loaded, about 3 memory maps each, and one process running the whole
+    suite (`pytest -n 0`) crashed in XLA on reaching Linux's limit of 65,530 maps per process
+    (vm.max_map_count). A program needed again is read back from the compilation cache."""
+    yield
+    jax.clear_caches()
+
+
 def pytest_sessionfinish(session):
     if not hasattr(session.config, "workerinput"):  # the controller, after every worker
         shutil.rmtree(COMPILATION_CACHE, ignore_errors=True)
