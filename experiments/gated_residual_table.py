@@ -82,17 +82,21 @@ width, hc, mhc_static, mhc, gr) are tuned at the cpu scale over 7.5e-4 … 1.2e-
 factor of 2 apart around the shared 3e-3, widened at an edge while the best lies there), each
 at its full 600 steps with tuning seed 100 (not a reporting seed), on the last 10% of the train
 split; then seeds 0–3 of each train at its own rate into ROOT/tuned (n = 4, as registered). The
-ablations keep the shared rate.
+ablations keep the shared rate. The runs after the changes above (tuning, tuned, and the
+shared-rate reruns of all 13 arms, the last sweep) unroll the layer scan
+(`execution.scan_unroll=8`, after `--`): the same model to float rounding, 0.75–0.90 of the
+rolled step on the CPU (docs/performance.md, "The layer scan unrolled on the CPU"). Queued in
+this order:
 
-Commands:
-    python scripts/sweep.py --study experiments/gated_residual_table.py \\
-        --root runs/gated_residual_table --scale cpu --seeds 0,1,2,3
     python scripts/sweep.py --study experiments/gated_residual_table.py \\
         --root runs/gated_residual_table --scale cpu --arms prenorm,width,hc,mhc_static,mhc,gr \\
-        --tune
+        --tune -- --config.execution.scan_unroll=8
     python scripts/sweep.py --study experiments/gated_residual_table.py \\
         --root runs/gated_residual_table --scale cpu --arms prenorm,width,hc,mhc_static,mhc,gr \\
-        --seeds 0,1,2,3 --tuned
+        --seeds 0,1,2,3 --tuned -- --config.execution.scan_unroll=8
+    python scripts/sweep.py --study experiments/gated_residual_table.py \\
+        --root runs/gated_residual_table --scale cpu --seeds 0,1,2,3 \\
+        -- --config.execution.scan_unroll=8
     python scripts/study_report.py --root runs/gated_residual_table
 """
 
