@@ -384,6 +384,9 @@ def bench(config, steps: int, block: int, depth_check: bool, baseline: str | Non
             f"{', '.join(label for label, run in runners.items() if hasattr(run, 'hlo'))}...")
         result["profile"] = {label: profiled(run, profile_steps)
                              for label, run in runners.items() if hasattr(run, "hlo")}
+        if "torch" in runners:
+            log(f"profiling {profile_steps} steps of torch...")
+            result["profile"]["torch"] = torch_profiled(runners["torch"], profile_steps)
     if data_batches:
         log(f"reading {data_batches} batches of the training data...")
         with contextlib.redirect_stdout(sys.stderr):  # tfds reports preparing on stdout
@@ -406,6 +409,21 @@ def profiled(run: Callable[[], None], steps: int, top: int = 12) -> dict:
     return {"op_s": sum(row["seconds"] for row in rows),
             "by_primitive": dict(list(op_profile.by_primitive(rows).items())[:top]),
             "ops": rows[:top]}
+
+
+def torch_profiled(run: Callable[[], None], steps: int, top: int = 12) -> dict:
+    """--profile's entry for PyTorch's step (with --vs_torch), in `profiled`'s form: the seconds
+    per step of its operators' own CPU time (`torch.profiler`, self time, so nothing counts
+    twice), the largest by operator name (aten::mm, ...); no instruction rows."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as trace:
+        for _ in range(steps):
+            run()
+    seconds = sorted(((event.key, event.self_cpu_time_total / 1e6 / steps)
+                      for event in trace.key_averages()), key=lambda item: -item[1])
+    return {"op_s": sum(second for _, second in seconds), "by_primitive": dict(seconds[:top]),
+            "ops": []}
 
 
 REMAT_VARIANT = "execution.remat={}"  # one --remat_policies variant
@@ -524,7 +542,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vs_unrolled", action="store_true",
                         help="also time the reference step with its layers unrolled")
     parser.add_argument("--profile", type=positive_int, default=0, metavar="N",
-                        help="profile N more steps of each JAX program, per XLA op")
+                        help="profile N more steps of each JAX program, per XLA op (and of "
+                        "PyTorch's with --vs_torch, per operator)")
     parser.add_argument("--remat_policies", metavar="A,B,...", default=None,
                         help="execution.remat values to compare, as ratios to the first")
     config, args = parse_with_config(parser, argv)

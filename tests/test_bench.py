@@ -193,9 +193,9 @@ def test_unrolled_reference_step_equals_the_scanned_one():
 
 
 @pytest.mark.slow
-def test_bench_json_vs_torch_and_vs_unrolled():
+def test_bench_json_vs_torch_and_vs_unrolled_with_profiles():
     pytest.importorskip("torch")
-    done = run_bench("--steps", "2", "--vs_torch", "--vs_unrolled",
+    done = run_bench("--steps", "2", "--vs_torch", "--vs_unrolled", "--profile", "1",
                      *(f"--config.model.{field.replace('__', '.')}={value}"
                        for field, value in TORCH_MODEL_FIELDS.items()))
     assert done.returncode == 0, done.stderr[-3000:]
@@ -203,6 +203,12 @@ def test_bench_json_vs_torch_and_vs_unrolled():
     for key in ("torch_step_time_s", "vs_torch", "unrolled_step_time_s", "vs_unrolled"):
         assert math.isfinite(result[key]) and result[key] > 0, (key, result.get(key))
     assert "no PyTorch comparison" not in done.stderr
+    # --profile covers every program timed, PyTorch's by operator (its self times: the largest
+    # twelve sum to at most the total); the model's products are among them
+    assert set(result["profile"]) == {"framework", "reference", "unrolled", "torch"}
+    torch_profile = result["profile"]["torch"]
+    assert 0 < sum(torch_profile["by_primitive"].values()) <= torch_profile["op_s"] * (1 + 1e-9)
+    assert "aten::mm" in torch_profile["by_primitive"] and torch_profile["ops"] == []
 
 
 @pytest.mark.slow
