@@ -222,9 +222,10 @@ def assess_claims(results: dict[str, dict[int, Result]], claims: list[studies.Cl
     arms do not share all n seeds, (with `numerics_since`) when a run of its arms has no
     provenance or trained at a commit that does not descend from that one, or (with
     `registered`) when a run of its arms was first launched before that time; it is reported with
-    the reason and left out of its family's correction. The other claims of a family share one
-    Holm adjustment (`stats.holm`) of their raw p: the two-sided paired t-test
-    (`stats.paired_p`) for a direction, the TOST (`stats.tost_p`) for an equivalence.
+    the reason and no verdict. The claims of a family share one Holm adjustment (`stats.holm`)
+    of their raw p: the two-sided paired t-test (`stats.paired_p`) for a direction, the TOST
+    (`stats.tost_p`) for an equivalence; an exploratory claim counts in it as untested (p = 1),
+    so the family's other verdicts never get easier while some of its claims wait for runs.
     Compute-multiplier claims are left out: `isoflop_section` assesses them."""
     claims = [claim for claim in claims if claim.metric != studies.MULTIPLIER]
     def per_run(reason) -> dict[tuple[str, int], str | None]:
@@ -253,10 +254,12 @@ def assess_claims(results: dict[str, dict[int, Result]], claims: list[studies.Cl
                                 _exploratory(claim, losses, numerics, numerics_since,
                                              post_hoc, registered)))
     for family in dict.fromkeys(row.claim.family for row in rows):
-        members = [i for i, row in enumerate(rows)
-                   if row.claim.family == family and not row.exploratory]
-        for i, adjusted in zip(members, stats.holm([rows[i].p for i in members]), strict=True):
+        members = [i for i, row in enumerate(rows) if row.claim.family == family]
+        untested = [math.nan if rows[i].exploratory else rows[i].p for i in members]
+        for i, adjusted in zip(members, stats.holm(untested), strict=True):
             row = rows[i]
+            if row.exploratory:
+                continue
             verdict = stats.claim_verdict(row.claim.relation, row.mean, row.interval, adjusted,
                                           row.claim.margin)
             rows[i] = dataclasses.replace(row, adjusted_p=adjusted, verdict=verdict)
@@ -600,7 +603,8 @@ def trends(results: dict[str, dict[int, Result]], description: dict, n: int) -> 
     """`Trend` of each arm but the baseline over the seeds with all four runs it pairs: it
     "shrinks" (|Δ| smaller at the longest length) when the Holm-adjusted p < 0.05 with a
     positive mean shrink, "grows" when p < 0.05 with a negative one, and "stays" otherwise; it is
-    exploratory (out of the correction) unless exactly `n` seeds pair."""
+    exploratory (no verdict, counted in the correction as untested, p = 1) unless exactly `n`
+    seeds pair."""
     baseline = description["baseline"]
     shortest, longest = description["scaling"][0], description["scaling"][-1]
     arms = [arm for arm in dict.fromkeys(studies.split_cell(c)[0] for c in description["cells"])
@@ -619,9 +623,11 @@ def trends(results: dict[str, dict[int, Result]], description: dict, n: int) -> 
                           stats.paired_p(mean, std, count), math.nan,
                           "" if count == n else f"exploratory: {count} paired seeds, "
                           f"registered n = {n}"))
-    members = [i for i, row in enumerate(rows) if not row.verdict]
-    for i, adjusted in zip(members, stats.holm([rows[i].p for i in members]), strict=True):
+    untested = [math.nan if row.verdict else row.p for row in rows]
+    for i, adjusted in enumerate(stats.holm(untested)):
         row = rows[i]
+        if row.verdict:
+            continue
         verdict = ("shrinks" if adjusted < 0.05 and row.mean > 0 else
                    "grows" if adjusted < 0.05 and row.mean < 0 else "stays")
         rows[i] = dataclasses.replace(row, adjusted_p=adjusted, verdict=verdict)
@@ -959,13 +965,13 @@ def write_report(root: str | Path, description: dict) -> Path:
                   "is the two-sided paired t-test of Δ = 0 for a direction, and for an "
                   "equivalence the TOST, max(P(T ≥ (Δ̄ + margin)/s), P(T ≤ (Δ̄ − margin)/s)) "
                   "with s = std/√n on n − 1 degrees of freedom. Holm p: Holm's step-down "
-                  "adjustment over the family's confirmatory claims, p_(i) adjusted = "
+                  "adjustment over all the family's claims, p_(i) adjusted = "
                   "max_{j≤i} min(1, (m − j + 1)·p_(j)). Verdicts at 5%: a direction *agrees* "
                   "(*disagrees*) when the Holm p < 0.05 with Δ on the claimed (other) side; an "
                   "equivalence *agrees* when the Holm p < 0.05 and *disagrees* when the 95% "
                   "interval lies wholly outside [−margin, margin]; otherwise *inconclusive*. "
-                  "A claim is *exploratory* (its reason shown, left out of the correction) when "
-                  "an arm has a finished-seed count other than the registered n"
+                  "A claim is *exploratory* (its reason shown; in the correction as untested, "
+                  "p = 1) when an arm has a finished-seed count other than the registered n"
                   + (f", or a run of its arms is not known to have trained at code from "
                      f"NUMERICS_SINCE {boundary} (provenance.jsonl)" if boundary else "")
                   + (f", or a run of its arms was first launched before the claims were "
