@@ -288,6 +288,22 @@ def test_registered_claims_reach_the_record_and_the_report(tmp_path):
             "no provenance (NUMERICS_SINCE a954c45) |") in report
 
 
+def test_a_sweep_of_some_arms_reports_the_other_arms_claims_as_exploratory(tmp_path):
+    study = studies.load_study(str(write(tmp_path)))
+    root = tmp_path / "root"
+    studies.record(root, study, "cpu", ["a"], [0, 1], [])  # `--arms a`: b not swept
+    for seed, loss in enumerate((2.0, 2.2)):
+        workdir = studies.run_dir(root, "a", seed)
+        workdir.mkdir(parents=True)
+        (workdir / "config.json").write_text(json.dumps({"steps": 10}))
+        (workdir / "metrics.jsonl").write_text(json.dumps({"step": 10, "eval_loss": loss}))
+    description = describe(root, None)
+    assert description["claims"] == list(study.claims)
+    report = write_report(root, description).read_text()
+    assert ("| b < a | 2 / 0 | — | — | — | — | exploratory: b has 0 finished seeds, "
+            "registered n = 2 |") in report
+
+
 def test_a_record_with_old_claims_asks_for_the_study_file(tmp_path):
     (tmp_path / "study.json").write_text(json.dumps({
         "study": "s.py", "scale": "cpu", "baseline": "a", "cells": ["a", "b"], "seeds": [0],

@@ -388,13 +388,14 @@ def claims_from_record(root: str | Path, record: dict) -> tuple[Claim, ...]:
         raise UsageError(f"--root={root}: {RECORD} records claims in the old (arm, relation, "
                          "reference, text) form; pass --study experiments/STUDY.py to report "
                          "its registered claims")
-    scaling = tuple(record.get("scaling", []))
-    arms = tuple(dict.fromkeys(split_cell(cell)[0] for cell in record.get("cells", [])))
-    if scaling:  # the claims name cells; their arms need not all have been swept yet
-        arms = tuple(dict.fromkeys(
-            [*arms, *(split_cell(c[f])[0] for c in claims if isinstance(c, dict)
-                      for f in ("arm", "reference") if isinstance(c.get(f), str))]))
-    return _claims(claims, arms, scaling, f"--root={root}", record.get("paper", {}))
+    # A sweep of some arms (--arms, --tuned) records every claim of the study: the claims'
+    # arms need not all have been swept, and a claim without runs is reported exploratory.
+    arms = tuple(dict.fromkeys(
+        [*(split_cell(cell)[0] for cell in record.get("cells", [])),
+         *(split_cell(c[f])[0] for c in claims if isinstance(c, dict)
+           for f in ("arm", "reference") if isinstance(c.get(f), str))]))
+    return _claims(claims, arms, tuple(record.get("scaling", [])), f"--root={root}",
+                   record.get("paper", {}))
 
 
 def _numerics_since(value, flag: str) -> str:
