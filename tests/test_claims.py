@@ -267,6 +267,16 @@ def test_numerics_since_must_be_a_commit_id(tmp_path):
     assert study.numerics_since == "a954c45"
 
 
+def write_runs(root: Path, **losses: tuple[float, ...]) -> None:
+    """Finished 10-step runs ROOT/<cell>/seed<k>, seed k of a cell ending at losses[cell][k]."""
+    for cell, values in losses.items():
+        for seed, loss in enumerate(values):
+            workdir = studies.run_dir(root, cell, seed)
+            workdir.mkdir(parents=True)
+            (workdir / "config.json").write_text(json.dumps({"steps": 10}))
+            (workdir / "metrics.jsonl").write_text(json.dumps({"step": 10, "eval_loss": loss}))
+
+
 def test_registered_claims_reach_the_record_and_the_report(tmp_path):
     study = studies.load_study(str(write(tmp_path, extra="NUMERICS_SINCE = 'a954c45'")))
     assert study.claims == (studies.Claim("b", "<", "a", quote="b helps",
@@ -274,12 +284,7 @@ def test_registered_claims_reach_the_record_and_the_report(tmp_path):
     root = tmp_path / "root"
     record = studies.record(root, study, "cpu", ["a", "b"], [0, 1], [])
     assert record["claims"][0]["relation"] == "<" and record["numerics_since"] == "a954c45"
-    for cell, losses in (("a", (2.0, 2.2)), ("b", (1.5, 1.8))):
-        for seed, loss in enumerate(losses):
-            workdir = studies.run_dir(root, cell, seed)
-            workdir.mkdir(parents=True)
-            (workdir / "config.json").write_text(json.dumps({"steps": 10}))
-            (workdir / "metrics.jsonl").write_text(json.dumps({"step": 10, "eval_loss": loss}))
+    write_runs(root, a=(2.0, 2.2), b=(1.5, 1.8))
     description = describe(root, None)
     assert description["claims"] == list(study.claims)
     report = write_report(root, description).read_text()
@@ -292,11 +297,7 @@ def test_a_sweep_of_some_arms_reports_the_other_arms_claims_as_exploratory(tmp_p
     study = studies.load_study(str(write(tmp_path)))
     root = tmp_path / "root"
     studies.record(root, study, "cpu", ["a"], [0, 1], [])  # `--arms a`: b not swept
-    for seed, loss in enumerate((2.0, 2.2)):
-        workdir = studies.run_dir(root, "a", seed)
-        workdir.mkdir(parents=True)
-        (workdir / "config.json").write_text(json.dumps({"steps": 10}))
-        (workdir / "metrics.jsonl").write_text(json.dumps({"step": 10, "eval_loss": loss}))
+    write_runs(root, a=(2.0, 2.2))
     description = describe(root, None)
     assert description["claims"] == list(study.claims)
     report = write_report(root, description).read_text()
