@@ -9,7 +9,9 @@ Each (cell, seed) trains into its own run directory, ROOT/<cell>/seed<k>, with
 plus the overrides after `--` (passed to every run). A cell is an arm, or ARM@SIZE for each
 size of a scaling study. ROOT/study.json records the study, the scale and what was asked for,
 so `python scripts/study_report.py --root ROOT` needs nothing else. The runs and their
-launches: `train.studies.sweep`.
+launches: `train.studies.sweep`. The sweep and every run it launches here use the code of the
+checkout this script is in (a git worktree's, say, not an installed package's), and each run's
+provenance.jsonl names that checkout's commit.
 
 --launch:
   local   run each in turn here (default): one progress line per run, its output in
@@ -52,6 +54,10 @@ import argparse
 import sys
 from pathlib import Path
 from typing import NamedTuple
+
+# This checkout's code, not an installed one's (from a git worktree, say): the runs it launches
+# train with the same code, and their provenance names its commit (`sweep.environment`).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from config import cli
 from config.cli import ArgumentParser, UsageError

@@ -9,6 +9,7 @@ import datetime
 import json
 import math
 import subprocess
+import sys
 import types
 from pathlib import Path
 
@@ -370,6 +371,32 @@ def test_the_sweep_records_provenance_before_each_launch(tmp_path, monkeypatch):
                           text=True).stdout.strip()
     for launch in launches:
         assert launch["commit"] == head and isinstance(launch["dirty"], bool)
-        assert launch["command"][1:] == ["-m", "train", *run.train_args()]
+        assert launch["command"][1:] == ["-P", "-m", "train", *run.train_args()]
         assert launch["cpu"] and isinstance(launch["gpus"], list)
         assert datetime.datetime.fromisoformat(launch["date"]).tzinfo is not None
+
+
+def test_the_sweep_and_its_trainers_run_this_checkout_whatever_shadows_it(tmp_path,
+                                                                          monkeypatch):
+    """Another checkout's `train` first on the path (on PYTHONPATH, and as the working
+    directory) replaces neither the code scripts/sweep.py imports nor the code its trainers run
+    (`sweep.environment` and `-P`), so the commit provenance names is the code that trained."""
+    shadow = tmp_path / "other_checkout"
+    (shadow / "train").mkdir(parents=True)
+    (shadow / "train" / "__init__.py").write_text("raise ImportError('the other checkout')\n")
+    monkeypatch.setenv("PYTHONPATH", str(shadow))
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "sweep.py"), "--study",
+                           str(ROOT / "experiments" / "attnres_ablation.py"), "--root",
+                           str(tmp_path / "root"), "--arms", "baseline", "--seeds", "0",
+                           "--launch", "print"], cwd=shadow, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    path = tmp_path / "tiny.py"
+    path.write_text(TINY)
+    [run] = sweep.plan(studies.load_study(str(path)), tmp_path / "root2", "cpu", ["only"],
+                       [0], [])
+    python = sweep._command([run])[:2]
+    assert python == [sys.executable, "-P"]
+    imported = subprocess.run([*python, "-c", "import train; print(train.__file__)"],
+                              cwd=shadow, env=sweep.environment(), capture_output=True,
+                              text=True)
+    assert imported.stdout.strip() == str(ROOT / "train" / "__init__.py"), imported.stderr

@@ -513,7 +513,7 @@ def test_a_vmapped_sweep_with_a_compilation_cache_equals_the_local_sweep(swept, 
             np.testing.assert_allclose([r["train_loss"] for r in mine],
                                        [r["train_loss"] for r in theirs], rtol=2e-5)
             assert json.loads((root / arm / f"seed{seed}" / "provenance.jsonl").read_text()
-                              )["command"][1:3] == ["-m", "train.seeds"]
+                              )["command"][1:4] == ["-P", "-m", "train.seeds"]
     again = sweep("--study", study, "--root", str(root), "--arms", "low,high", "--vmap_seeds")
     assert again.returncode == 0 and again.stdout.count("finished already") == 4
 

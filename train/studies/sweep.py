@@ -102,13 +102,29 @@ def vmap_groups(runs: list[Run]) -> list[list[Run]]:
 
 def _command(group: list[Run]) -> list[str]:
     """The command that trains `group`: `python -m train` for one run, `python -m train.seeds`
-    for several seeds of one cell (`vmap_groups`)."""
+    for several seeds of one cell (`vmap_groups`). `-P` keeps the working directory off the
+    trainer's sys.path, so that with `environment`'s PYTHONPATH it runs this sweep's checkout
+    (the commit its provenance line names), not a `train` package in the working directory."""
     if len(group) == 1:
-        return [sys.executable, "-m", "train", *group[0].train_args()]
+        return [sys.executable, "-P", "-m", "train", *group[0].train_args()]
     first = group[0]
-    return [sys.executable, "-m", "train.seeds", "--config", first.config, "--workdir",
+    return [sys.executable, "-P", "-m", "train.seeds", "--config", first.config, "--workdir",
             str(first.workdir.parent), "--seeds", ",".join(str(run.seed) for run in group),
             *first.overrides]
+
+
+def environment(compile_cache: str | Path | None = None) -> dict[str, str]:
+    """The trainers' environment: this one, with the checkout this code runs from
+    (`provenance.REPOSITORY`) first on PYTHONPATH, and with `compile_cache`, JAX's persistent
+    compilation cache in that directory for every program."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(provenance.REPOSITORY),
+                                         *filter(None, [env.get("PYTHONPATH")])])
+    if compile_cache is not None:
+        env.update(JAX_COMPILATION_CACHE_DIR=str(compile_cache),
+                   JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    return env
 
 
 def run_local(runs: list[Run], *, vmap_seeds: bool = False,
@@ -126,11 +142,7 @@ def run_local(runs: list[Run], *, vmap_seeds: bool = False,
     JAX's persistent compilation cache in that directory."""
     received: list[int] = []  # the signals, first one first
     running: list[subprocess.Popen] = []  # the run in progress
-    env = dict(os.environ)
-    if compile_cache is not None:
-        env.update(JAX_COMPILATION_CACHE_DIR=str(compile_cache),
-                   JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    env = environment(compile_cache)
 
     def forward(signum, frame):
         received.append(signum)
