@@ -131,19 +131,15 @@ def get_config(arg=None):
 '''
 
 
-def test_the_report_fits_the_profiles_and_judges_the_claim(tmp_path):
-    """Run directories written by hand: each a resolved config.json with steps so that its
-    training FLOPs are its budget, and a final loss on the synthetic profile of its (arm,
-    budget); the report recovers the 1.25 and the claim agrees."""
-    (tmp_path / "isoflop.py").write_text(ISOFLOP_STUDY)
-    study = studies.load_study(str(tmp_path / "isoflop.py"))
-    assert study.claims[0].metric == studies.MULTIPLIER
-    root = tmp_path / "root"
+def write_runs(root: Path, study: studies.Study, cells) -> None:
+    """Each cell's seeds 0 and 1 as run directories written by hand: a resolved config.json
+    with steps so that its training FLOPs are its budget, and a final loss on the synthetic
+    profile of its (arm, budget), each budget's minimum off-centre at 1.3× its second size."""
     studies.record(root, study, "cpu", study.cells(), [0, 1], [])
     configs = {d: resolve(tiny_config(d_model=d), 1) for d in (16, 32, 64, 128)}
     n_of = {d: flops_per_token(c.model, c.seq_len) / 6 for d, c in configs.items()}
-    star = {1e10: 1.3 * n_of[32], 1e11: 1.3 * n_of[64]}  # off-centre minima
-    for cell in study.cells():
+    star = {1e10: 1.3 * n_of[32], 1e11: 1.3 * n_of[64], 1e12: 1.3 * n_of[64]}
+    for cell in cells:
         arm, size = studies.split_cell(cell)
         budget, width = studies.size_budget(size), int(size.split("-d")[1])
         config, n = configs[width], n_of[width]
@@ -157,6 +153,15 @@ def test_the_report_fits_the_profiles_and_judges_the_claim(tmp_path):
                 TRUE if arm == "block" else 1)) ** -B + 1e-5 * (seed - 0.5))
             (workdir / "metrics.jsonl").write_text(
                 json.dumps({"step": data["steps"], "eval_loss": loss}) + "\n")
+
+
+def test_the_report_fits_the_profiles_and_judges_the_claim(tmp_path):
+    """The report on hand-written runs recovers the 1.25 and the claim agrees."""
+    (tmp_path / "isoflop.py").write_text(ISOFLOP_STUDY)
+    study = studies.load_study(str(tmp_path / "isoflop.py"))
+    assert study.claims[0].metric == studies.MULTIPLIER
+    root = tmp_path / "root"
+    write_runs(root, study, study.cells())
     write_report(root, describe(root, None))
     report = (root / "report.md").read_text()
     assert "## IsoFLOP frontier" in report and "## Scaling" not in report
@@ -171,6 +176,31 @@ def test_the_report_fits_the_profiles_and_judges_the_claim(tmp_path):
     assert float(block.split(" | ")[2]) == pytest.approx(B, rel=0.01)
     assert (root / "isoflop.png").stat().st_size > 0
     assert "None: every run finished." in report
+
+
+def test_a_budget_without_both_minima_shows_no_multiplier(tmp_path):
+    """A third budget with one size trained has no minimum: the frontier table shows no
+    multiplier there (it would extrapolate both frontiers), and the claim, whose cells there
+    have no seeds, is exploratory."""
+    text = ISOFLOP_STUDY.replace('"c1e11-d128")', '"c1e11-d128", "c1e12-d64", "c1e12-d128")')
+    (tmp_path / "isoflop.py").write_text(text)
+    study = studies.load_study(str(tmp_path / "isoflop.py"))
+    root = tmp_path / "root"
+    write_runs(root, study, [cell for cell in study.cells() if not cell.endswith("c1e12-d128")])
+    write_report(root, describe(root, None))
+    report = (root / "report.md").read_text()
+    [header] = [line for line in report.splitlines() if line.startswith("| Arm | a | b |")]
+    assert header.endswith("| M at 1e+10 | M at 1e+11 | M at 1e+12 |")
+    [block] = [line for line in report.splitlines() if line.startswith("| block | ")]
+    cells = block.strip("| ").split(" | ")
+    assert float(cells[3]) == pytest.approx(TRUE, rel=0.01)
+    assert float(cells[4]) == pytest.approx(TRUE, rel=0.01) and cells[5] == "—"
+    assert "| 1e+12 | block | 1 (2) | — | — | no fit: a parabola needs losses at three or more " \
+        "sizes |" in report
+    [claim] = [line for line in report.splitlines() if line.startswith("| 1.25x |")]
+    assert claim.endswith("| — (a parabola needs losses at three or more sizes) | — | exploratory:"
+                          " finished seeds, registered n = 2: baseline@c1e12-d128 has 0, "
+                          "block@c1e12-d128 has 0 |")
 
 
 def test_a_multiplier_claim_needs_an_isoflop_study_and_the_papers_number(tmp_path):

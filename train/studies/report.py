@@ -818,10 +818,15 @@ def isoflop_section(root: Path, description: dict, results: dict[str, dict[int, 
               "(C, L*). The compute multiplier at C is how many times C the baseline needs to "
               "reach the arm's frontier loss at C on its own frontier, M(C) = "
               "(a_baseline / L*_arm(C))^(1/b_baseline) / C (M > 1: the arm is worth more "
-              "compute).", "",
+              "compute), shown at the budgets where both arms have a minimum (elsewhere it "
+              "would extrapolate both frontiers).", "",
               "| Arm | a | b | " + " | ".join(f"M at {c:.3g}" for c in budgets) + " |",
               "|---|---|---|" + "---|" * len(budgets)]
     base = frontiers.get(baseline)
+
+    def fitted_at(arm: str, compute: float) -> bool:
+        return isinstance(minima.get(arm, {}).get(compute), stats.IsoFlopMinimum)
+
     for arm in arms:
         fit = frontiers[arm]
         if isinstance(fit, str):
@@ -829,8 +834,9 @@ def isoflop_section(root: Path, description: dict, results: dict[str, dict[int, 
                                                          + ["—"] * (len(budgets) - 1)) + " |")
             continue
         values = ["1 (baseline)" if arm == baseline else
-                  "—" if isinstance(base, str) or base is None else
-                  f"{stats.compute_multiplier(fit, base, c):.3f}" for c in budgets]
+                  f"{stats.compute_multiplier(fit, base, c):.3f}"
+                  if isinstance(base, stats.PowerLaw) and fitted_at(arm, c)
+                  and fitted_at(baseline, c) else "—" for c in budgets]
         lines.append(f"| {arm} | {fit.a:.4g} | {fit.b:.4g} | " + " | ".join(values) + " |")
     claims = _multiplier_claims(description, results, profiles)
     lines += ["", "Compute multiplier over the baseline at the arm's largest budget with its 95% "
