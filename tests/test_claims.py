@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime
 import json
 import math
+import os
 import subprocess
 import sys
 import types
@@ -17,6 +18,7 @@ import pytest
 from scipy import stats as scipy_stats
 
 from config.cli import UsageError
+from train import rundir
 from train.studies import provenance, stats, sweep
 from train.studies import study as studies
 from train.studies.report import Result, assess_claims, claims_table, describe, write_report
@@ -374,6 +376,38 @@ def test_the_sweep_records_provenance_before_each_launch(tmp_path, monkeypatch):
         assert launch["command"][1:] == ["-P", "-m", "train", *run.train_args()]
         assert launch["cpu"] and isinstance(launch["gpus"], list)
         assert datetime.datetime.fromisoformat(launch["date"]).tzinfo is not None
+
+
+def test_the_sweep_launches_nothing_into_a_run_another_trainer_holds(tmp_path, monkeypatch,
+                                                                    capsys):
+    """Two sweeps sharing a root: a run whose lock a live trainer holds is reported as failed,
+    naming the holder, with no launch and no provenance line; once released, it launches."""
+    path = tmp_path / "tiny.py"
+    path.write_text(TINY)
+    [run] = sweep.plan(studies.load_study(str(path)), tmp_path / "root", "cpu", ["only"], [0],
+                       [])
+    launched = []
+
+    class Launched:
+        def __init__(self, command, **_):
+            launched.append(command)
+            (run.workdir / "config.json").write_text(json.dumps({"steps": 3}))
+            (run.workdir / "metrics.jsonl").write_text(
+                json.dumps({"step": 3, "eval_loss": 2.0}) + "\n")
+
+        def wait(self):
+            return 0
+
+    monkeypatch.setattr(sweep, "subprocess", types.SimpleNamespace(
+        Popen=Launched, STDOUT=subprocess.STDOUT))
+    with rundir.WorkdirLock(run.workdir):
+        assert sweep.run_local([run]) == 1
+    out = capsys.readouterr().out
+    assert f"failed: --workdir={run.workdir} is in use by pid {os.getpid()}" in out
+    assert f"busy: --workdir={run.workdir} is in use" in out
+    assert launched == [] and provenance.read(run.workdir) == []
+    assert sweep.run_local([run]) == 0
+    assert len(launched) == 1 and len(provenance.read(run.workdir)) == 1
 
 
 def test_the_sweep_and_its_trainers_run_this_checkout_whatever_shadows_it(tmp_path,

@@ -131,8 +131,10 @@ def run_local(runs: list[Run], *, vmap_seeds: bool = False,
               compile_cache: Path | None = None) -> int:
     """Run each of `runs` in turn as `python -m train` (output in WORKDIR/train.log), skipping
     those finished with the same config (one finished with another, e.g. after the study file
-    changed, is reported as failed and kept); print one line per run and a summary. Each launch
-    first appends its provenance (`train.studies.provenance`) to the run directory. Returns 0,
+    changed, is reported as failed and kept) and reporting as failed, without launching, those
+    another trainer holds (`rundir.check_not_locked`: two sweeps sharing a root); print one line
+    per run and a summary. Each launch first appends its provenance (`train.studies.provenance`)
+    to the run directory. Returns 0,
     or 1 if any failed. SIGINT or SIGTERM is passed on to the run in progress, which saves its
     checkpoint and stops; then `Interrupted` names it.
 
@@ -190,6 +192,12 @@ def run_local(runs: list[Run], *, vmap_seeds: bool = False,
                         continue
                     finished += 1
                     print(f"finished already (eval_loss {loss:.4f}): skipped", flush=True)
+                    continue
+                try:  # another trainer (another sweep's, say) has it: no launch, no record
+                    rundir.check_not_locked(run.workdir)
+                except rundir.WorkdirError as error:
+                    failures.append((run, f"busy: {error}"))
+                    print(f"failed: {error}", flush=True)
                     continue
                 pending.append((run, int(config.steps)))
                 if len(group) > 1:
