@@ -69,7 +69,7 @@ interval excludes 1.25 or lies below 1, and is inconclusive otherwise (it holds 
 containing 1.25 alone would agree by ignorance with a wide two-seed interval, and excluding 1
 alone would accept any gain, so both are needed (`train.studies.stats.multiplier_verdict`).
 
-Commands (results: docs/results/attnres_isoflop/, pending runs; the tuned sweeps one per core):
+Commands (results: docs/results/attnres_isoflop/; the tuned sweeps one per core):
     python scripts/sweep.py --study experiments/attnres_isoflop.py --root runs/attnres_isoflop \\
         --scale cpu --tune
     taskset -c 0 python scripts/sweep.py --study experiments/attnres_isoflop.py \\
