@@ -775,9 +775,10 @@ def isoflop_section(root: Path, description: dict, results: dict[str, dict[int, 
                     arms: list[str]) -> list[str]:
     """The report's section for an IsoFLOP study: per budget and arm the parabola's minimum
     (`stats.parabola_minimum`); per arm the frontier L*(C) = a·C^(−b) through the minima
-    (`stats.isoflop_frontier`), its multiplier over the baseline at every budget and, at the
-    largest, with its 95% bootstrap interval (`stats.bootstrap_frontier_multiplier`); the
-    registered compute-multiplier claims (`_multiplier_claims`); and ROOT/isoflop.png."""
+    (`stats.isoflop_frontier`), its multiplier over the baseline at every budget where both
+    have a minimum and, at the largest, with its 95% bootstrap interval
+    (`stats.bootstrap_frontier_multiplier`); the registered compute-multiplier claims
+    (`_multiplier_claims`); and ROOT/isoflop.png."""
     baseline = description["baseline"]
     profiles = {arm: isoflop_profiles(root, results, arm) for arm in arms}
     minima: dict[str, dict[float, stats.IsoFlopMinimum | str]] = {}

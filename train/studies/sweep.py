@@ -134,9 +134,8 @@ def run_local(runs: list[Run], *, vmap_seeds: bool = False,
     changed, is reported as failed and kept) and reporting as failed, without launching, those
     another trainer holds (`rundir.check_not_locked`: two sweeps sharing a root); print one line
     per run and a summary. Each launch first appends its provenance (`train.studies.provenance`)
-    to the run directory. Returns 0,
-    or 1 if any failed. SIGINT or SIGTERM is passed on to the run in progress, which saves its
-    checkpoint and stops; then `Interrupted` names it.
+    to the run directory. Returns 0, or 1 if any failed. SIGINT or SIGTERM is passed on to the
+    run in progress, which saves its checkpoint and stops; then `Interrupted` names it.
 
     With `vmap_seeds`, the unstarted seeds of a cell train at once as one vmapped program
     (`vmap_groups`; docs/studies.md#study-mode: one compile for the seeds, no resume within
