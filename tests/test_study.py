@@ -242,6 +242,9 @@ def test_the_bootstrap_interval_surrounds_a_known_multiplier():
     exact_base = {c: [3 * c ** -0.05] * 2 for c in sizes}
     assert stats.bootstrap_multiplier(exact, exact_base, 1e16, samples=20) == \
         pytest.approx((1.5, 1.5, 1.5))
+    rising = {c: [3 * c ** 0.01] * 2 for c in sizes}  # worse with compute: nothing to invert
+    with pytest.raises(ValueError, match=r"^its loss does not fall with compute \(b = -0.01\)$"):
+        stats.bootstrap_multiplier(exact, rising, 1e16, samples=20)
 
 
 # The launch commands ------------------------------------------------------------------------

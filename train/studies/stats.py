@@ -176,9 +176,13 @@ def bootstrap_multiplier(arm: Mapping[float, Sequence[float]],
     """(multiplier, low, high): `compute_multiplier` of the fits to all points of `arm` and
     `baseline` (compute → the final losses of its seeds), and the `level` percentile interval
     over `samples` bootstrap refits, each resampling the seeds of every compute value of each
-    arm with replacement. Resamples whose multiplier is undefined (a baseline fit with b ≤ 0)
-    are left out; the interval is nan when all are."""
-    point = compute_multiplier(_fit(arm), _fit(baseline), compute)
+    arm with replacement. ValueError when the baseline's own fit has b ≤ 0 (its loss does not
+    fall with compute); resamples whose multiplier is undefined (a resampled baseline with
+    b ≤ 0) are left out, and the interval is nan when all are."""
+    base = _fit(baseline)
+    if base.b <= 0:
+        raise ValueError(f"its loss does not fall with compute (b = {base.b:.3g})")
+    point = compute_multiplier(_fit(arm), base, compute)
     rng = np.random.default_rng(seed)
 
     def resample(points: Mapping[float, Sequence[float]]) -> dict[float, np.ndarray]:
