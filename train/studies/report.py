@@ -441,16 +441,24 @@ def scaling_table(results: dict[str, dict[int, Result]], description: dict,
 
 def plot_curves(results: dict[str, dict[int, Result]], path: Path) -> None:
     """eval_loss against step per cell: the mean over seeds at the steps every seed evaluated,
-    with a ± std band."""
+    with a ± std band. One colour per arm; an arm's sizes (cells `ARM@SIZE`) differ by line
+    style."""
     import matplotlib  # heavy, and only the plots need it
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(figsize=(7, 4.5))
+    by_arm: dict[str, list[str]] = {}
+    for cell in results:
+        by_arm.setdefault(cell.partition("@")[0], []).append(cell)
+    styles = ("-", "--", "-.", ":")
+    figure, axes = plt.subplots(figsize=(8.5, 4.5))
     for cell, runs in results.items():
         if not runs:
             continue
+        arm = cell.partition("@")[0]
+        look = {"color": f"C{list(by_arm).index(arm) % 10}",
+                "linestyle": styles[by_arm[arm].index(cell) % len(styles)]}
         curves = [dict(r.curve) for r in runs.values()]
         steps = sorted(set.intersection(*(set(curve) for curve in curves)))
         if not steps:
@@ -460,12 +468,12 @@ def plot_curves(results: dict[str, dict[int, Result]], path: Path) -> None:
         std = losses.std(axis=0, ddof=1) if len(curves) > 1 else np.zeros_like(mean)
         label = f"{cell} (n={len(runs)})"
         if len(steps) == 1:  # one evaluation (the final step): an error bar, not a band
-            axes.errorbar(steps, mean, yerr=std, marker="o", capsize=4, label=label)
+            axes.errorbar(steps, mean, yerr=std, marker="o", capsize=4, label=label, **look)
             continue
-        line, = axes.plot(steps, mean, marker="o", markersize=3, label=label)
-        axes.fill_between(steps, mean - std, mean + std, color=line.get_color(), alpha=0.2)
+        axes.plot(steps, mean, marker="o", markersize=3, label=label, **look)
+        axes.fill_between(steps, mean - std, mean + std, color=look["color"], alpha=0.15)
     axes.set(xlabel="step", ylabel="eval loss", title="Validation loss (mean ± std over seeds)")
-    axes.legend(fontsize="small")
+    axes.legend(fontsize="small", loc="center left", bbox_to_anchor=(1.01, 0.5))
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
