@@ -451,13 +451,14 @@ def plot_curves(results: dict[str, dict[int, Result]], path: Path) -> None:
     by_arm: dict[str, list[str]] = {}
     for cell in results:
         by_arm.setdefault(cell.partition("@")[0], []).append(cell)
+    colours = {arm: f"C{i % 10}" for i, arm in enumerate(by_arm)}
     styles = ("-", "--", "-.", ":")
     figure, axes = plt.subplots(figsize=(8.5, 4.5))
     for cell, runs in results.items():
         if not runs:
             continue
         arm = cell.partition("@")[0]
-        look = {"color": f"C{list(by_arm).index(arm) % 10}",
+        look = {"color": colours[arm],
                 "linestyle": styles[by_arm[arm].index(cell) % len(styles)]}
         curves = [dict(r.curve) for r in runs.values()]
         steps = sorted(set.intersection(*(set(curve) for curve in curves)))
