@@ -69,15 +69,17 @@ def arm_size_and_scale(arg: str | None, arms, sizes, scales) -> tuple[str, str, 
 
 
 def claim(arm: str, relation: str, reference: str, *, quote: str, source: str, family: str,
-          n: int, margin: float | None = None, metric: str = "eval_loss") -> dict:
+          n: int, margin: float | None = None, metric: str = "eval_loss",
+          tails: int = 2) -> dict:
     """A registered claim of a study file's `CLAIMS` (docs/studies.md), made before its runs:
     Δ = arm − reference in the runs' final `metric`, paired by seed, is negative (relation
     "<": the arm ends lower, better), positive (">"), or within (−margin, margin) ("≈", margin
     in the metric's units). `quote` gives the claim in its source's words, `source` where it
     comes from (paper, table), `family` the claims Holm's correction runs over, `n` the seeds
-    every arm of the family must have. `train.studies.study.load_study` checks the fields."""
+    every arm of the family must have, `tails` whether a direction is tested two-sided (2) or
+    one-sided toward the claimed side (1). `train.studies.study.load_study` checks the fields."""
     return dict(arm=arm, relation=relation, reference=reference, quote=quote, source=source,
-                family=family, n=n, margin=margin, metric=metric)
+                family=family, n=n, margin=margin, metric=metric, tails=tails)
 
 
 def small_cpu(config: ml_collections.ConfigDict, steps: int = 300) -> ml_collections.ConfigDict:

@@ -2,7 +2,8 @@
 
     python scripts/sweep.py --study experiments/STUDY.py --root runs/STUDY [--scale SCALE]
         [--seeds 0,1,2] [--arms A,B] [--sizes S,M] [--launch local|print|slurm|tpu [--submit]]
-        [--tune | --tuned] [--vmap_seeds] [--compile_cache] [-- --config.FIELD=VALUE ...]
+        [--tune | --tuned] [--vmap_seeds] [--compile_cache] [--exploratory]
+        [-- --config.FIELD=VALUE ...]
 
 Each (cell, seed) trains into its own run directory, ROOT/<cell>/seed<k>, with
 `python -m train --config STUDY:CELL,SCALE --workdir ROOT/<cell>/seed<k> --config.seed=K`
@@ -40,6 +41,10 @@ A learning rate per arm (`train.studies.tuning`), for a study that declares TUNI
            root ROOT/tuned (its own study.json), beside the shared-rate runs of ROOT; pass
            the overrides the tuning had. study_report.py --root ROOT compares the two.
 Neither takes --config.optimizer.learning_rate or --config.data.tuning_fraction after --.
+Provenance: a sweep launches confirmatory runs only from a clean checkout at a commit on main
+(`train.studies.provenance.checkout_problem`), else it exits 2 with one line before anything
+runs; --exploratory launches anyway, and the report then counts no run launched from a dirty
+tree, or at a commit that is not an ancestor of its HEAD, toward a claim.
 Defaults: the study's first scale and its SEEDS, every arm (and every size of a scaling
 study; --sizes picks some). Exit status: 0 every run finished (local) or the commands were
 written, 1 a run failed, 2 bad arguments or study (one line, before anything runs; the sweep
@@ -61,8 +66,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from config import cli
 from config.cli import ArgumentParser, UsageError
+from train.studies import provenance, sweep, tuning
 from train.studies import study as studies
-from train.studies import sweep, tuning
 from train.studies.sweep import LAUNCHES, Run
 
 
@@ -118,6 +123,9 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, Plan]:
                         help="local: train each cell's unstarted seeds as one vmapped program")
     parser.add_argument("--compile_cache", action="store_true",
                         help="local: share JAX's compilation cache, ROOT/compilation_cache")
+    parser.add_argument("--exploratory", action="store_true",
+                        help="launch from a dirty tree or a commit not on main (its runs then "
+                             "count toward no claim)")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--tune", action="store_true",
                       help="tune each arm's learning rate over the study's TUNING grid")
@@ -150,6 +158,10 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, Plan]:
             raise UsageError(f"--sizes={args.sizes}: the study's SCALING sizes are "
                              f"{study.scaling or 'none (it is not a scaling study)'}")
         check_overrides(study, scale, overrides)
+        problem = None if args.exploratory else provenance.checkout_problem()
+        if problem:
+            raise UsageError(f"this checkout cannot launch confirmatory runs: {problem}; or "
+                             "pass --exploratory (its runs then count toward no claim)")
         cells = study.cells(arms, sizes)
         if args.tune or args.tuned:
             check_tuning(args, study, arms, overrides)

@@ -13,6 +13,10 @@ from arch.model import TransformerLM
 from config import resolve
 from experiments.common import base_config
 
+# The tests' sweeps run from whatever checkout the suite runs in, a dirty one too: they pass
+# --exploratory (tests/test_claims.py tests the refusal without it).
+EXPLORATORY = ("--exploratory",)
+
 
 def one_device_env(*drop: str) -> dict[str, str]:
     """The environment for a script run in a fresh interpreter: conftest's XLA flags without its 8

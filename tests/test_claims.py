@@ -14,12 +14,17 @@ import sys
 import types
 from pathlib import Path
 
+import numpy as np
 import pytest
 from scipy import stats as scipy_stats
 
 from config.cli import UsageError
+from scripts import study_report
+from scripts import sweep as sweep_script
+from tests.helpers import EXPLORATORY
 from train import rundir
-from train.studies import provenance, stats, sweep
+from train.studies import power_plan, provenance, stats, sweep
+from train.studies import report as report_module
 from train.studies import study as studies
 from train.studies.report import Result, assess_claims, claims_table, describe, write_report
 
@@ -77,6 +82,63 @@ def test_the_t_interval_is_the_mean_plus_minus_t_standard_errors():
 ])
 def test_the_verdicts(relation, mean, interval, adjusted, margin, verdict):
     assert stats.claim_verdict(relation, mean, interval, adjusted, margin) == verdict
+
+
+@pytest.mark.parametrize("relation, mean, interval, adjusted, verdict", [
+    ("<", -0.1, (-0.2, 0.01), 0.03, "agrees"),  # one-sided: significant though the CI holds 0
+    ("<", 0.1, (0.01, 0.2), 0.97, "disagrees"),  # the 95% interval wholly on the other side
+    ("<", 0.1, (-0.01, 0.2), 0.9, "inconclusive"),
+    (">", -0.1, (-0.2, -0.01), 0.97, "disagrees"),
+])
+def test_the_one_sided_verdicts(relation, mean, interval, adjusted, verdict):
+    assert stats.claim_verdict(relation, mean, interval, adjusted, tails=1) == verdict
+
+
+def test_the_one_sided_p_is_the_t_tail_on_the_claimed_side():
+    mean, std, n = -0.03, 0.04, 6
+    t = mean / (std / math.sqrt(n))
+    assert stats.paired_p(mean, std, n, "<") == pytest.approx(scipy_stats.t.cdf(t, 5), rel=1e-12)
+    assert stats.paired_p(mean, std, n, ">") == pytest.approx(scipy_stats.t.sf(t, 5), rel=1e-12)
+    assert stats.paired_p(mean, std, n, "<") == pytest.approx(stats.paired_p(mean, std, n) / 2)
+
+
+# The power plan, by hand -----------------------------------------------------------------------
+
+def test_seeds_needed_match_published_power_tables():
+    """G*Power's paired t-test (80% power): d = 0.5 two-sided at α = 0.05 needs 34 pairs, d = 1
+    one-sided 8; and n is the smallest: the power at n − 1 falls short."""
+    for effect, tails, n in ((0.5, 2, 34), (1.0, 1, 8)):
+        power_at = lambda k, e=effect, t=tails: stats.direction_power(e, 1.0, k, 0.05, t)
+        assert stats.seeds_needed(power_at) == n
+        assert power_at(n - 1) < stats.POWER <= power_at(n)
+
+
+def test_the_direction_power_is_the_noncentral_t_by_hand():
+    effect, std, n, alpha = 0.03, 0.04, 8, 0.0125
+    shift, critical = effect * math.sqrt(n) / std, scipy_stats.t.ppf(1 - alpha, n - 1)
+    one = scipy_stats.nct.sf(critical, n - 1, shift)
+    assert stats.direction_power(effect, std, n, alpha, 1) == pytest.approx(one, rel=1e-10)
+    critical = scipy_stats.t.ppf(1 - alpha / 2, n - 1)
+    two = scipy_stats.nct.sf(critical, n - 1, shift) + scipy_stats.nct.cdf(-critical, n - 1,
+                                                                            shift)
+    assert stats.direction_power(-effect, std, n, alpha, 2) == pytest.approx(two, rel=1e-10)
+    detectable = stats.detectable_effect(std, n, alpha, 1)
+    assert stats.direction_power(detectable, std, n, alpha, 1) == pytest.approx(0.8, abs=1e-9)
+    assert stats.seeds_needed(lambda k: stats.direction_power(0.5, 1e-6, k, 0.01, 1)) == 2
+
+
+def test_the_equivalence_power_bounds_a_simulated_tost():
+    """10,000 simulated TOSTs of n = 12 normal differences (SD 1, true Δ 0, margin 1, α 0.05):
+    the share that reject is the power, which the Bonferroni bound meets within 0.02."""
+    rng = np.random.default_rng(0)
+    draws = rng.normal(0.0, 1.0, size=(10_000, 12))
+    means, stds = draws.mean(axis=1), draws.std(axis=1, ddof=1)
+    rejected = np.mean([stats.tost_p(m, s, 12, 1.0) < 0.05 for m, s in zip(means, stds,
+                                                                          strict=True)])
+    bound = stats.equivalence_power(1.0, 1.0, 12, 0.05)
+    assert bound <= rejected + 0.01 and rejected - bound < 0.02
+    margin = stats.equivalent_margin(1.0, 12, 0.05)
+    assert stats.equivalence_power(margin, 1.0, 12, 0.05) == pytest.approx(0.8, abs=1e-9)
 
 
 # Exploratory claims --------------------------------------------------------------------------
@@ -166,8 +228,10 @@ def test_runs_older_than_numerics_since_or_without_provenance_are_exploratory(tm
 def test_runs_launched_before_the_claims_were_registered_make_them_exploratory():
     """REGISTERED 2026-12-06T05:30: a run first launched before it (even if resumed after) or
     without provenance makes its claims post hoc; runs launched at or after it count."""
+    head = git(ROOT, "rev-parse", "HEAD")  # a commit HEAD descends from: provenance passes
+
     def at(*dates):
-        return [{"commit": "a" * 40, "date": date} for date in dates]
+        return [{"commit": head, "dirty": False, "date": date} for date in dates]
 
     losses = (2.0, 2.1, 2.2)
     results = {"base": runs(*losses, launches=at("2026-12-06T05:30:00+00:00")),
@@ -237,6 +301,9 @@ MALFORMED = [
     (GOOD.replace("family='F'", "family=' '"), "family must be a non-empty string"),
     (GOOD.replace("n=2", "n=2, metric='train_loss'"), "metric 'train_loss' is not one of"),
     (GOOD.replace("'b', '<', 'a'", "'b', '<', 'b'"), "compares an arm with itself"),
+    (GOOD.replace("n=2", "n=2, tails=3"), "tails=3 must be 2 (two-sided) or, for a direction"),
+    (GOOD.replace("'<'", "'≈'").replace("n=2", "n=2, margin=0.1, tails=1"),
+     "tails=1 must be 2 (two-sided) or, for a direction, 1"),
     ("dict(arm='b', relation='<', reference='a', quote='q', source='s', n=2)",
      "claim 'b' < 'a' lacks 'family'"),
     (GOOD + ", " + GOOD.replace("'b', '<'", "'c', '<'").replace("n=2", "n=3"),
@@ -419,7 +486,8 @@ def test_the_sweep_and_its_trainers_run_this_checkout_whatever_shadows_it(tmp_pa
     (shadow / "train").mkdir(parents=True)
     (shadow / "train" / "__init__.py").write_text("raise ImportError('the other checkout')\n")
     monkeypatch.setenv("PYTHONPATH", str(shadow))
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "sweep.py"), "--study",
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "sweep.py"), *EXPLORATORY,
+                           "--study",
                            str(ROOT / "experiments" / "attnres_ablation.py"), "--root",
                            str(tmp_path / "root"), "--arms", "baseline", "--seeds", "0",
                            "--launch", "print"], cwd=shadow, capture_output=True, text=True)
@@ -434,3 +502,116 @@ def test_the_sweep_and_its_trainers_run_this_checkout_whatever_shadows_it(tmp_pa
                               cwd=shadow, env=sweep.environment(), capture_output=True,
                               text=True)
     assert imported.stdout.strip() == str(ROOT / "train" / "__init__.py"), imported.stderr
+
+
+def test_the_power_plan_of_a_family_by_hand(tmp_path, capsys):
+    """A family of two claims (level α/2) and an equivalence alone in its family: each figure
+    equals its computation from the paired differences, and --plan prints the n to register."""
+    losses = {"a": {0: 2.00, 1: 2.10, 2: 2.20, 3: 2.30}, "b": {0: 1.95, 1: 2.01, 2: 2.18, 3: 2.22},
+              "c": {0: 2.04, 1: 2.12, 2: 2.26, 3: 2.31}}
+    claims = [claim("b", "<", "a"), claim("c", ">", "a"),
+              claim("c", "≈", "b", family="G", margin=0.1)]
+    b, c, equivalence = power_plan.plan_claims(losses, claims, {"a": 1.8, "b": 1.75})
+    mean, std, n = stats.paired_difference(losses["b"], losses["a"])
+    assert (b.level, b.paired, b.mean, b.std) == pytest.approx((0.025, 4, mean, std))
+    assert b.detectable == pytest.approx(stats.detectable_effect(std, 4, 0.025, 2))
+    assert b.n_observed == stats.seeds_needed(
+        lambda k: stats.direction_power(mean, std, k, 0.025, 2))
+    assert b.n_target == stats.seeds_needed(
+        lambda k: stats.direction_power(0.05, std, k, 0.025, 2)) and b.target == pytest.approx(
+        -0.05)
+    assert c.n_observed is not None and math.isnan(c.target) and c.n_target is None
+    _, std, _ = stats.paired_difference(losses["c"], losses["b"])
+    assert equivalence.level == 0.05 and equivalence.target == 0.1
+    assert equivalence.n_target == stats.seeds_needed(
+        lambda k: stats.equivalence_power(0.1, std, k, 0.05))
+    one_sided = power_plan.plan_claims(losses, claims, {}, tails=1)[0]
+    assert one_sided.claim.tails == 1 and one_sided.n_observed <= b.n_observed
+    wrong_side = power_plan.plan_claims({"a": losses["a"], "b": losses["c"]},
+                                        [claim("b", "<", "a")], {})[0]
+    assert wrong_side.n_observed is None  # no plan for an effect on the other side
+
+    root = tmp_path / "root"  # the study's SEEDS are 0 and 1: the report reads those
+    write_runs(root, a=tuple(losses["a"].values()), b=tuple(losses["b"].values()))
+    study = write(tmp_path, extra="PAPER = {'a': 1.8, 'b': 1.75}\nPAPER_METRIC = 'loss'")
+    assert study_report.main(["--root", str(root), "--study", str(study), "--plan"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    first_two = {cell: {seed: losses[cell][seed] for seed in (0, 1)} for cell in ("a", "b")}
+    [plan] = power_plan.plan_claims(first_two, [studies.load_study(str(study)).claims[0]],
+                                    {"a": 1.8, "b": 1.75})
+    assert out == ["family 'F': 1 claims, level α/m = 0.05",
+                   f"  b < a: Δ {plan.mean:.4f}, paired SD {plan.std:.4f} (n = 2); n for the "
+                   f"observed Δ {plan.n_observed}; n for the paper Δ -0.050 {plan.n_target}",
+                   f"  register n ≥ {plan.n_observed}"]
+    assert study_report.main(["--root", str(root), "--study", str(study)]) == 0
+    report = (root / "report.md").read_text()
+    assert "## Power plan" in report and f"| {plan.n_observed} | paper Δ -0.050 |" in report
+
+
+def test_a_sweep_refuses_a_checkout_that_cannot_name_its_code(tmp_path, monkeypatch, capsys):
+    """Clean at main: none. Dirty, a commit off main, or no git: one line naming why, and
+    scripts/sweep.py exits 2 with it unless --exploratory."""
+    repository = tmp_path / "repository"
+    repository.mkdir()
+    assert "not a git checkout" in provenance.checkout_problem(repository)
+    git(repository, "init", "-q", "-b", "main")
+    (repository / "file.txt").write_text("one")
+    git(repository, "add", "file.txt")
+    git(repository, "commit", "-q", "-m", "one")
+    assert provenance.checkout_problem(repository) is None
+    (repository / "file.txt").write_text("two")
+    assert "(a dirty tree): commit them" in provenance.checkout_problem(repository)
+    git(repository, "checkout", "-q", "-b", "side")
+    git(repository, "commit", "-q", "-am", "two")
+    side = git(repository, "rev-parse", "HEAD")
+    assert provenance.checkout_problem(repository) == (f"HEAD {side[:7]} is not on main: run "
+                                                       "from a commit on main")
+    monkeypatch.setattr(provenance, "REPOSITORY", repository)
+    study = tmp_path / "tiny.py"
+    study.write_text(TINY)
+    args = ["--study", str(study), "--root", str(tmp_path / "root"), "--launch", "print"]
+    with pytest.raises(SystemExit) as exit_:
+        sweep_script.main(args)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith(f"this checkout cannot launch confirmatory runs: HEAD {side[:7]} is not "
+                        "on main: run from a commit on main; or pass --exploratory (its runs "
+                        "then count toward no claim)") and "\n" not in err
+    assert sweep_script.main([*EXPLORATORY, *args]) == 0
+
+
+def test_runs_that_do_not_name_their_code_are_exploratory_and_listed(tmp_path, monkeypatch):
+    """A repository main: one → two, and a side branch: a run launched at `one` or `two` counts;
+    one from a dirty tree, at the side branch's commit or at an unknown one does not."""
+    git(tmp_path, "init", "-q", "-b", "main")
+    commits = {}
+    for name in ("one", "two"):
+        git(tmp_path, "commit", "-q", "--allow-empty", "-m", name)
+        commits[name] = git(tmp_path, "rev-parse", "HEAD")
+    git(tmp_path, "checkout", "-q", "-b", "side", commits["one"])
+    git(tmp_path, "commit", "-q", "--allow-empty", "-m", "side")
+    commits["side"] = git(tmp_path, "rev-parse", "HEAD")
+    git(tmp_path, "checkout", "-q", "main")
+    monkeypatch.setattr(provenance, "REPOSITORY", tmp_path)
+
+    def at(name, dirty=False):
+        return [{"commit": commits.get(name, name), "dirty": dirty}]
+
+    losses = (2.0, 2.1, 2.2)
+    better = tuple(x - 0.1 for x in losses)
+    results = {"base": runs(*losses, launches=at("one")), "clean": runs(*better,
+                                                                        launches=at("two")),
+               "dirty": runs(*better, launches=at("two", dirty=True)),
+               "side": runs(*better, launches=at("side")),
+               "unknown": runs(*better, launches=at("f" * 40))}
+    claims = [claim(arm, "<", "base", n=3) for arm in ("clean", "dirty", "side", "unknown")]
+    clean, dirty, side, unknown = assess_claims(results, claims)
+    assert not clean.exploratory and clean.verdict == "agrees"
+    assert dirty.exploratory == (f"dirty seeds 0, 1, 2: launched from a dirty tree at "
+                                 f"{commits['two'][:7]} (provenance)")
+    assert side.exploratory == (f"side seeds 0, 1, 2: commit {commits['side'][:7]} is not an "
+                                "ancestor of HEAD (provenance)")
+    assert unknown.exploratory == "unknown seeds 0, 1, 2: commit fffffff unknown here (provenance)"
+    section = "\n".join(report_module.provenance_section({**results, "none": runs(2.0)}))
+    assert f"| side | 2 | commit {commits['side'][:7]} is not an ancestor of HEAD |" in section
+    assert "| clean |" not in section and "Without a provenance record (1): none/seed0." in section

@@ -68,6 +68,23 @@ def test_a_run_written_with_flat_names_restores_as_the_study_file_builds_it_toda
     assert (config.model.residual.name, config.model.ffn.name) == ("attnres", "mlp")
 
 
+def test_the_replication_trains_the_tuned_runs_configs_at_the_picked_rates():
+    """experiments/attnres_replication.py: each arm's rate is its pick in the ablation's
+    tuning.json, and its config (seed aside) is what the committed tuned run of seed 0 trained."""
+    replication = load_module(str(ROOT / "experiments/attnres_replication.py"), "--study")
+    results = ROOT / "docs/results/attnres_ablation"
+    picks = json.loads((results / "tuning.json").read_text())["cells"]
+    defaults = json.loads(base_config().to_json_best_effort())
+    for arm in replication.ARMS:
+        assert replication.RATES[arm] == picks[arm]["pick"] and picks[arm]["interior"]
+        restored = rundir.saved_config(results / f"tuned/{arm}/seed0", defaults)
+        built = replication.get_config(f"{arm},cpu")
+        built.update(seed=0, mesh=dict(data=1))
+        assert rundir.identity_differences(restored, rundir._as_json(resolve(built, 1)),
+                                           resolved=True) == []
+    assert not set(replication.SEEDS) & {0, 1, 2, 3, 100}  # fresh seeds
+
+
 @pytest.mark.parametrize("field,message", [
     ("model.attnres_block_size", "--config.model.attnres_block_size: "
      "model.attnres_block_size moved to model.attnres.block_size; use "

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.helpers import one_device_env, tiny_prepared
+from tests.helpers import EXPLORATORY, one_device_env, tiny_prepared
 
 REPO = Path(__file__).resolve().parents[1]
 GARBAGE = b"\xff\xfe\x00\x9c not utf-8 \x80\x81"
@@ -185,8 +185,8 @@ def tuning_case(tmp_path, prepared, hf):
         "overrides": [], "max_extensions": 4, "cells": {"a": {
             "shared_rate": 3e-3, "grid": [{"rate": 1e-3, "loss": 2.5, "state": "finished"}],
             "pick": 1e-3, "interior": False, "extensions": 0}}}))
-    return (["scripts/sweep.py", "--study", str(study), "--root", str(root), "--tuned",
-             "--launch", "print"], root / "tuning.json")
+    return (["scripts/sweep.py", *EXPLORATORY, "--study", str(study), "--root", str(root),
+             "--tuned", "--launch", "print"], root / "tuning.json")
 
 
 def hf_case(name):

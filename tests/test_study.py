@@ -28,7 +28,7 @@ from config.cli import UsageError, load_experiment, load_module
 from config.defaults import base_config
 from config.validate import check_fields
 from scripts import study_probes as study_probes_script
-from tests.helpers import one_device_env, tiny_config
+from tests.helpers import EXPLORATORY, one_device_env, tiny_config
 from tests.test_launch import calls, fake_command
 from train import restore, rundir
 from train.step import build_program, resolve_for_job
@@ -78,7 +78,8 @@ def write_study(directory: Path, text: str = TINY_STUDY, name: str = "tiny.py") 
 
 def sweep(*args: str) -> subprocess.CompletedProcess:
     env = {**one_device_env(), "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, str(ROOT / "scripts" / "sweep.py"), *args], cwd=ROOT,
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / "sweep.py"), *EXPLORATORY,
+                           *args], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=600)
 
 
@@ -452,10 +453,10 @@ def test_a_slurm_array_sweep_equals_the_local_sweep(swept, tmp_path):
     study = str(write_study(tmp_path))  # the swept study as written (a test above edits it)
     root = tmp_path / "root"
     env = {**one_device_env(), "PYTHONPATH": str(ROOT), "PATH": f"{tmp_path}:{os.environ['PATH']}"}
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "sweep.py"), "--study", study,
-                           "--root", str(root), "--launcher", "slurm", "--submit", "--arms",
-                           "low,high", "--seeds", "0"], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=600)
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "sweep.py"), *EXPLORATORY,
+                           "--study", study, "--root", str(root), "--launcher", "slurm",
+                           "--submit", "--arms", "low,high", "--seeds", "0"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.splitlines()[-1] == "Submitted batch job 41"
     def records(metrics: Path) -> list[dict]:
@@ -704,8 +705,8 @@ def test_an_interrupted_local_sweep_names_the_run_it_stopped_which_saved(tmp_pat
         "steps=3,", "steps=100_000,")
     path, root = write_study(tmp_path, long_study), tmp_path / "root"
     interrupted = subprocess.Popen(
-        [sys.executable, str(ROOT / "scripts" / "sweep.py"), "--study", str(path), "--root",
-         str(root)], cwd=ROOT, env={**one_device_env(), "PYTHONPATH": str(ROOT)},
+        [sys.executable, str(ROOT / "scripts" / "sweep.py"), *EXPLORATORY, "--study", str(path),
+         "--root", str(root)], cwd=ROOT, env={**one_device_env(), "PYTHONPATH": str(ROOT)},
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics, deadline = root / "low" / "seed0" / "metrics.jsonl", time.time() + 300
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):

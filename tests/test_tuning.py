@@ -27,7 +27,7 @@ from config.cli import UsageError
 from config.defaults import base_config
 from config.validate import check_training
 from scripts import sweep as sweep_script
-from tests.helpers import one_device_env
+from tests.helpers import EXPLORATORY, one_device_env
 from train.data import in_memory, shards
 from train.studies import study as studies
 from train.studies import tuning
@@ -236,7 +236,7 @@ def test_a_run_trains_and_evaluates_on_the_tuning_split(tmp_path):
 def sweep(capsys, *args: str) -> tuple[int, str, str]:
     """(exit status, stdout, stderr) of scripts/sweep.py in this process."""
     try:
-        status = sweep_script.main(list(args))
+        status = sweep_script.main([*EXPLORATORY, *args])
     except SystemExit as exit_:
         status = exit_.code
     out, err = capsys.readouterr()

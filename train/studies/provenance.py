@@ -11,7 +11,10 @@ checkout), `dirty` whether its tracked files differed from that commit. A study 
 that code when every launch's commit descends from it (`git merge-base --is-ancestor`);
 `numerics_reason` says why a run does not. A study that registers its claims after some of
 their runs (`REGISTERED`, a UTC time) counts a run as post hoc when its first launch came
-before it (`registration_reason`). Standard library only.
+before it (`registration_reason`). Whatever a study registers, a run launched from a dirty tree,
+or at a commit that is not an ancestor of the reporting checkout's HEAD, is not confirmatory
+(`launch_reason`); a sweep launches only from a clean checkout at a commit on main
+(`checkout_problem`) unless it is told its runs are exploratory. Standard library only.
 """
 
 from __future__ import annotations
@@ -102,6 +105,49 @@ def descends_from(commit: str, boundary: str, repository: Path | None = None) ->
     if done is None or done.returncode not in (0, 1):
         return None
     return done.returncode == 0
+
+
+MAIN_BRANCHES = ("main", "origin/main")  # what "on main" is checked against, first found first
+
+
+def checkout_problem(repository: Path | None = None) -> str | None:
+    """Why the checkout cannot launch confirmatory runs, or None when its tracked files equal
+    HEAD and HEAD is on main (an ancestor of, or equal to, the first of MAIN_BRANCHES there)."""
+    head = _git("rev-parse", "HEAD", repository=repository)
+    if head is None or head.returncode != 0:
+        return "it is not a git checkout, so its runs' code cannot be named"
+    commit = head.stdout.strip()
+    status = _git("status", "--porcelain", "--untracked-files=no", repository=repository)
+    if status is None or status.returncode != 0 or status.stdout.strip():
+        return f"its tracked files differ from HEAD {commit[:7]} (a dirty tree): commit them"
+    for branch in MAIN_BRANCHES:
+        known = _git("rev-parse", "--verify", "--quiet", f"{branch}^{{commit}}",
+                     repository=repository)
+        if known is None or known.returncode != 0:
+            continue
+        if descends_from(known.stdout.strip(), commit, repository):
+            return None
+        return f"HEAD {commit[:7]} is not on {branch}: run from a commit on main"
+    return f"it has no branch {' or '.join(MAIN_BRANCHES)} to check HEAD {commit[:7]} against"
+
+
+def launch_reason(launches: list[dict], repository: Path | None = None) -> str | None:
+    """Why a run's launches do not name the code that trained it, for the checkout at
+    `repository`: "launched from a dirty tree at COMMIT", "commit COMMIT unknown here", "commit
+    COMMIT is not an ancestor of HEAD"; None when every launch is clean at an ancestor of HEAD,
+    and for a run without provenance (the registration and NUMERICS_SINCE rules judge those)."""
+    for launch in launches:
+        commit = launch.get("commit")
+        if not commit:
+            return "a launch outside a git checkout"
+        if launch.get("dirty"):
+            return f"launched from a dirty tree at {commit[:7]}"
+        descends = descends_from("HEAD", commit, repository)
+        if descends is None:
+            return f"commit {commit[:7]} unknown here"
+        if not descends:
+            return f"commit {commit[:7]} is not an ancestor of HEAD"
+    return None
 
 
 def numerics_reason(launches: list[dict], boundary: str,

@@ -51,7 +51,7 @@ from config.cli import UsageError
 from config.defaults import base_config
 from train import rundir
 from train.data import in_memory
-from train.studies import provenance, stats, tuning
+from train.studies import power_plan, provenance, stats, tuning
 from train.studies import study as studies
 
 REPORT, CURVES, SCALING_PLOT = "report.md", "loss_curves.png", "loss_vs_compute.png"
@@ -104,6 +104,12 @@ def collect(root: str | Path, description: dict) -> tuple[dict[str, dict[int, Re
                     continue
             results[cell][seed] = Result(loss, curve, compute, provenance.read(workdir))
     return results, missing
+
+
+def final_losses(results: dict[str, dict[int, Result]]) -> dict[str, dict[int, float]]:
+    """cell → seed → final eval loss of the finished runs."""
+    return {cell: {seed: run.loss for seed, run in runs.items()}
+            for cell, runs in results.items()}
 
 
 def _value(mean: float, std: float, n: int, digits: int = 4) -> str:
@@ -188,10 +194,12 @@ def _seed_list(seeds: list[int]) -> str:
 
 def _exploratory(claim: studies.Claim, losses: list[dict[int, float]],
                  numerics: dict[tuple[str, int], str | None], boundary: str,
-                 post_hoc: dict[tuple[str, int], str | None], registered: str) -> str:
+                 post_hoc: dict[tuple[str, int], str | None], registered: str,
+                 launched: dict[tuple[str, int], str | None]) -> str:
     """Why `claim` is exploratory ("" when it is not): an arm whose finished-seed count is not
     the registered n, arms that do not share their seeds, runs not known to have trained at
-    code from the study's NUMERICS_SINCE, or runs launched before its REGISTERED time."""
+    code from the study's NUMERICS_SINCE, runs launched before its REGISTERED time, or runs
+    whose provenance does not name their code (`provenance.launch_reason`)."""
     reasons = [f"{cell} has {len(runs)} finished seeds, registered n = {claim.n}"
                for cell, runs in zip((claim.arm, claim.reference), losses, strict=True)
                if len(runs) != claim.n]
@@ -200,7 +208,7 @@ def _exploratory(claim: studies.Claim, losses: list[dict[int, float]],
         reasons.append(f"{claim.arm} and {claim.reference} share {len(shared)} of their "
                        f"{claim.n} seeds")
     for rule, label in ((numerics, f"NUMERICS_SINCE {boundary[:7]}"),
-                        (post_hoc, f"REGISTERED {registered}")):
+                        (post_hoc, f"REGISTERED {registered}"), (launched, "provenance")):
         if not rule:
             continue
         stale: dict[tuple[str, str], list[int]] = {}
@@ -220,10 +228,12 @@ def assess_claims(results: dict[str, dict[int, Result]], claims: list[studies.Cl
 
     A claim is exploratory when an arm's finished-seed count is not the registered n, when the
     arms do not share all n seeds, (with `numerics_since`) when a run of its arms has no
-    provenance or trained at a commit that does not descend from that one, or (with
-    `registered`) when a run of its arms was first launched before that time; it is reported with
-    the reason and no verdict. The claims of a family share one Holm adjustment (`stats.holm`)
-    of their raw p: the two-sided paired t-test (`stats.paired_p`) for a direction, the TOST
+    provenance or trained at a commit that does not descend from that one, (with
+    `registered`) when a run of its arms was first launched before that time, or when a run of
+    its arms was launched from a dirty tree or at a commit that is not an ancestor of HEAD; it is
+    reported with the reason and no verdict. The claims of a family share one Holm adjustment
+    (`stats.holm`) of their raw p: the paired t-test (`stats.paired_p`, two-sided or one-sided
+    as the claim registers) for a direction, the TOST
     (`stats.tost_p`) for an equivalence; an exploratory claim counts in it as untested (p = 1),
     so the family's other verdicts never get easier while some of its claims wait for runs.
     Compute-multiplier claims are left out: `isoflop_section` assesses them."""
@@ -237,6 +247,7 @@ def assess_claims(results: dict[str, dict[int, Result]], claims: list[studies.Cl
         launches, numerics_since)) if numerics_since else {}
     post_hoc = per_run(lambda launches: provenance.registration_reason(
         launches, registered)) if registered else {}
+    launched = per_run(provenance.launch_reason)
     rows = []
     for claim in claims:
         losses = [{s: r.loss for s, r in results.get(cell, {}).items()}
@@ -247,12 +258,12 @@ def assess_claims(results: dict[str, dict[int, Result]], claims: list[studies.Cl
             p = stats.tost_p(mean, std, n, claim.margin)
             agreeing = sum(abs(d) < claim.margin for d in differences)
         else:
-            p = stats.paired_p(mean, std, n)
+            p = stats.paired_p(mean, std, n, claim.relation if claim.tails == 1 else None)
             agreeing = sum(d < 0 if claim.relation == "<" else d > 0 for d in differences)
         rows.append(ClaimResult(claim, mean, std, n, stats.t_interval(mean, std, n, stats.LEVEL),
                                 agreeing, p, math.nan, "",
                                 _exploratory(claim, losses, numerics, numerics_since,
-                                             post_hoc, registered)))
+                                             post_hoc, registered, launched)))
     for family in dict.fromkeys(row.claim.family for row in rows):
         members = [i for i, row in enumerate(rows) if row.claim.family == family]
         untested = [math.nan if rows[i].exploratory else rows[i].p for i in members]
@@ -261,10 +272,34 @@ def assess_claims(results: dict[str, dict[int, Result]], claims: list[studies.Cl
             if row.exploratory:
                 continue
             verdict = stats.claim_verdict(row.claim.relation, row.mean, row.interval, adjusted,
-                                          row.claim.margin)
+                                          row.claim.margin, row.claim.tails)
             rows[i] = dataclasses.replace(row, adjusted_p=adjusted, verdict=verdict)
     return [row if not row.exploratory else dataclasses.replace(row, verdict="exploratory")
             for row in rows]
+
+
+def provenance_section(results: dict[str, dict[int, Result]]) -> list[str]:
+    """The "Provenance" section: the finished runs whose launches do not name the code that
+    trained them (`provenance.launch_reason`: a dirty tree, a commit that is not an ancestor of
+    HEAD), and those without a provenance record."""
+    failing = [(cell, seed, why) for cell, runs in results.items()
+               for seed, run in sorted(runs.items())
+               if (why := provenance.launch_reason(run.launches))]
+    unrecorded = [f"{cell}/seed{seed}" for cell, runs in results.items()
+                  for seed, run in sorted(runs.items()) if not run.launches]
+    lines = ["## Provenance", "",
+             "Each run's launches (provenance.jsonl) checked against this checkout: a run "
+             "launched from a dirty tree, or at a commit that is not an ancestor of HEAD, does "
+             "not name the code that trained it, so no claim counts it as confirmatory.", ""]
+    if failing:
+        lines += ["| Arm | Seed | Why |", "|---|---|---|"]
+        lines += [f"| {cell} | {seed} | {why} |" for cell, seed, why in failing]
+    else:
+        lines.append("Every run with a record names a clean commit that HEAD descends from.")
+    if unrecorded:
+        lines += ["", f"Without a provenance record ({len(unrecorded)}): "
+                  f"{', '.join(unrecorded)}."]
+    return lines + [""]
 
 
 def _p(p: float) -> str:
@@ -978,7 +1013,8 @@ def write_report(root: str | Path, description: dict) -> Path:
                   "Each claim as registered in the study file: Δ = arm − "
                   "reference in final eval loss, paired by seed, with its 95% t interval; `<` "
                   "claims Δ < 0 (the arm ends lower, better), `>` Δ > 0, `≈` |Δ| < margin. p "
-                  "is the two-sided paired t-test of Δ = 0 for a direction, and for an "
+                  "is the paired t-test of Δ = 0 for a direction (two-sided, or one-sided "
+                  "toward the claimed side where the check says so), and for an "
                   "equivalence the TOST, max(P(T ≥ (Δ̄ + margin)/s), P(T ≤ (Δ̄ − margin)/s)) "
                   "with s = std/√n on n − 1 degrees of freedom. Holm p: Holm's step-down "
                   "adjustment over all the family's claims, p_(i) adjusted = "
@@ -994,6 +1030,8 @@ def write_report(root: str | Path, description: dict) -> Path:
                      f"registered (REGISTERED {registered}: post hoc)" if registered else "")
                   + ".", ""]
         lines += claims_table(results, description["claims"], boundary, registered) + [""]
+        lines += power_plan.plan_section(final_losses(results), description["claims"],
+                                         description["paper"])
     lines += tuning_section(root, description, results)
     if studies.is_isoflop(description["scaling"]):
         lines += isoflop_section(root, description, results, arms)
@@ -1010,6 +1048,7 @@ def write_report(root: str | Path, description: dict) -> Path:
         lines += ["", f"![Loss against compute]({SCALING_PLOT})", ""]
     if description.get("scaling_axis") == "steps":
         lines += length_section(root, description, results)
+    lines += provenance_section(results)
     lines += ["## Missing runs", ""]
     if missing:
         lines += ["Left out of the statistics above:", "", "| Arm | Seed | State |",

@@ -1,7 +1,8 @@
 """The statistics of a study report, in numpy (and scipy's t distribution): mean ± sample std
 over seeds, paired differences to the baseline over shared seeds, the registered claims' tests
 (a paired t-test for a direction, two one-sided tests for an equivalence margin, Holm's
-adjustment within a family, the verdict), a power law of loss against compute, and the
+adjustment within a family, the verdict), the power plan of a claim (the seeds it needs, the
+smallest effect its seeds detect), a power law of loss against compute, and the
 compute multiplier at matched loss with a bootstrap interval over seeds.
 
 The power law is the plain L = a·C^(−b), fitted by least squares on log L against log C (no
@@ -25,7 +26,7 @@ import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
-from scipy import stats
+from scipy import optimize, stats
 
 
 def mean_std(values: Sequence[float]) -> tuple[float, float, int]:
@@ -46,14 +47,19 @@ def paired_difference(arm: Mapping[int, float],
     return mean_std([arm[seed] - baseline[seed] for seed in shared])
 
 
-def paired_p(mean: float, std: float, n: int) -> float:
-    """Two-sided p-value of a paired t-test that the differences (mean, sample std, n) have mean
-    zero: t = mean / (std/√n) on n − 1 degrees of freedom (nan for n < 2). With three seeds the
-    mean must be 4.30 standard errors from zero for p < 0.05 (12.7 with two)."""
+def paired_p(mean: float, std: float, n: int, relation: str | None = None) -> float:
+    """p-value of a paired t-test that the differences (mean, sample std, n) have mean zero,
+    t = mean / (std/√n) on n − 1 degrees of freedom (nan for n < 2): two-sided by default
+    (with three seeds the mean must be 4.30 standard errors from zero for p < 0.05, 12.7 with
+    two), or one-sided against the direction `relation` claims ("<": P(T ≤ t), ">": P(T ≥ t))."""
     if n < 2 or (mean == 0 and std == 0):
         return math.nan
-    t = math.inf if std == 0 else abs(mean) / (std / math.sqrt(n))
-    return float(2 * stats.t.sf(t, n - 1))
+    t = math.copysign(math.inf, mean) if std == 0 else mean / (std / math.sqrt(n))
+    if relation == "<":
+        return float(stats.t.cdf(t, n - 1))
+    if relation == ">":
+        return float(stats.t.sf(t, n - 1))
+    return float(2 * stats.t.sf(abs(t), n - 1))
 
 
 def t_interval(mean: float, std: float, n: int, level: float = 0.95) -> tuple[float, float]:
@@ -108,22 +114,121 @@ LEVEL = 0.95  # the interval the report shows beside each claim
 
 
 def claim_verdict(relation: str, mean: float, interval: tuple[float, float],
-                  adjusted_p: float, margin: float | None = None) -> str:
+                  adjusted_p: float, margin: float | None = None, tails: int = 2) -> str:
     """The verdict on a confirmatory claim from its paired difference Δ = arm − reference (the
     mean, its 95% interval) and its Holm-adjusted p. A direction ("<": Δ < 0, ">": Δ > 0):
     "agrees" (adjusted p < α, Δ on the claimed side), "disagrees" (adjusted p < α, the other
-    side), else "inconclusive". An equivalence ("≈": |Δ| < margin): "agrees" (the TOST's
-    adjusted p < α), "disagrees" (the interval lies wholly outside [−margin, margin]), else
-    "inconclusive"; never from a large p alone."""
+    side; for a one-sided test, whose p is small only on the claimed side: the 95% interval
+    lies wholly on the other side), else "inconclusive". An equivalence ("≈": |Δ| < margin):
+    "agrees" (the TOST's adjusted p < α), "disagrees" (the interval lies wholly outside
+    [−margin, margin]), else "inconclusive"; never from a large p alone."""
     significant = not math.isnan(adjusted_p) and adjusted_p < ALPHA
     if relation == "≈":
         low, high = interval
         if significant:
             return "agrees"
         return "disagrees" if low > margin or high < -margin else "inconclusive"
+    claimed_side = (mean < 0) == (relation == "<")
+    if tails == 1 and not significant:
+        low, high = interval
+        wrong_side = low > 0 if relation == "<" else high < 0
+        return "disagrees" if wrong_side else "inconclusive"
     if not significant:
         return "inconclusive"
-    return "agrees" if (mean < 0) == (relation == "<") else "disagrees"
+    return "agrees" if claimed_side else "disagrees"
+
+
+# Power plans ----------------------------------------------------------------------------------
+#
+# Planned at the strictest level Holm's correction can give a claim, α/m for a family of m claims
+# (the first step of the step-down), so that each claim has its power wherever it ranks.
+
+POWER = 0.8  # the power a plan asks for
+
+
+def _nct_sf(critical: float, df: int, shift: float) -> float:
+    """P(T′ > critical) of a noncentral t (df, shift); where scipy's is nan (far out in its
+    tail, with a large shift) the normal approximation P(Z > critical − shift)."""
+    tail = float(stats.nct.sf(critical, df, shift))
+    return tail if math.isfinite(tail) else float(stats.norm.sf(critical - shift))
+
+
+def direction_power(effect: float, std: float, n: int, alpha: float, tails: int = 2) -> float:
+    """The power of the paired t-test at level `alpha` (`tails` 1: one-sided toward the effect,
+    2: two-sided) to reject Δ = 0 when the true mean difference is `effect` and the paired
+    differences' standard deviation `std`, with n seeds: with c = t_{1−α/tails, n−1} and T′ a
+    noncentral t on n − 1 degrees of freedom with noncentrality |effect|·√n / std,
+
+        power = P(T′ > c) + [tails = 2] · P(T′ < −c)."""
+    if n < 2:
+        return 0.0
+    df, shift = n - 1, abs(effect) * math.sqrt(n) / std
+    critical = stats.t.ppf(1 - alpha / tails, df)
+    power = _nct_sf(critical, df, shift)
+    if tails == 2:
+        power += 1 - _nct_sf(-critical, df, shift)
+    return float(power)
+
+
+def equivalence_power(margin: float, std: float, n: int, alpha: float,
+                      true: float = 0.0) -> float:
+    """The power of the TOST at level `alpha` (`tost_p` < α) to show |Δ| < `margin` when the
+    true mean difference is `true`, with n seeds of paired standard deviation `std`: with
+    c = t_{1−α, n−1} and noncentral t's T₊, T₋ on n − 1 degrees of freedom with
+    noncentralities (true ± margin)·√n / std, the Bonferroni lower bound
+
+        power ≥ P(T₊ > c) + P(T₋ < −c) − 1
+
+    (both one-sided tests reject; clipped at 0), close to exact once the power is useful."""
+    if n < 2:
+        return 0.0
+    df, scale = n - 1, math.sqrt(n) / std
+    critical = stats.t.ppf(1 - alpha, df)
+    power = (_nct_sf(critical, df, (true + margin) * scale)
+             - _nct_sf(-critical, df, (true - margin) * scale))
+    return float(max(power, 0.0))
+
+
+def seeds_needed(power_at, target: float = POWER, limit: int = 100_000) -> int | None:
+    """The smallest n ≥ 2 with `power_at(n)` ≥ `target` (power rises with n), or None when even
+    `limit` seeds fall short."""
+    if power_at(limit) < target:
+        return None
+    low, high = 1, 2  # power_at(low) < target ≤ power_at(high) once the doubling stops
+    while power_at(high) < target:
+        low, high = high, high * 2
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (low, middle) if power_at(middle) >= target else (middle, high)
+    return high
+
+
+def _smallest(power_at, scale: float, target: float) -> float:
+    """The smallest x > 0 with `power_at(x)` = `target` (power rises with x), bracketed from
+    `scale` by doubling (scipy's noncentral t is nan far out in its tail, so no wide bracket)."""
+    high = scale
+    while power_at(high) < target:
+        high *= 2
+    return float(optimize.brentq(lambda x: power_at(x) - target, 0.0, high))
+
+
+def detectable_effect(std: float, n: int, alpha: float, tails: int = 2,
+                      target: float = POWER) -> float:
+    """The smallest |Δ| the paired t-test detects with power `target` at n seeds of paired
+    standard deviation `std` (`direction_power` = target); nan for n < 2."""
+    if n < 2 or not std > 0:
+        return math.nan
+    return _smallest(lambda effect: direction_power(effect, std, n, alpha, tails),
+                     std / math.sqrt(n), target)
+
+
+def equivalent_margin(std: float, n: int, alpha: float, target: float = POWER) -> float:
+    """The smallest margin the TOST shows with power `target` at n seeds of paired standard
+    deviation `std` when the true difference is 0 (`equivalence_power` = target); nan for n < 2."""
+    if n < 2 or not std > 0:
+        return math.nan
+    return _smallest(lambda margin: equivalence_power(margin, std, n, alpha),
+                     std / math.sqrt(n), target)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -72,7 +72,8 @@ class Claim:
     negative ("<": the arm ends lower, better), positive (">") or within (−margin, margin)
     ("≈", margin in the metric's units); `quote` says it in its source's words, `source` where
     it comes from; the report corrects its p with the other claims of `family` (Holm) and
-    counts it confirmatory only with exactly `n` finished seeds of each arm."""
+    counts it confirmatory only with exactly `n` finished seeds of each arm; a direction is
+    tested two-sided (`tails` 2) or one-sided toward the claimed side (1)."""
 
     arm: str
     relation: str
@@ -83,10 +84,13 @@ class Claim:
     n: int
     margin: float | None = None
     metric: str = "eval_loss"
+    tails: int = 2
 
     def check(self) -> str:
-        """The claim as a check: `full < baseline`, `gr_top2 ≈ gr (|Δ| < 0.005)`."""
-        bound = f" (|Δ| < {self.margin:g})" if self.relation == "≈" else ""
+        """The claim as a check: `full < baseline`, `block < baseline (one-sided)`,
+        `gr_top2 ≈ gr (|Δ| < 0.005)`."""
+        bound = f" (|Δ| < {self.margin:g})" if self.relation == "≈" else \
+            " (one-sided)" if self.tails == 1 else ""
         return f"{self.arm} {self.relation} {self.reference}{bound}"
 
 
@@ -373,6 +377,10 @@ def _claim(claim, arms: tuple[str, ...], flag: str) -> Claim:
     if not isinstance(n, int) or isinstance(n, bool) or n < 2:
         raise UsageError(f"{name}: n={n!r} must be the registered seed count, an int ≥ 2 (a "
                          "paired test needs two seeds)")
+    tails = claim.get("tails", 2)
+    if tails not in (1, 2) or isinstance(tails, bool) or (tails == 1 and relation == "≈"):
+        raise UsageError(f"{name}: tails={tails!r} must be 2 (two-sided) or, for a direction, 1 "
+                         "(one-sided toward the claimed side)")
     metric = claim.get("metric", "eval_loss")
     if metric not in METRICS:
         raise UsageError(f"{name}: metric {metric!r} is not one of {METRICS} (the run's final "
