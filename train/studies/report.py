@@ -616,6 +616,13 @@ def _interval(mean: float, std: float, n: int) -> str:
     return f"{mean:+.4f} [{low:+.4f}, {high:+.4f}] ({n})"
 
 
+def _relative(delta: float, baseline: float) -> str:
+    """`; −2.4%`: Δ as a share of the baseline's loss ("" without one)."""
+    if not (math.isfinite(delta) and baseline > 0):
+        return ""
+    return f"; {100 * delta / baseline:+.1f}%"
+
+
 def length_deltas(results: dict[str, dict[int, Result]], description: dict,
                   arm: str) -> dict[str, tuple[float, float, int]]:
     """size → (mean, std, n) of Δ = arm − baseline at that size, paired by seed."""
@@ -648,7 +655,7 @@ def trends(results: dict[str, dict[int, Result]], description: dict, n: int) -> 
     "shrinks" (|Δ| smaller at the longest length) when the Holm-adjusted p < 0.05 with a
     positive mean shrink, "grows" when p < 0.05 with a negative one, and "stays" otherwise; it is
     exploratory (no verdict, counted in the correction as untested, p = 1) unless exactly `n`
-    seeds pair."""
+    seeds pair and every run they pair names its code (`provenance.launch_reason`)."""
     baseline = description["baseline"]
     shortest, longest = description["scaling"][0], description["scaling"][-1]
     arms = [arm for arm in dict.fromkeys(studies.split_cell(c)[0] for c in description["cells"])
@@ -663,10 +670,16 @@ def trends(results: dict[str, dict[int, Result]], description: dict, n: int) -> 
         sign = -1.0 if short and np.mean(short) < 0 else 1.0
         mean, std, count = stats.mean_std([sign * (a - b) for a, b in zip(short, long,
                                                                             strict=True)])
+        unnamed = sorted({f"{cell_arm}@{size}" for cell_arm in (arm, baseline)
+                          for size in (shortest, longest) for seed in seeds
+                          if provenance.launch_reason(
+                              results[f"{cell_arm}@{size}"][seed].launches)})
+        why = (f"{count} paired seeds, registered n = {n}" if count != n else
+               f"runs of {', '.join(unnamed)} do not name their code (provenance)"
+               if unnamed else "")
         rows.append(Trend(arm, mean, std, count, stats.t_interval(mean, std, count, stats.LEVEL),
                           stats.paired_p(mean, std, count), math.nan,
-                          "" if count == n else f"exploratory: {count} paired seeds, "
-                          f"registered n = {n}"))
+                          f"exploratory: {why}" if why else ""))
     untested = [math.nan if row.verdict else row.p for row in rows]
     for i, adjusted in enumerate(stats.holm(untested)):
         row = rows[i]
@@ -692,7 +705,9 @@ def length_section(root: Path, description: dict,
              "Per length: training tokens = steps × batch × sequence length, tokens per "
              "parameter of the baseline's model, epochs = steps × batch / the training split's "
              "windows. Δ = arm − baseline in final eval loss at that length, paired by seed, "
-             "with its 95% t interval (n).", "",
+             "with its 95% t interval (n), and Δ relative to the baseline's mean loss there "
+             "(a scale-free size: compare it, not Δ, with a paper's numbers in other units).",
+             "",
              "| Length | Steps | Training tokens | Tokens/param | Epochs | "
              + " | ".join(f"{arm} Δ [95% CI] (n)" for arm in arms) + " |",
              "|---" * (5 + len(arms)) + "|"]
@@ -701,8 +716,10 @@ def length_section(root: Path, description: dict,
         facts = (["—"] * 4 if length is None else
                  [str(length.steps), f"{length.tokens:,}", f"{length.tokens_per_parameter:.1f}",
                   "—" if math.isnan(length.epochs) else f"{length.epochs:.2f}"])
-        lines.append(f"| {size} | " + " | ".join(facts + [_interval(*deltas[arm][size])
-                                                          for arm in arms]) + " |")
+        base = stats.mean_std(list(_seed_losses(results, f"{baseline}@{size}").values()))[0]
+        lines.append(f"| {size} | " + " | ".join(facts + [
+            _interval(*deltas[arm][size]) + _relative(deltas[arm][size][0], base)
+            for arm in arms]) + " |")
     n = max((claim.n for claim in description["claims"]), default=len(description["seeds"]))
     shortest, longest = description["scaling"][0], description["scaling"][-1]
     lines += ["", f"Trend, per arm: shrink = σ·(Δ at {shortest} − Δ at {longest}), paired by "
