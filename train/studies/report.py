@@ -61,13 +61,15 @@ LENGTH_PLOT = "delta_vs_tokens.png"
 
 @dataclasses.dataclass
 class Result:
-    """A finished run: its final eval_loss, (step, eval_loss) curve, training FLOPs and the
-    provenance of its launches (`train.studies.provenance`)."""
+    """A finished run: its final eval_loss, (step, eval_loss) curve, training FLOPs, the
+    provenance of its launches (`train.studies.provenance`) and its multiple-choice results
+    (`scripts/evaluate.py`'s WORKDIR/eval_<task>.json)."""
 
     loss: float
     curve: list[tuple[int, float]]
     compute: float | None
     launches: list[dict] = dataclasses.field(default_factory=list)
+    accuracy: dict[str, dict] = dataclasses.field(default_factory=dict)  # task → eval_<task>.json
 
 
 def training_flops(workdir: str | Path) -> float:
@@ -102,8 +104,62 @@ def collect(root: str | Path, description: dict) -> tuple[dict[str, dict[int, Re
                 except (ValueError, KeyError, TypeError) as error:
                     missing.append((cell, seed, f"no FLOPs count ({error})"))
                     continue
-            results[cell][seed] = Result(loss, curve, compute, provenance.read(workdir))
+            results[cell][seed] = Result(loss, curve, compute, provenance.read(workdir),
+                                         read_accuracy(workdir))
     return results, missing
+
+
+def read_accuracy(workdir: Path) -> dict[str, dict]:
+    """task → the run's `scripts/evaluate.py` result (WORKDIR/eval_<task>.json); a file that
+    does not parse is left out."""
+    found = {}
+    for path in sorted(workdir.glob("eval_*.json")):
+        try:
+            result = json.loads(path.read_text())
+            found[result["task"]] = result
+        except (json.JSONDecodeError, KeyError, TypeError, OSError):
+            continue
+    return found
+
+
+def accuracy_section(results: dict[str, dict[int, Result]], description: dict) -> list[str]:
+    """Per task that some run was scored on (`scripts/evaluate.py`): each cell's accuracy and
+    length-normalized accuracy, mean ± std over its scored seeds (n), and the paired difference
+    to the baseline with its 95% t interval; the runs' results must share the task's SHA-256
+    (else that task is listed as mixed and not tabled)."""
+    found = sorted({task for runs in results.values() for run in runs.values()
+                    for task in run.accuracy})
+    if not found:
+        return []
+    lines = ["## Accuracy", "",
+             "Multiple-choice accuracy by log-likelihood (`scripts/evaluate.py`, lm-eval-harness's "
+             "acc and acc_norm), beside the loss above: per cell the mean ± std over its scored "
+             "seeds (n), and Δ = arm − baseline paired by seed with its 95% t interval, in "
+             "accuracy points.", ""]
+    for task in found:
+        scored = {cell: {seed: run.accuracy[task] for seed, run in runs.items()
+                         if task in run.accuracy} for cell, runs in results.items()}
+        digests = {r["sha256"] for runs in scored.values() for r in runs.values()}
+        if len(digests) > 1:
+            lines += [f"`{task}`: the runs were scored on {len(digests)} versions of the task "
+                      "file; rescore them on one.", ""]
+            continue
+        some = next(r for runs in scored.values() for r in runs.values())
+        lines += [f"`{task}`: {some['items']} items, chance {some['chance']:.4f}.", "",
+                  "| Arm | n | acc | Δ acc vs baseline [95% CI] | acc_norm | "
+                  "Δ acc_norm vs baseline [95% CI] |", "|---|---|---|---|---|---|"]
+        for cell, runs in scored.items():
+            reference = scored.get(_baseline_cell(cell, description["baseline"]), {})
+            row = [cell, str(len(runs))]
+            for key in ("acc", "acc_norm"):
+                row.append(_value(*stats.mean_std([r[key] for r in runs.values()])))
+                mean, std, n = stats.paired_difference(
+                    {s: r[key] for s, r in runs.items()},
+                    {s: r[key] for s, r in reference.items()})
+                row.append("(baseline)" if runs is reference else _interval(mean, std, n))
+            lines.append("| " + " | ".join(row) + " |")
+        lines.append("")
+    return lines
 
 
 def final_losses(results: dict[str, dict[int, Result]]) -> dict[str, dict[int, float]]:
@@ -1022,6 +1078,7 @@ def write_report(root: str | Path, description: dict) -> Path:
              + (" at the same size" if description["scaling"] else "")
              + ", paired by seed over the seeds both finished, mean ± std (n).", ""]
     lines += loss_table(results, description)
+    lines += [""] + accuracy_section(results, description)
     plot_curves(results, root / CURVES)
     lines += ["", f"![Validation loss curves]({CURVES})", ""]
     if any(claim.metric != studies.MULTIPLIER for claim in description["claims"]):
