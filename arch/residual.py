@@ -20,10 +20,10 @@ through the same calls; by convention its leaves are x_BxTxD-shaped, stacked n×
 Everything else the framework asks of a mechanism is a hook with a documented default, so that
 accounting, probes, pruning, the pipeline and the optimizer name no mechanism:
 
-    config       its name and module a line of `config.catalogue`; its options a section of the
-                 schema, `config/defaults.py`, and their rules a function in
-                 `config.model_rules.RESIDUAL_RULES` (all JAX-free, so a bad value fails before
-                 JAX loads); a mechanism without options declares neither
+    config       its record in `config.catalogue` (module, capabilities such as
+                 `single_stream`); its options a section of the schema, `config/defaults.py`,
+                 and their rules the function its record names (all JAX-free, so a bad value
+                 fails before JAX loads); a mechanism without options declares neither
     accounting   `residual_io(cfg)`, `residual_history(cfg)` (default: not modelled, ValueError),
                  `state_itemsize(cfg)` (default: the compute dtype's); added parameters are
                  measured from the built model, with one `model.norm` per sublayer as zero point

@@ -5,7 +5,9 @@ refused before JAX loads (`config.catalogue`)."""
 
 from __future__ import annotations
 
+import ast
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -106,9 +108,62 @@ def test_the_catalogue_names_the_live_registries_both_ways():
     for family in ("attention", "norm", "position", "ffn", "residual", "head", "init"):
         for name in catalogue.names(family):
             assert live[family][name].__module__ == catalogue.module_path(family, name)
-    assert catalogue.FFN_PROJECTIONS == {name: ffn.projections for name, ffn in FFNS.items()}
-    assert set(catalogue.SINGLE_STREAM_RESIDUALS) == {
+    assert {name: catalogue.record("ffn", name).projections for name in FFNS} == {
+        name: ffn.projections for name, ffn in FFNS.items()}
+    assert set(catalogue.with_capability("residual", catalogue.SINGLE_STREAM)) == {
         name for name, mechanism in RESIDUALS.items() if mechanism.single_stream}
+    assert {name for name, mixer in ATTENTION.items() if not mixer.cache_per_token(None)} == set(
+        catalogue.with_capability("attention", catalogue.RECURRENT_DECODING))
+
+
+# A literal that is a component name and also an ordinary value of other fields ("none": no
+# quantization, no branch scale) counts only where it is compared with a component field.
+AMBIGUOUS = {"none"}
+COMPONENT_FIELD = re.compile(r"\b(attention|norm|position|ffn|residual|head)(\.name\b|\[.name.\])"
+                             r"|activation|\binit\b")
+
+
+def component_comparisons(package: str) -> list[str]:
+    """"path:line: source" of each comparison in `package` with a literal component name of the
+    catalogue (`x == "mha"`, `x in ("batchnorm", ...)`, ...)."""
+    components = {name for family in catalogue.FAMILIES for name in catalogue.names(family)}
+    found = []
+    for path in sorted((ROOT / package).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Compare):
+                continue
+            operands = [node.left, *node.comparators]
+            literals = set()
+            for operand in operands:
+                sequence = isinstance(operand, ast.Tuple | ast.List | ast.Set)
+                for leaf in operand.elts if sequence else [operand]:
+                    if isinstance(leaf, ast.Constant) and isinstance(leaf.value, str):
+                        literals.add(leaf.value)
+            named = literals & components
+            if named - AMBIGUOUS or (named and COMPONENT_FIELD.search(ast.unparse(node))):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+@pytest.mark.parametrize("package", ["config", "sharding", "train"])
+def test_no_component_name_is_compared_outside_arch(package):
+    """The rules ask the records (`config.catalogue.has`, `record`, `letters`), never compare a
+    component's name: adding a component is its module, its record and its defaults section."""
+    assert component_comparisons(package) == []
+
+
+def test_the_comparison_search_finds_what_it_looks_for(tmp_path, monkeypatch):
+    """The search above is not vacuous: it finds each kind of comparison it should."""
+    package = tmp_path / "lib"
+    package.mkdir()
+    (package / "rules.py").write_text(
+        'a = cfg.attention.name == "mla"\n'
+        'b = model.norm.name not in ("batchnorm", "causal_batchnorm")\n'
+        'c = cfg.position.name != "none"\n'
+        'd = config.quantization.method != "none"\n'
+        'e = name == "gated_deltanet"\n')
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert [line.split(":")[1] for line in component_comparisons("lib")] == ["1", "2", "3", "5"]
 
 
 def test_a_misspelled_component_is_refused_before_jax_loads():
