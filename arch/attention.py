@@ -54,8 +54,9 @@ class TokenMixer(nnx.Module):
                      `rotate` is the position module's hook for queries and keys; training passes
                      no cache and gets None back, decoding passes the layer's cache and gets it
                      updated (the block's positions continue the cached ones)
-        cache        `cache_shapes(cfg, batch, length)`, `cache_per_token(cfg)` (True: it grows
-                     with the sequence, a KV cache; False: a recurrent state of constant size),
+        cache        `cache_shapes(cfg, batch, length)`, and the record's `recurrent_decoding`
+                     capability (`config.catalogue`: a recurrent state of constant size;
+                     without it, a KV cache that grows with the sequence),
                      `float32_cache` (entries kept in float32 whatever the compute dtype),
                      `init_cache` (zeros; `SoftmaxAttention` adds a sliding window's slot
                      positions), `cache_bytes`
@@ -88,11 +89,6 @@ class TokenMixer(nnx.Module):
         """The shape of each cache entry of one layer for `batch` sequences of `length`
         positions."""
         raise NotImplementedError(f"{cls.__name__} declares no cache shapes")
-
-    @classmethod
-    def cache_per_token(cls, cfg) -> bool:
-        """Whether the cache grows with the sequence (default True; False: a recurrent state)."""
-        return True
 
     @classmethod
     def init_cache(cls, cfg, batch: int, length: int, dtype=jnp.float32,

@@ -27,9 +27,11 @@ accounting, probes, pruning, the pipeline and the optimizer name no mechanism:
     accounting   `residual_io(cfg)`, `residual_history(cfg)` (default: not modelled, ValueError),
                  `state_itemsize(cfg)` (default: the compute dtype's); added parameters are
                  measured from the built model, with one `model.norm` per sublayer as zero point
-    probes       `single_stream` (default False: the state is a pytree, read through
-                 `ResidualStream.hidden_state`), `probe_norm(state)` for a normalization that is
-                 not a `norm` submodule (default None)
+    probes       its record's `single_stream` capability (the state is the hidden state x
+                 itself, B×T×D: the probes perturb and read it directly, gradient ∂loss/∂x_i;
+                 without it the state is a pytree, read through `ResidualStream.hidden_state`,
+                 gradients w.r.t. the written updates), `probe_norm(state)` for a normalization
+                 that is not a `norm` submodule (default None)
     pruning      `check_prunable(cfg, kept, drop)` (default: any blocks), `prune(cfg, state, kept)`
                  (default: nothing to adjust)
     pipeline     `ResidualStream.stage_message` / `stage_merge` (default: the whole state)
@@ -44,7 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -204,11 +206,6 @@ class ResidualMechanism(nnx.Module):
     framework asks of it (module docstring). Subclasses implement `read` and `write`; every
     other method has the default documented on it."""
 
-    # True when the state is the hidden state x itself (B×T×D), as for the plain sums: the
-    # probes then perturb and read it directly (gradient ∂loss/∂x_i). False (default): the
-    # probes read `ResidualStream.hidden_state` and take gradients w.r.t. the written updates.
-    single_stream: ClassVar[bool] = False
-
     def read(self, state) -> jax.Array:
         """The sublayer's input h (B×T×D) from the residual state."""
         raise NotImplementedError(f"{type(self).__name__} implements no read")
@@ -278,8 +275,6 @@ class PreNormSum(ResidualMechanism):
 
     The norm is `model.norm`, gain 1 at initialization; the stream itself is never normalized.
     """
-
-    single_stream = True
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         self.norm = make_norm(cfg, rngs=rngs)

@@ -266,22 +266,10 @@ def modules() -> tuple[str, ...]:
                                for entry in records(family).values() if "." not in entry.module))
 
 
-def register(family: str, name: str, module: str) -> None:
-    """Add a component registered at run time (a test's, a user's plugin) by its module's dotted
-    path; `arch.registry.Registry.register` calls this, so the catalogue and the live registries
-    stay the same both ways. A name the catalogue has already is left as it is."""
-    records(family).setdefault(name, Component(family, module))
-
-
-def unregister(family: str, name: str) -> None:
-    """Remove a component `register` added (the zoo's stay)."""
-    if "." in getattr(records(family).get(name), "module", ""):
-        del records(family)[name]
-
-
 def plugin(family: str, module: str, **options) -> Component:
-    """A record for a component defined outside `arch` (a test's, a user's), by its module's
-    dotted path; add it to `records(family)` under its name, beside its `arch` registry entry."""
+    """A record for a component defined outside `arch` (a test's), by its module's dotted path:
+    the `register_component` fixture of tests/conftest.py puts it in `records(family)` beside
+    the component's `arch` registry entry and restores both afterwards."""
     return replace(Component(family, module), **options)
 
 

@@ -117,6 +117,19 @@ def test_no_function_local_import_of_a_project_package():
     assert not found, "function-local imports of project packages:\n" + "\n".join(found)
 
 
+def test_arch_imports_exactly_the_catalogues_modules_by_name():
+    """`arch/__init__.py` imports the zoo's modules statically (tools and `git bisect` see them),
+    and they are the modules the catalogue's records name."""
+    from config.catalogue import modules
+
+    tree = ast.parse((ROOT / "arch/__init__.py").read_text())
+    imported = [alias.name for node in tree.body if isinstance(node, ast.ImportFrom)
+                and node.module == "arch" for alias in node.names]
+    assert "importlib" not in (ROOT / "arch/__init__.py").read_text()
+    assert sorted(imported) == sorted(modules())
+    assert len(tree.body) == 2  # the docstring and the import
+
+
 def test_the_config_leaf_imports_no_jax():
     probe = ("import sys, config, config.cli, config.defaults, config.derived; "
              "print(sorted(m for m in ('jax', 'flax', 'optax') if m in sys.modules))")

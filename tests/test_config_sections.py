@@ -108,12 +108,35 @@ def test_the_catalogue_names_the_live_registries_both_ways():
     for family in ("attention", "norm", "position", "ffn", "residual", "head", "init"):
         for name in catalogue.names(family):
             assert live[family][name].__module__ == catalogue.module_path(family, name)
-    assert {name: catalogue.record("ffn", name).projections for name in FFNS} == {
-        name: ffn.projections for name, ffn in FFNS.items()}
-    assert set(catalogue.with_capability("residual", catalogue.SINGLE_STREAM)) == {
-        name for name, mechanism in RESIDUALS.items() if mechanism.single_stream}
-    assert {name for name, mixer in ATTENTION.items() if not mixer.cache_per_token(None)} == set(
-        catalogue.with_capability("attention", catalogue.RECURRENT_DECODING))
+    # What the rules need is declared once, on the record: the classes do not repeat it.
+    assert not any(hasattr(ffn, "projections") for ffn in FFNS.values())
+    assert not any(hasattr(mechanism, "single_stream") for mechanism in RESIDUALS.values())
+    assert not any(hasattr(mixer, "cache_per_token") for mixer in ATTENTION.values())
+
+
+def test_registering_leaves_the_catalogue_alone_and_the_fixture_restores_both(
+        register_component):
+    """`Registry.register` changes only the live registry (the config leaf keeps no state that
+    `arch` writes); the fixture puts a test's component in both and the next test sees neither."""
+    from arch.residual import RESIDUALS, PreNormSum
+
+    before = dict(catalogue.records("residual"))
+    RESIDUALS.register("test_only_live")(PreNormSum)
+    try:
+        assert catalogue.records("residual") == before
+    finally:
+        dict.__delitem__(RESIDUALS, "test_only_live")
+    register_component(RESIDUALS, "test_both", PreNormSum,
+                       capabilities=frozenset({catalogue.SINGLE_STREAM}))
+    assert RESIDUALS["test_both"] is PreNormSum
+    assert catalogue.has("residual", "test_both", catalogue.SINGLE_STREAM)
+    assert catalogue.module_path("residual", "test_both") == "arch.residual"
+
+
+def test_the_previous_test_registered_components_are_gone():
+    from arch.residual import RESIDUALS
+
+    assert "test_both" not in RESIDUALS and "test_both" not in catalogue.names("residual")
 
 
 # A literal that is a component name and also an ordinary value of other fields ("none": no
