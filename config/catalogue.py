@@ -15,6 +15,9 @@ A record (`Component`) declares:
   letter        a token mixer's letter in `model.layer_pattern` (hybrid stacks), if it has one
   projections   an FFN's number of d × d_ff matrices
   axes          its extra logical parameter axes → mesh axes (`sharding.rules` merges them)
+  section       the name of its options' section of `model`, and `options`, a function giving
+                that section's defaults (`config.defaults.model_config` adds it), for a
+                component whose options are not in `config/defaults.py` itself
   rules         a JAX-free function over the `model` section: its own section's checks and
                 derived fields, run by `config.resolve` when a config uses the component
   mesh_rules    the same, given the mesh's axis sizes too (`config.resolution`)
@@ -57,6 +60,8 @@ class Component:
     letter: str | None = None
     projections: int = 0
     axes: Axes = field(default_factory=dict)
+    section: str | None = None
+    options: Callable[[], dict] | None = None
     rules: Callable[[object], None] | None = None
     mesh_rules: Callable[[object, dict[str, int]], None] | None = None
 
@@ -252,6 +257,20 @@ def logical_axes() -> dict[str, str | tuple[str, ...] | None]:
                     raise ValueError(f"logical axis {axis!r}: {family} {name!r} maps it to "
                                      f"{target!r}, another record to {merged[axis]!r}")
     return merged
+
+
+def option_sections() -> dict[str, Callable[[], dict]]:
+    """The `model` sections the records declare (`section` → its defaults' function), once
+    each; ValueError if a section is declared twice."""
+    sections: dict = {}
+    for family in FAMILIES:
+        for name, entry in records(family).items():
+            if entry.section is None:
+                continue
+            if entry.section in sections:
+                raise ValueError(f"model.{entry.section} is declared by two records ({name!r})")
+            sections[entry.section] = entry.options
+    return sections
 
 
 def module_path(family: str, name: str) -> str:

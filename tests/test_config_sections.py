@@ -205,3 +205,28 @@ def test_a_misspelled_component_is_refused_before_jax_loads():
     assert done.stdout.strip() == ("model.norm.name='rmsnrom' is invalid: valid norms: batchnorm, "
                                    "causal_batchnorm, dyt, gatednorm, layernorm, none, rmsnorm, "
                                    "scalenorm False")
+
+
+def test_a_records_options_section_is_in_the_schema_and_its_rule_runs(register_component):
+    """A component may declare its options' section in its record (`section`, `options`): the
+    schema has it, with its defaults, and `resolve` runs the record's rule on it."""
+    from arch.attention import ATTENTION, MultiHeadAttention
+    from config import ConfigError
+    from config.component_rules import positive_int
+
+    def rule(cfg):
+        width = cfg.test_mixer.width
+        if not positive_int(width):
+            raise ConfigError(f"model.test_mixer.width={width!r} is invalid")
+
+    register_component(ATTENTION, "test_mixer", MultiHeadAttention, section="test_mixer",
+                       options=lambda: dict(width=3), rules=rule,
+                       capabilities=frozenset({catalogue.SEQUENCE_PARALLEL}))
+    config = base_config()
+    assert config.model.test_mixer.to_dict() == {"width": 3}
+    config.model.attention.name = "test_mixer"
+    config.model.test_mixer.width = 0
+    with pytest.raises(ConfigError, match=re.escape("model.test_mixer.width=0 is invalid")):
+        resolve(config, 1)
+    config.model.attention.name = "mha"  # the rule runs for the components in use only
+    assert resolve(config, 1).model.test_mixer.width == 0
