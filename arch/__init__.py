@@ -14,6 +14,7 @@ from arch import (  # noqa: F401  (imported for their registrations)
     heads,
     hyper,
     init,
+    mamba2,
     moe,
     norms,
     positions,

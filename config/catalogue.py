@@ -28,6 +28,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 
+import ml_collections
+
 from config import check, component_rules, is_int, lookup
 from config.component_rules import positive_int
 
@@ -134,6 +136,42 @@ def _moe_mesh(cfg, mesh: dict[str, int]) -> None:
               "model.moe.dropless=True or mesh.sequence=1")
 
 
+def _mamba2_options() -> dict:
+    """`model.mamba2`: Mamba-2's options (arch.mamba2.Mamba2; Dao & Gu 2024 defaults but P)."""
+    return dict(
+        num_heads=ml_collections.FieldReference(None, field_type=int),  # H; default 2·d / P
+        head_dim=ml_collections.FieldReference(None, field_type=int),   # P; default
+                                  # attention.head_dim
+        state_dim=128,            # N, the state size per head (B and C width)
+        conv_width=4,             # W of the causal depthwise convolution on x, B and C
+        chunk=64,                 # tokens per chunk of the chunked (SSD) training form
+    )
+
+
+def _mamba2(cfg) -> None:
+    """Mamba-2's fields: P defaults to `attention.head_dim`, H to 2·d / P (expand = 2)."""
+    m, d = cfg.mamba2, cfg.d_model
+    if m.head_dim is None:
+        m.head_dim = cfg.attention.head_dim
+    check(positive_int(m.head_dim), "model.mamba2.head_dim", m.head_dim,
+          "must be a positive integer")
+    if m.num_heads is None:
+        check(2 * d % m.head_dim == 0, "model.mamba2.head_dim", m.head_dim,
+              f"must divide 2·model.d_model = {2 * d} (the default H·P, expand 2); or set "
+              "model.mamba2.num_heads")
+        m.num_heads = 2 * d // m.head_dim
+    for option in ("num_heads", "state_dim", "conv_width", "chunk"):
+        check(positive_int(m[option]), f"model.mamba2.{option}", m[option],
+              "must be a positive integer")
+
+
+def _mamba2_mesh(cfg, mesh: dict[str, int]) -> None:
+    """Mamba-2's heads shard over `tensor`."""
+    heads = cfg.mamba2.num_heads
+    check(heads % mesh["tensor"] == 0, "model.mamba2.num_heads", heads,
+          f"must be divisible by mesh.tensor={mesh['tensor']}")
+
+
 _MIXER = frozenset({SEQUENCE_PARALLEL, PIPELINE})
 _NORM = frozenset({SEQUENCE_PARALLEL, PIPELINE, REVERSIBLE})
 _DENSE = frozenset({LINEAR_BIAS, REVERSIBLE})
@@ -151,6 +189,12 @@ FAMILIES: dict[str, tuple[str, dict[str, Component]]] = {
                     PIPELINE: "do not run in the pipeline"},
             rules=component_rules.gated_deltanet, mesh_rules=component_rules.gated_deltanet_mesh)),
         "differential": ("differential_attention", dict(rules=_differential)),
+        "mamba2": ("mamba2", dict(
+            capabilities=(RECURRENT_DECODING,), without=_MIXER, letter="M",
+            limits={SEQUENCE_PARALLEL: "do not pass their state between sequence shards",
+                    PIPELINE: "do not run in the pipeline"},
+            axes={"ssm_heads": "tensor", "ssm_state": None}, section="mamba2",
+            options=_mamba2_options, rules=_mamba2, mesh_rules=_mamba2_mesh)),
     })),
     "norm": ("norm.name", _records("norm", _NORM, {
         "rmsnorm": "norms", "layernorm": "norms", "scalenorm": "norms", "dyt": "norms",
