@@ -191,6 +191,7 @@ def test_it_trains(single_device):
     assert np.all(np.isfinite(losses)) and losses[-1] < losses[0] - 0.5, losses
 
 
+@pytest.mark.slow
 def test_sharded_2x2x2_equals_single_device(single_device):
     tokens, (logits_1, losses_1, _) = single_device
     logits, losses, spec = train(8, (2, 2, 2), tokens)
