@@ -19,6 +19,7 @@ from arch.residual import (  # noqa: F401  (ResidualTraffic: re-exported with Re
     ResidualMechanism,
     ResidualTraffic,
 )
+from config.catalogue import RECURRENT_DECODING, has
 from config.derived import layer_attentions, sublayer_count
 
 
@@ -148,16 +149,17 @@ def parameter_breakdown(model_cfg) -> dict[str, int]:
 
 def kv_cache_bytes_per_token(model_cfg, dtype: str | None = None) -> int:
     """Bytes the KV cache holds per token, over the layers whose cache grows with the sequence
-    (`config.derived.layer_attentions`, `TokenMixer.cache_per_token`): each token mixer's
-    `cache_bytes` of one position (MHA/GQA/MQA: keys and values, 2·h_kv·p; MLA: the latent and
-    the decoupled rotary key, d_c + d_r) at the itemsize of `dtype` (default the compute dtype
-    `model.dtype`). Per sequence: × the positions it holds, its length, or with a sliding
-    window W at most W (`cache_positions`). Gated DeltaNet layers add nothing per token: their
-    constant state is `recurrent_state_bytes`. Looped depth (`model.loop_count` = R) keeps one
+    (`config.derived.layer_attentions`; not the `recurrent_decoding` mixers of
+    `config.catalogue`): each token mixer's `cache_bytes` of one position (MHA/GQA/MQA: keys
+    and values, 2·h_kv·p; MLA: the latent and the decoupled rotary key, d_c + d_r) at the
+    itemsize of `dtype` (default the compute dtype `model.dtype`). Per sequence: × the
+    positions it holds, its length, or with a sliding window W at most W (`cache_positions`).
+    Gated DeltaNet layers add nothing per token: their constant state is
+    `recurrent_state_bytes`. Looped depth (`model.loop_count` = R) keeps one
     cache per loop and layer: × R."""
-    mixers = [ATTENTION[attention] for attention in layer_attentions(model_cfg)]
-    total = sum(mixer.cache_bytes(model_cfg, dtype or model_cfg.dtype) for mixer in mixers
-                if mixer.cache_per_token(model_cfg))
+    total = sum(ATTENTION[name].cache_bytes(model_cfg, dtype or model_cfg.dtype)
+                for name in layer_attentions(model_cfg)
+                if not has("attention", name, RECURRENT_DECODING))
     return model_cfg.get("loop_count", 1) * total
 
 
@@ -166,9 +168,9 @@ def recurrent_state_bytes(model_cfg, dtype: str | None = None) -> int:
     float32, and the convolutions' last W − 1 inputs, (W − 1)·H·(2K + V) at `dtype`, default
     `model.dtype`), over the layers that keep one (× `model.loop_count`); the same at any
     sequence length."""
-    mixers = [ATTENTION[attention] for attention in layer_attentions(model_cfg)]
-    total = sum(mixer.cache_bytes(model_cfg, dtype or model_cfg.dtype) for mixer in mixers
-                if not mixer.cache_per_token(model_cfg))
+    total = sum(ATTENTION[name].cache_bytes(model_cfg, dtype or model_cfg.dtype)
+                for name in layer_attentions(model_cfg)
+                if has("attention", name, RECURRENT_DECODING))
     return model_cfg.get("loop_count", 1) * total
 
 

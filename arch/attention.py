@@ -3,7 +3,7 @@ Registry: `ATTENTION[name](cfg, execution=..., rngs=...)` (the model section and
 section: kernel, tile, sequence attention; default `execution_config()`); called as
 `attention(x_BxTxD, positions_BxT, rotate, cache) -> (y_BxTxD, cache)`. What the model, the decode
 cache, accounting and the probes ask of a mixer is declared on `TokenMixer`; a new mixer is its
-file, its test and a line of `config.catalogue`.
+module (imported by name in `arch/__init__.py`), its test and its record in `config.catalogue`.
 
 Shapes: B batch, T query positions, S key positions, D = d_model, H query heads, K key/value
 heads (H = K·G, G queries per KV head), P head width; MLA adds C (the key/value latent), C' (the
@@ -48,14 +48,15 @@ class TokenMixer(nnx.Module):
 
         build        `__init__(cfg, *, execution=None, rngs)`: `cfg` the `model` section (the
                      mixer's options: `model.attention`, or a section of its own such as
-                     `model.deltanet`, with its rules in `config.model_rules`), `execution` the
-                     `execution` section (attention kernel, tile, sequence attention)
+                     `model.mamba2`, with its rules in its record, `config.catalogue`),
+                     `execution` the `execution` section (kernel, tile, sequence attention)
         forward      `__call__(x_BxTxD, positions_BxT, rotate, cache=None) -> (y_BxTxD, cache)`:
                      `rotate` is the position module's hook for queries and keys; training passes
                      no cache and gets None back, decoding passes the layer's cache and gets it
                      updated (the block's positions continue the cached ones)
-        cache        `cache_shapes(cfg, batch, length)`, `cache_per_token(cfg)` (True: it grows
-                     with the sequence, a KV cache; False: a recurrent state of constant size),
+        cache        `cache_shapes(cfg, batch, length)`, and the record's `recurrent_decoding`
+                     capability (`config.catalogue`: a recurrent state of constant size;
+                     without it, a KV cache that grows with the sequence),
                      `float32_cache` (entries kept in float32 whatever the compute dtype),
                      `init_cache` (zeros; `SoftmaxAttention` adds a sliding window's slot
                      positions), `cache_bytes`
@@ -88,11 +89,6 @@ class TokenMixer(nnx.Module):
         """The shape of each cache entry of one layer for `batch` sequences of `length`
         positions."""
         raise NotImplementedError(f"{cls.__name__} declares no cache shapes")
-
-    @classmethod
-    def cache_per_token(cls, cfg) -> bool:
-        """Whether the cache grows with the sequence (default True; False: a recurrent state)."""
-        return True
 
     @classmethod
     def init_cache(cls, cfg, batch: int, length: int, dtype=jnp.float32,

@@ -98,6 +98,7 @@ from arch.residual import (
     ResidualMechanism,
     ResidualStream,
     ResidualTraffic,
+    constrain_state,
     is_capturing,
     record,
     sublayers_per_block,
@@ -248,7 +249,7 @@ class AttnResStream(ResidualStream):
         its scan units, whose layers read by merging into phase 1 and add their outputs to the
         block's partial sum, then the sum written to its slot (`arch.kernels.block_scan`).
         Returns (final state, y stacked over units)."""
-        return scan_blocks(self, body, state, xs)
+        return scan_blocks(self, body, state, xs, constrain_state)
 
     def stage_window(self, lag: int) -> int:
         """Source slots a pipeline stage is sent: those written in `lag` consecutive sublayers,

@@ -243,11 +243,6 @@ class GatedDeltaNet(TokenMixer):
         return {"state": (batch, h, p_v, p_k), "query_conv": (batch, tail, h, p_k),
                 "key_conv": (batch, tail, h, p_k), "value_conv": (batch, tail, h, p_v)}
 
-    @staticmethod
-    def cache_per_token(cfg) -> bool:
-        """Whether the cache grows with the sequence (False: a recurrent state)."""
-        return False
-
     def _convolve(self, x_BxTxHxP, kernel_WxHxP, tail_BxSxHxP):
         """Causal depthwise convolution y_t = Σ_i w_i x_{t−W+1+i} over the zero (or cached)
         history; returns (SiLU(y), the last W − 1 inputs)."""

@@ -60,7 +60,6 @@ from arch.init import group_init
 from arch.layers import Dense, param
 from arch.norms import RMSNorm
 from arch.residual import is_capturing, record
-from config import check
 from config.defaults import execution_config
 from sharding.rules import constrain
 from sharding.sequence import sequence_shards
@@ -95,11 +94,6 @@ class DifferentialAttention(SoftmaxAttention):
     def __init__(self, cfg, *, execution=None, rngs: nnx.Rngs):
         attention = cfg.attention
         d, h, k, p = cfg.d_model, attention.num_heads, attention.num_kv_heads, attention.head_dim
-        rope = cfg.position.name == "rope"
-        check(p % (4 if rope else 2) == 0, "model.attention.head_dim", p,
-              "differential attention splits each head into two halves"
-              + (" that RoPE rotates, so it must be a multiple of 4" if rope else
-                 ", so it must be even"))
         dtype = jnp.dtype(cfg.dtype)
         self.query = Dense((d,), (h, p), ("embed",), ("heads", "head_dim"), rngs=rngs, dtype=dtype,
                            init=group_init(cfg, "query"))

@@ -6,9 +6,8 @@ Two families (Shazeer 2020, "GLU Variants Improve Transformer", §2):
 - gated `glu`, `reglu`, `geglu`, `swiglu`: y = (φ(x W) ⊙ x V) W₂ with φ fixed by the name
   (eqs. 4–6): one class, `GatedFFN`, parametrized by its gate activation.
 
-Every FFN class says how many d × d_ff projections it has (`projections`, also in
-`config.catalogue.FFN_PROJECTIONS`, which `config.model_rules.hidden_width` reads to size d_ff for
-`model.ffn.width="match_mlp"`).
+How many d × d_ff projections each FFN has is its record's `projections` (`config.catalogue`),
+which `config.model_rules.hidden_width` reads to size d_ff for `model.ffn.width="match_mlp"`.
 
 Activations are a registry of their own (`ACTIVATIONS`, elementwise functions x ↦ φ(x)); build
 one for a config with `activation(cfg, name)`, which binds its config options (the leaky slope).
@@ -74,8 +73,6 @@ class MLP(nnx.Module):
     biases zero-initialized. Initialization: `model.init` groups ffn_input (W₁) and ffn_output
     (W₂); default variance 1/fan_in."""
 
-    projections = 2
-
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         dtype, bias, d, f = jnp.dtype(cfg.dtype), cfg.linear_bias, cfg.d_model, cfg.ffn.d_ff
         self.up = Dense((d,), (f,), ("embed",), ("mlp",), rngs=rngs, dtype=dtype,
@@ -103,7 +100,6 @@ class GatedFFN(nnx.Module):
     1/fan_in.
     """
 
-    projections = 3
     gate_activation: str
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):

@@ -1,7 +1,7 @@
 """Output heads: final hidden state → vocabulary scores. Registry: `HEADS[name](cfg, rngs=...)`,
 called as `head(x_BxTxD, embedding) -> BxTxV`. What the model, the loss, accounting and the
 softmax-bottleneck math ask of a head is declared on `OutputHead`; a new head is its file (or
-class here), its test and a line of `config.catalogue`.
+class here), its test and its record in `config.catalogue`.
 
 A head returns either logits or normalized log-probabilities: the loss
 (`optax.softmax_cross_entropy_with_integer_labels`) applies log_softmax, which leaves normalized
@@ -38,7 +38,7 @@ class OutputHead(nnx.Module):
     every other hook has the default documented on it.
 
         build        `__init__(cfg, *, rngs)`: `cfg` the `model` section, `model.head` its
-                     options (rules in `config.model_rules`)
+                     options (rules in `config.model_rules` and its record, `config.catalogue`)
         scores       `__call__(x_BxTxD, embedding) -> B×T×V`, from the final norm's output and
                      the model's token `Embedding` (a tied head multiplies by its table): logits
                      or normalized log-probabilities, which the cross-entropy loss, sampling and

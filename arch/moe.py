@@ -30,6 +30,7 @@ from arch.dropout import apply as dropout
 from arch.ffn import FFNS, activation
 from arch.init import group_init, truncated_normal
 from arch.layers import Dense, param
+from config import catalogue
 from sharding.rules import constrain
 
 _LOCAL = ("act_batch", None, None, "act_embed")  # (B, E, C, d) where the tokens live
@@ -115,7 +116,8 @@ def z_loss(logits_BxTxE: jax.Array) -> jax.Array:
 
 class RoutedExperts(nnx.Module):
     """E expert FFNs with stacked weights: gated, y_e = (φ(x W_e) ⊙ x V_e) W₂_e, when
-    `FFNS[model.moe.expert_ffn]` has 3 projections (φ = its `gate_activation`), else
+    `model.moe.expert_ffn` has 3 projections (its record in `config.catalogue`; φ = its
+    `gate_activation`), else
     y_e = φ(x W_e) W₂_e with φ = `model.ffn.activation`. W_e, V_e: (E, d, f) with logical axes
     ("experts", "embed", "mlp"); W₂_e: (E, f, d), ("experts", "mlp", "embed").
     Initialization: `model.init` groups ffn_input (W, V; fan_in = d) and ffn_output (W₂;
@@ -124,7 +126,7 @@ class RoutedExperts(nnx.Module):
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         E, d, f = cfg.moe.experts, cfg.d_model, cfg.moe.d_ff
         expert_ffn = FFNS[cfg.moe.expert_ffn]
-        self.gated = expert_ffn.projections == 3
+        self.gated = catalogue.record("ffn", cfg.moe.expert_ffn).projections == 3
         self.activation = activation(cfg, expert_ffn.gate_activation if self.gated else None)
         input_init = group_init(cfg, "ffn_input")(d, f)
         inputs = ("experts", "embed", "mlp")
@@ -183,10 +185,6 @@ class MixtureOfExperts(nnx.Module):
     `model.init` group); experts and shared experts as the dense FFNs (`model.init` groups
     ffn_input / ffn_output).
     """
-
-    # d × f matrices per expert with the default swiglu experts: `ffn.width="match_mlp"` sizes
-    # d_ff as for a gated FFN (set `model.moe.d_ff` for other expert kinds).
-    projections = 3
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         d = cfg.d_model

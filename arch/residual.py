@@ -20,16 +20,18 @@ through the same calls; by convention its leaves are x_BxTxD-shaped, stacked n×
 Everything else the framework asks of a mechanism is a hook with a documented default, so that
 accounting, probes, pruning, the pipeline and the optimizer name no mechanism:
 
-    config       its name and module a line of `config.catalogue`; its options a section of the
-                 schema, `config/defaults.py`, and their rules a function in
-                 `config.model_rules.RESIDUAL_RULES` (all JAX-free, so a bad value fails before
-                 JAX loads); a mechanism without options declares neither
+    config       its record in `config.catalogue` (module, capabilities such as
+                 `single_stream`); its options a section of the schema, `config/defaults.py`,
+                 and their rules the function its record names (all JAX-free, so a bad value
+                 fails before JAX loads); a mechanism without options declares neither
     accounting   `residual_io(cfg)`, `residual_history(cfg)` (default: not modelled, ValueError),
                  `state_itemsize(cfg)` (default: the compute dtype's); added parameters are
                  measured from the built model, with one `model.norm` per sublayer as zero point
-    probes       `single_stream` (default False: the state is a pytree, read through
-                 `ResidualStream.hidden_state`), `probe_norm(state)` for a normalization that is
-                 not a `norm` submodule (default None)
+    probes       its record's `single_stream` capability (the state is the hidden state x
+                 itself, B×T×D: the probes perturb and read it directly, gradient ∂loss/∂x_i;
+                 without it the state is a pytree, read through `ResidualStream.hidden_state`,
+                 gradients w.r.t. the written updates), `probe_norm(state)` for a normalization
+                 that is not a `norm` submodule (default None)
     pruning      `check_prunable(cfg, kept, drop)` (default: any blocks), `prune(cfg, state, kept)`
                  (default: nothing to adjust)
     pipeline     `ResidualStream.stage_message` / `stage_merge` (default: the whole state)
@@ -44,7 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -204,11 +206,6 @@ class ResidualMechanism(nnx.Module):
     framework asks of it (module docstring). Subclasses implement `read` and `write`; every
     other method has the default documented on it."""
 
-    # True when the state is the hidden state x itself (B×T×D), as for the plain sums: the
-    # probes then perturb and read it directly (gradient ∂loss/∂x_i). False (default): the
-    # probes read `ResidualStream.hidden_state` and take gradients w.r.t. the written updates.
-    single_stream: ClassVar[bool] = False
-
     def read(self, state) -> jax.Array:
         """The sublayer's input h (B×T×D) from the residual state."""
         raise NotImplementedError(f"{type(self).__name__} implements no read")
@@ -278,8 +275,6 @@ class PreNormSum(ResidualMechanism):
 
     The norm is `model.norm`, gain 1 at initialization; the stream itself is never normalized.
     """
-
-    single_stream = True
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         self.norm = make_norm(cfg, rngs=rngs)

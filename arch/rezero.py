@@ -31,8 +31,6 @@ class ReZero(ResidualMechanism):
     """x ← x + α·F(x), α zero-initialized (module docstring). `read(x) = x`,
     `write(x, F) = x + α·F`."""
 
-    single_stream = True
-
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         self.residual_weight = param(rngs, nnx.initializers.zeros, (1,), (None,), MixingParam)
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import ml_collections
 
+from config import catalogue
+
 # The initialization groups a config can name (`model.init.<group>`); arch/init.py binds them.
 INIT_GROUPS = ("embedding", "query", "key", "value", "attention_output", "ffn_input", "ffn_output",
                "head")
@@ -16,8 +18,20 @@ INIT_GROUPS = ("embedding", "query", "key", "value", "attention_output", "ffn_in
 
 def model_config() -> ml_collections.ConfigDict:
     """A small Pre-Norm RMSNorm/RoPE/SwiGLU decoder. Each component is a section whose `name`
-    picks it from its registry; a section's other fields are that component's options."""
-    return ml_collections.ConfigDict(dict(
+    picks it from its registry; a section's other fields are that component's options. A
+    component may declare its options' section in its record instead (`config.catalogue`:
+    `section`, `options`), added here."""
+    model = _model_fields()
+    for section, options in catalogue.option_sections().items():
+        if section in model:
+            raise ValueError(f"model.{section}: declared by a catalogue record and here")
+        model[section] = options()
+    return ml_collections.ConfigDict(model)
+
+
+def _model_fields() -> dict:
+    """The `model` section's fields declared here (see `model_config`)."""
+    return dict(
         vocab_size=256,           # ≥ the tokenizer's (data.tokenizer); 0: the tokenizer's
         d_model=256,
         num_layers=4,
@@ -158,7 +172,7 @@ def model_config() -> ml_collections.ConfigDict:
                                   # (looped depth; single-stream residuals, no pipeline)
         loop_inject=False,        # looped depth: add the embedding x⁰ to the stream before
                                   # every pass after the first
-    ))
+    )
 
 
 def execution_config() -> ml_collections.ConfigDict:

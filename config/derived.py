@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 
+from config.catalogue import EXPERTS, has, letters
+
 
 def sublayer_count(model_cfg) -> int:
     """L: residual sublayers in the network (attention and FFN per block, or attention only)."""
@@ -15,20 +17,29 @@ def sublayer_count(model_cfg) -> int:
 def interleaves_moe(model_cfg) -> bool:
     """Whether MoE FFNs alternate with dense ones (`model.moe.every` = k > 1): the layer scan then
     runs groups of k blocks (`arch.model.BlockGroup`) instead of single blocks."""
-    return model_cfg.use_ffn and model_cfg.ffn.name == "moe" and model_cfg.moe.every > 1
+    return model_cfg.use_ffn and has("ffn", model_cfg.ffn.name, EXPERTS) and model_cfg.moe.every > 1
 
 
-# `model.layer_pattern` letters: "L" a Gated DeltaNet block, "A" the configured attention.
-PATTERN_LETTERS = ("L", "A")
-DELTANET = "gated_deltanet"
+ATTENTION_LETTER = "A"  # the `model.layer_pattern` letter of `model.attention.name`
 
 
 def layer_attentions(model_cfg) -> tuple[str, ...]:
     """The attention (token mixer) of each of the `num_layers` blocks: `model.attention.name`, or
-    `model.layer_pattern` repeated ("L": gated_deltanet, "A": `model.attention.name`)."""
-    pattern = model_cfg.layer_pattern or "A"
-    return tuple(DELTANET if pattern[i % len(pattern)] == "L" else model_cfg.attention.name
-                 for i in range(model_cfg.num_layers))
+    `model.layer_pattern` repeated ("A": `model.attention.name`, another letter: the token mixer
+    whose record in `config.catalogue` declares it, e.g. "L": gated_deltanet)."""
+    pattern, mixers = model_cfg.layer_pattern or ATTENTION_LETTER, letters()
+    mixers[ATTENTION_LETTER] = model_cfg.attention.name
+    return tuple(mixers[pattern[i % len(pattern)]] for i in range(model_cfg.num_layers))
+
+
+def components_in_use(model_cfg) -> list[tuple[str, str]]:
+    """(family, name) of every component the `model` section builds, once each: its token mixers
+    (`model.attention.name` and the pattern's), norm, position, FFN, residual mechanism and
+    head."""
+    mixers = dict.fromkeys((model_cfg.attention.name, *layer_attentions(model_cfg)))
+    return ([("attention", name) for name in mixers]
+            + [(family, model_cfg[family].name)
+               for family in ("norm", "position", "ffn", "residual", "head")])
 
 
 def layer_units(model_cfg) -> int:

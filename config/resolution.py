@@ -22,7 +22,16 @@ from __future__ import annotations
 import ml_collections
 
 from config import check, is_int
-from config.derived import DELTANET, dropout_enabled, layer_attentions, layer_units
+from config.catalogue import (
+    PIPELINE,
+    RING_ATTENTION,
+    SEQUENCE_PARALLEL,
+    has,
+    limit,
+    record,
+    with_capability,
+)
+from config.derived import components_in_use, dropout_enabled, layer_attentions, layer_units
 from config.mesh_shape import ici_dcn_shapes, mesh_shape
 from config.model_rules import check_execution, resolve_model
 from config.validate import check_fields
@@ -87,12 +96,11 @@ def resolve(config, device_count: int, slice_count: int = 1) -> ml_collections.F
           f"must be divisible by mesh.tensor={tensor}")
     check(model.ffn.d_ff % tensor == 0, "model.ffn.d_ff", model.ffn.d_ff,
           f"must be divisible by mesh.tensor={tensor}")
-    if model.ffn.name == "moe":
-        check(model.moe.experts % mesh["expert"] == 0, "model.moe.experts", model.moe.experts,
-              f"must be divisible by mesh.expert={mesh['expert']}")
-        check(model.moe.d_ff % tensor == 0, "model.moe.d_ff", model.moe.d_ff,
-              f"must be divisible by mesh.tensor={tensor}")
-    _check_hybrid(model, mesh)
+    for family, name in components_in_use(model):  # each component's rules on the mesh
+        mesh_rules = record(family, name).mesh_rules
+        if mesh_rules is not None:
+            mesh_rules(model, mesh)
+    _check_components_on_mesh(model, mesh)
     if mesh["sequence"] > 1:
         _check_sequence_parallel(config, mesh["sequence"], mesh["stage"])
     check(mesh["stage"] == 1 or model.loop_count == 1, "model.loop_count", model.loop_count,
@@ -123,24 +131,29 @@ def _check_accumulation(config, batch_shards: int, stages: int) -> None:
           "accumulation_steps or raise batch_size")
 
 
-def _check_hybrid(model, mesh: dict[str, int]) -> None:
-    """Gated DeltaNet runs its recurrence in token order on one device's whole sequence and in
-    the ordinary layer scan: no sequence parallelism (which stripes the sequence) and no
-    pipeline; its heads shard over `tensor`."""
+def _check_components_on_mesh(model, mesh: dict[str, int]) -> None:
+    """Hybrid stacks run in the ordinary layer scan, not the pipeline; and each component in use
+    must declare the capability of each parallelism the mesh uses (`config.catalogue`):
+    `sequence_parallel` for mesh.sequence > 1, `pipeline` for mesh.stage > 1."""
     if model.layer_pattern:
         check(mesh["stage"] == 1, "model.layer_pattern", model.layer_pattern,
               f"hybrid stacks do not run in the pipeline (mesh.stage={mesh['stage']}); use "
               "mesh.stage=1")
-    if DELTANET not in layer_attentions(model):
-        return
-    heads = model.deltanet.num_heads
-    check(heads % mesh["tensor"] == 0, "model.deltanet.num_heads", heads,
-          f"must be divisible by mesh.tensor={mesh['tensor']}")
-    check(mesh["sequence"] == 1, "mesh.sequence", mesh["sequence"],
-          "gated_deltanet blocks do not pass their state between sequence shards; use "
-          "mesh.sequence=1")
-    check(mesh["stage"] == 1, "mesh.stage", mesh["stage"],
-          "gated_deltanet blocks do not run in the pipeline; use mesh.stage=1")
+    for axis, capability in (("sequence", SEQUENCE_PARALLEL), ("stage", PIPELINE)):
+        if mesh[axis] == 1:
+            continue
+        for name in dict.fromkeys(layer_attentions(model)):
+            check(has("attention", name, capability), f"mesh.{axis}", mesh[axis],
+                  f"{name} blocks {limit('attention', name, capability)}; use mesh.{axis}=1")
+    norm = model.norm.name
+    if mesh["sequence"] > 1:
+        check(has("norm", norm, SEQUENCE_PARALLEL), "model.norm.name", norm,
+              f"{limit('norm', norm, SEQUENCE_PARALLEL)}, which mesh.sequence="
+              f"{mesh['sequence']} permutes (striping); use another norm or mesh.sequence=1")
+    if mesh["stage"] > 1:
+        check(has("norm", norm, PIPELINE), "model.norm.name", norm,
+              f"{limit('norm', norm, PIPELINE)} under mesh.stage={mesh['stage']}; use a "
+              "per-token norm or mesh.stage=1")
 
 
 def _check_sequence_parallel(config, shards: int, stages: int) -> None:
@@ -151,20 +164,13 @@ def _check_sequence_parallel(config, shards: int, stages: int) -> None:
           f"must be divisible by 2×mesh.sequence = {2 * shards} (causal load balancing gives "
           "each sequence shard two chunks)")
     if execution.sequence_attention == "ring":
-        check(model.attention.name == "mha", "execution.sequence_attention", "ring",
-              "ring attention supports model.attention.name='mha' (got "
-              f"{model.attention.name!r}); use execution.sequence_attention='all_gather'")
+        for name in dict.fromkeys(layer_attentions(model)):
+            check(has("attention", name, RING_ATTENTION), "execution.sequence_attention", "ring",
+                  f"ring attention supports {' and '.join(_ring_mixers())} (got "
+                  f"{name!r}); use execution.sequence_attention='all_gather'")
         check(stages == 1, "execution.sequence_attention", "ring",
               f"ring attention does not run inside the pipeline (mesh.stage={stages}); use "
               "execution.sequence_attention='all_gather'")
-    check(model.norm.name != "causal_batchnorm", "model.norm.name", model.norm.name,
-          f"its statistics accumulate in token order, which mesh.sequence={shards} permutes "
-          "(striping); use another norm or mesh.sequence=1")
-    if model.use_ffn and model.ffn.name == "moe":
-        check(model.moe.dropless, "model.moe.dropless", model.moe.dropless,
-              f"MoE capacity goes first-come-first-served in token order, which "
-              f"mesh.sequence={shards} permutes (striping); set model.moe.dropless=True or "
-              "mesh.sequence=1")
 
 
 def _check_pipeline(config, mesh: dict[str, int], batch_shards: int) -> None:
@@ -189,10 +195,11 @@ def _check_pipeline(config, mesh: dict[str, int], batch_shards: int) -> None:
           f"{batch_shards})")
     check(not model.reversible, "model.reversible", True,
           f"reversible blocks are not pipelined; use mesh.stage=1 (got mesh.stage={stages})")
-    check(model.norm.name not in ("batchnorm", "causal_batchnorm"), "model.norm.name",
-          model.norm.name,
-          f"batch statistics of a microbatch differ from the batch's under mesh.stage={stages};"
-          " use a per-token norm or mesh.stage=1")
+
+
+def _ring_mixers() -> list[str]:
+    return [f"model.attention.name={name!r}" for name in with_capability("attention",
+                                                                          RING_ATTENTION)]
 
 
 def _check_dropout(config, mesh: dict[str, int]) -> None:

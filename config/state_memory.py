@@ -25,7 +25,7 @@ import os
 import sys
 
 from config import ConfigError
-from config.catalogue import FFN_PROJECTIONS
+from config.catalogue import EXPERTS, OUTPUT_TABLE, has, record
 
 FLOAT32_BYTES = 4
 
@@ -34,11 +34,12 @@ def state_lower_bound(config) -> tuple[int, int]:
     """(embedding and head parameters, FFN parameters) that a resolved `config`'s model surely
     holds (see the module docstring)."""
     model = config.model
-    tables = 2 if model.head.name == "untied" else 1
+    tables = 2 if has("head", model.head.name, OUTPUT_TABLE) else 1
     embedding = tables * model.vocab_size * model.d_model
     ffn = 0
-    if model.use_ffn and model.ffn.name != "moe":
-        ffn = model.num_layers * FFN_PROJECTIONS[model.ffn.name] * model.d_model * model.ffn.d_ff
+    if model.use_ffn and not has("ffn", model.ffn.name, EXPERTS):
+        projections = record("ffn", model.ffn.name).projections
+        ffn = model.num_layers * projections * model.d_model * model.ffn.d_ff
     return embedding, ffn
 
 

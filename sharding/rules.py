@@ -15,6 +15,8 @@ from collections.abc import Sequence
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from config import catalogue
+
 # logical name -> mesh axis, tuple of mesh axes, or None (replicated).
 LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     # parameters
@@ -25,14 +27,11 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     "head_dim": None,
     "mlp": "tensor",
     "norm": None,
-    "norm_rank": None,       # GatedNorm's low-rank gate (arch/norms.py)
     "positions": None,
     "layers": "stage",
     "experts": "expert",
-    "kv_latent": None,   # MLA key/value latent width d_c
-    "q_latent": None,    # MLA query latent width d_c'
-    "head_mixture": None,  # K components of the mos/moc heads
-    "head_context": "tensor",  # width of the mos/moc component contexts
+    # A component's own parameter axes (MLA's latents, GatedNorm's rank, the mos/moc heads'
+    # mixture and contexts, ...) are in its record (`config.catalogue`), merged below.
     "mtp_concat": "tensor",  # the 2d input [norm(h); norm(Emb)] of an MTP projection (arch/mtp)
     # activations
     "act_batch": ("data", "fsdp", "expert"),  # outside MoE layers, expert = data parallelism
@@ -50,6 +49,10 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     "act_mlp": "tensor",
     "act_vocab": "tensor",
 }
+for _axis, _target in catalogue.logical_axes().items():
+    if LOGICAL_RULES.setdefault(_axis, _target) != _target:
+        raise ValueError(f"logical axis {_axis!r}: config.catalogue maps it to {_target!r}, "
+                         f"sharding.rules to {LOGICAL_RULES[_axis]!r}")
 
 
 # The residual stream's logical axes, constrained at every sublayer boundary.

@@ -50,3 +50,19 @@ def _release_compiled_programs():
 def pytest_sessionfinish(session):
     if not hasattr(session.config, "workerinput"):  # the controller, after every worker
         shutil.rmtree(COMPILATION_CACHE, ignore_errors=True)
+
+
+@pytest.fixture
+def register_component(monkeypatch):
+    """`register_component(registry, name, component, **record)`: `component` registered as
+    `name` in the live `arch` registry and, with a record (`config.catalogue.plugin`, the given
+    `Component` fields), in the catalogue, both restored when the test ends."""
+    from config import catalogue
+
+    def register(registry, name, component, **record):
+        monkeypatch.setitem(registry, name, component)
+        monkeypatch.setitem(catalogue.records(registry.family), name,
+                            catalogue.plugin(registry.family, component.__module__, **record))
+        return name
+
+    return register

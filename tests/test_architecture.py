@@ -1,6 +1,7 @@
 """The import graph runs one way: config (leaf) → sharding → arch → train, inside train the run
-directory → data → the trainer's core → instruments → interop → studies, and no library package
-imports experiments/ (the import-linter contracts in pyproject.toml). A back-edge breaks the
+directory → data → the trainer's core → instruments → interop → studies, inside arch the kernels
+(JAX and each other only) → the mechanisms → the model assembly, and no library package imports
+experiments/ or scripts/ (the import-linter contracts in pyproject.toml). A back-edge breaks the
 contract it crosses; every module of train is in a layer; no function-local import hides one;
 the config leaf loads without JAX; no two modules share a name."""
 
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("config", "sharding", "arch", "train", "experiments")
+PACKAGES = ("config", "sharding", "arch", "train", "experiments", "scripts")
 LIBRARY = ("config", "sharding", "arch", "train")  # the packages the contracts order
 TOML = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
 CONTRACTS = {contract["id"]: contract["name"] for contract in TOML}
@@ -32,7 +33,7 @@ def lint_imports(root: Path) -> tuple[int, str]:
 
 
 def test_the_repository_keeps_every_contract():
-    assert set(CONTRACTS) == {"layers", "train", "experiments"}
+    assert set(CONTRACTS) == {"layers", "train", "experiments", "kernels", "assembly", "scripts"}
     status, output = lint_imports(ROOT)
     assert status == 0, output
     for name in CONTRACTS.values():
@@ -50,6 +51,10 @@ BACK_EDGES = [
     ("train/instruments/probes.py", "import train.interop.hf", "train"),
     ("train/interop/hf.py", "import train.studies.sweep", "train"),
     ("arch/norms.py", "import experiments.common", "experiments"),
+    ("arch/kernels/block_scan.py", "from arch.residual import constrain_state", "kernels"),
+    ("arch/kernels/sinkhorn.py", "from config import check", "kernels"),
+    ("arch/deltanet.py", "from arch.model import TransformerLM", "assembly"),
+    ("train/studies/study.py", "from scripts import study_report", "scripts"),
 ]
 
 
@@ -115,6 +120,19 @@ def test_no_function_local_import_of_a_project_package():
                 if any(module.split(".")[0] in PACKAGES for module in modules):
                     found.append(f"{path.relative_to(ROOT)}:{node.lineno} {', '.join(modules)}")
     assert not found, "function-local imports of project packages:\n" + "\n".join(found)
+
+
+def test_arch_imports_exactly_the_catalogues_modules_by_name():
+    """`arch/__init__.py` imports the zoo's modules statically (tools and `git bisect` see them),
+    and they are the modules the catalogue's records name."""
+    from config.catalogue import modules
+
+    tree = ast.parse((ROOT / "arch/__init__.py").read_text())
+    imported = [alias.name for node in tree.body if isinstance(node, ast.ImportFrom)
+                and node.module == "arch" for alias in node.names]
+    assert "importlib" not in (ROOT / "arch/__init__.py").read_text()
+    assert sorted(imported) == sorted(modules())
+    assert len(tree.body) == 2  # the docstring and the import
 
 
 def test_the_config_leaf_imports_no_jax():

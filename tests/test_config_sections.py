@@ -5,7 +5,9 @@ refused before JAX loads (`config.catalogue`)."""
 
 from __future__ import annotations
 
+import ast
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -123,9 +125,85 @@ def test_the_catalogue_names_the_live_registries_both_ways():
     for family in ("attention", "norm", "position", "ffn", "residual", "head", "init"):
         for name in catalogue.names(family):
             assert live[family][name].__module__ == catalogue.module_path(family, name)
-    assert catalogue.FFN_PROJECTIONS == {name: ffn.projections for name, ffn in FFNS.items()}
-    assert set(catalogue.SINGLE_STREAM_RESIDUALS) == {
-        name for name, mechanism in RESIDUALS.items() if mechanism.single_stream}
+    # What the rules need is declared once, on the record: the classes do not repeat it.
+    assert not any(hasattr(ffn, "projections") for ffn in FFNS.values())
+    assert not any(hasattr(mechanism, "single_stream") for mechanism in RESIDUALS.values())
+    assert not any(hasattr(mixer, "cache_per_token") for mixer in ATTENTION.values())
+
+
+def test_registering_leaves_the_catalogue_alone_and_the_fixture_restores_both(
+        register_component):
+    """`Registry.register` changes only the live registry (the config leaf keeps no state that
+    `arch` writes); the fixture puts a test's component in both and the next test sees neither."""
+    from arch.residual import RESIDUALS, PreNormSum
+
+    before = dict(catalogue.records("residual"))
+    RESIDUALS.register("test_only_live")(PreNormSum)
+    try:
+        assert catalogue.records("residual") == before
+    finally:
+        dict.__delitem__(RESIDUALS, "test_only_live")
+    register_component(RESIDUALS, "test_both", PreNormSum,
+                       capabilities=frozenset({catalogue.SINGLE_STREAM}))
+    assert RESIDUALS["test_both"] is PreNormSum
+    assert catalogue.has("residual", "test_both", catalogue.SINGLE_STREAM)
+    assert catalogue.module_path("residual", "test_both") == "arch.residual"
+
+
+def test_the_previous_test_registered_components_are_gone():
+    from arch.residual import RESIDUALS
+
+    assert "test_both" not in RESIDUALS and "test_both" not in catalogue.names("residual")
+
+
+# A literal that is a component name and also an ordinary value of other fields ("none": no
+# quantization, no branch scale) counts only where it is compared with a component field.
+AMBIGUOUS = {"none"}
+COMPONENT_FIELD = re.compile(r"\b(attention|norm|position|ffn|residual|head)(\.name\b|\[.name.\])"
+                             r"|activation|\binit\b")
+
+
+def component_comparisons(package: str) -> list[str]:
+    """"path:line: source" of each comparison in `package` with a literal component name of the
+    catalogue (`x == "mha"`, `x in ("batchnorm", ...)`, ...)."""
+    components = {name for family in catalogue.FAMILIES for name in catalogue.names(family)}
+    found = []
+    for path in sorted((ROOT / package).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Compare):
+                continue
+            operands = [node.left, *node.comparators]
+            literals = set()
+            for operand in operands:
+                sequence = isinstance(operand, ast.Tuple | ast.List | ast.Set)
+                for leaf in operand.elts if sequence else [operand]:
+                    if isinstance(leaf, ast.Constant) and isinstance(leaf.value, str):
+                        literals.add(leaf.value)
+            named = literals & components
+            if named - AMBIGUOUS or (named and COMPONENT_FIELD.search(ast.unparse(node))):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+@pytest.mark.parametrize("package", ["config", "sharding", "train"])
+def test_no_component_name_is_compared_outside_arch(package):
+    """The rules ask the records (`config.catalogue.has`, `record`, `letters`), never compare a
+    component's name: adding a component is its module, its record and its defaults section."""
+    assert component_comparisons(package) == []
+
+
+def test_the_comparison_search_finds_what_it_looks_for(tmp_path, monkeypatch):
+    """The search above is not vacuous: it finds each kind of comparison it should."""
+    package = tmp_path / "lib"
+    package.mkdir()
+    (package / "rules.py").write_text(
+        'a = cfg.attention.name == "mla"\n'
+        'b = model.norm.name not in ("batchnorm", "causal_batchnorm")\n'
+        'c = cfg.position.name != "none"\n'
+        'd = config.quantization.method != "none"\n'
+        'e = name == "gated_deltanet"\n')
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert [line.split(":")[1] for line in component_comparisons("lib")] == ["1", "2", "3", "5"]
 
 
 def test_a_misspelled_component_is_refused_before_jax_loads():
@@ -144,3 +222,28 @@ def test_a_misspelled_component_is_refused_before_jax_loads():
     assert done.stdout.strip() == ("model.norm.name='rmsnrom' is invalid: valid norms: batchnorm, "
                                    "causal_batchnorm, dyt, gatednorm, layernorm, none, rmsnorm, "
                                    "scalenorm False")
+
+
+def test_a_records_options_section_is_in_the_schema_and_its_rule_runs(register_component):
+    """A component may declare its options' section in its record (`section`, `options`): the
+    schema has it, with its defaults, and `resolve` runs the record's rule on it."""
+    from arch.attention import ATTENTION, MultiHeadAttention
+    from config import ConfigError
+    from config.component_rules import positive_int
+
+    def rule(cfg):
+        width = cfg.test_mixer.width
+        if not positive_int(width):
+            raise ConfigError(f"model.test_mixer.width={width!r} is invalid")
+
+    register_component(ATTENTION, "test_mixer", MultiHeadAttention, section="test_mixer",
+                       options=lambda: dict(width=3), rules=rule,
+                       capabilities=frozenset({catalogue.SEQUENCE_PARALLEL}))
+    config = base_config()
+    assert config.model.test_mixer.to_dict() == {"width": 3}
+    config.model.attention.name = "test_mixer"
+    config.model.test_mixer.width = 0
+    with pytest.raises(ConfigError, match=re.escape("model.test_mixer.width=0 is invalid")):
+        resolve(config, 1)
+    config.model.attention.name = "mha"  # the rule runs for the components in use only
+    assert resolve(config, 1).model.test_mixer.width == 0

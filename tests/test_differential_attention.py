@@ -3,6 +3,9 @@ Transformer", eqs. 1–4): the equation against a hand-written reference, traini
 KV-cache decoding and accounting."""
 
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +29,7 @@ from tests.helpers import (
 from train.step import TrainProgram
 
 DIFFERENTIAL = dict(attention="differential")
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _rope(x_BxTxHxR, positions_BxT, base):
@@ -107,11 +111,34 @@ def test_matches_the_equations(overrides):
     np.testing.assert_allclose(weights.reshape(b, k * g, t, s), maps_BxHxTxS, atol=1e-6)
 
 
-def test_head_width_must_split_into_rotatable_halves():
-    cfg = resolved(attention__head_dim=6, attention__width=24)
-    message = "model.attention.head_dim=6 is invalid: differential attention splits each head"
+@pytest.mark.parametrize("position, message", [
+    ("rope", "model.attention.head_dim=6 is invalid: differential attention splits each head "
+             "into two halves that RoPE rotates, so it must be a multiple of 4"),
+    ("none", "model.attention.head_dim=5 is invalid: differential attention splits each head "
+             "into two halves, so it must be even"),
+])
+def test_head_width_must_split_into_halves_before_jax_loads(position, message):
+    """The rule is the record's (`config.catalogue`): `resolve` refuses the width in one line,
+    in a process that never imports JAX."""
+    width = 6 if position == "rope" else 5
+    script = ("import sys\n"
+              "from config import ConfigError, resolve\n"
+              "from config.defaults import base_config\n"
+              "config = base_config()\n"
+              "config.model.update(vocab_size=64, d_model=20)\n"
+              f"config.model.position.name = {position!r}\n"
+              f"config.model.attention.update(name='differential', num_heads=4, num_kv_heads=4, "
+              f"head_dim={width}, width={4 * width})\n"
+              "try:\n"
+              "    resolve(config, 1)\n"
+              "except ConfigError as error:\n"
+              "    print(error)\n"
+              "print('jax' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert done.stdout.splitlines() == [message, "False"], done.stderr
     with pytest.raises(ConfigError, match=re.escape(message)):
-        DifferentialAttention(cfg, rngs=nnx.Rngs(0))
+        resolved(attention__head_dim=width, attention__width=4 * width, position=position)
 
 
 def train(devices: int, mesh: tuple[int, int, int], tokens, steps: int = 6):

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from arch.ffn import ACTIVATIONS, FFNS, activation
-from config import ConfigError, resolve
+from config import ConfigError, catalogue, resolve
 from config.model_rules import FFN_WIDTHS, resolve_model
 from experiments.common import model_config
 from tests.helpers import override, random_tokens, tiny_config, tiny_model
@@ -62,7 +62,8 @@ def _param_count(cfg) -> int:
 def test_every_activation_and_ffn_is_covered_here():
     assert set(ACTIVATIONS) == set(CLOSED_FORMS)
     assert set(FFNS) == {"mlp", "moe", *GATED}  # moe: tests/test_moe.py
-    assert FFNS["mlp"].projections == 2 and all(FFNS[n].projections == 3 for n in GATED)
+    projections = {name: catalogue.record("ffn", name).projections for name in FFNS}
+    assert projections == {"mlp": 2, "moe": 3, **{name: 3 for name in GATED}}
 
 
 @pytest.mark.parametrize("name", sorted(CLOSED_FORMS))

@@ -1,6 +1,5 @@
 """Residual-mechanism accounting (I/O, history, added parameters) and the depth-mixing heatmaps."""
 
-import contextlib
 import json
 
 import jax
@@ -22,7 +21,7 @@ from arch.accounting import (
 from arch.layers import Dense
 from arch.model import TransformerLM
 from arch.residual import RESIDUALS, PreNormSum, ResidualMechanism, SumStream, record
-from config import resolve
+from config import catalogue, resolve
 from config.defaults import model_config
 from scripts import depth_mixing as depth_mixing_script
 from tests.helpers import override, random_tokens, tiny_config, tiny_model, write_run
@@ -203,23 +202,21 @@ class _RecordingPreNorm(PreNormSum):
         return super().read(stream_BxTxD)
 
 
-@contextlib.contextmanager
-def recording_mechanism():
-    RESIDUALS.register("test_recording")(_RecordingPreNorm)
-    try:
-        yield "test_recording"
-    finally:
-        del RESIDUALS["test_recording"]
+@pytest.fixture
+def recording_mechanism(register_component):
+    """The name of `_RecordingPreNorm`, registered (a single stream, as Pre-Norm) for one test."""
+    return register_component(RESIDUALS, "test_recording", _RecordingPreNorm,
+                              capabilities=frozenset({catalogue.SINGLE_STREAM}))
 
 
-def test_accounting_measures_added_parameters_and_state_generically():
-    with recording_mechanism() as name:
-        cfg = resolved(residual=name, num_layers=3)
-        with pytest.raises(ValueError, match="no residual I/O model for 'test_recording'"):
-            residual_accounting(cfg)
-        # 6 sublayer gates and the final read's gate, d×3 each
-        assert added_parameters(cfg) == 7 * cfg.d_model * 3
-        assert residual_state_elements_per_token(cfg) == cfg.d_model
+def test_accounting_measures_added_parameters_and_state_generically(recording_mechanism):
+    name = recording_mechanism
+    cfg = resolved(residual=name, num_layers=3)
+    with pytest.raises(ValueError, match="no residual I/O model for 'test_recording'"):
+        residual_accounting(cfg)
+    # 6 sublayer gates and the final read's gate, d×3 each
+    assert added_parameters(cfg) == 7 * cfg.d_model * 3
+    assert residual_state_elements_per_token(cfg) == cfg.d_model
 
 
 def test_mixing_rows_follow_network_order_with_interleaved_moe():
@@ -241,20 +238,21 @@ def test_mixing_rows_follow_network_order_with_interleaved_moe():
     assert all(np.shape(v) == (n,) for v in weights["values"])
 
 
-def test_depth_mixing_script_plots_and_writes_the_captured_numbers(tmp_path, capsys):
-    with recording_mechanism() as name:
-        config = tiny_config(residual=name)
-        config.mesh.data = -1
-        write_run(config, tmp_path, step=2)
-        out = tmp_path / "plots" / "mixing.png"
-        assert depth_mixing_script.main(["--workdir", str(tmp_path), "--out", str(out),
-                                  "--batch", "8"]) == 0
-        program, step, state = restore_run(tmp_path)
-        model = nnx.merge(program.graphdef, state["params"], state["model_state"])
-        from train.data import in_memory
-        from train.data.in_memory import VALIDATION_SEED
-        tokens = in_memory.load(config.data, "validation").batch(0, 8, 16, VALIDATION_SEED)[:, :-1]
-        _, captured = nnx.capture(model, nnx.Intermediate)(tokens)
+def test_depth_mixing_script_plots_and_writes_the_captured_numbers(tmp_path, capsys,
+                                                                   recording_mechanism):
+    name = recording_mechanism
+    config = tiny_config(residual=name)
+    config.mesh.data = -1
+    write_run(config, tmp_path, step=2)
+    out = tmp_path / "plots" / "mixing.png"
+    assert depth_mixing_script.main(["--workdir", str(tmp_path), "--out", str(out),
+                              "--batch", "8"]) == 0
+    program, step, state = restore_run(tmp_path)
+    model = nnx.merge(program.graphdef, state["params"], state["model_state"])
+    from train.data import in_memory
+    from train.data.in_memory import VALIDATION_SEED
+    tokens = in_memory.load(config.data, "validation").batch(0, 8, 16, VALIDATION_SEED)[:, :-1]
+    _, captured = nnx.capture(model, nnx.Intermediate)(tokens)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     written = json.loads(out.with_suffix(".json").read_text())
     assert (written["mechanism"], written["step"], written["seq_len"]) == (name, 2, 16)

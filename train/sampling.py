@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from config.catalogue import LEARNED_TABLE, has
 from train.data.tokenizer import tokenizer_of
 
 
@@ -59,7 +60,7 @@ def generate_text(program, state, prompt: str, num_tokens: int, *, temperature: 
                      else np.array([tokenizer.separator], np.int32))
     model_cfg = program.model_cfg
     length = len(prompt_tokens) + num_tokens
-    if model_cfg.position.name == "learned" and length > model_cfg.max_seq_len:
+    if has("position", model_cfg.position.name, LEARNED_TABLE) and length > model_cfg.max_seq_len:
         raise ValueError(f"prompt ({len(prompt_tokens)} tokens) + num_tokens={num_tokens} exceeds "
                          f"model.max_seq_len={model_cfg.max_seq_len} of learned positions")
     with jax.set_mesh(program.mesh):

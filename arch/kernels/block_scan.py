@@ -22,7 +22,6 @@ from arch.kernels.depth_read import (
     source_slots,
     write_slot,
 )
-from arch.residual import constrain_state
 
 HISTORY = ("sources", "inverse_rms")  # the state's per-slot leaves: the buffer and its 1/rms
 
@@ -42,16 +41,16 @@ def open_block(layout, queries_table, views: tuple, first) -> tuple:
     return tuple((lse[:, :, i], read) for i, read in enumerate(reads))
 
 
-def close_block(layout, history: dict, partial_BxTxD, first) -> dict:
-    """The buffer with the block's sum written to its slot (with its 1/rms): the summary becomes
-    a source."""
+def close_block(layout, history: dict, partial_BxTxD, first, constrain) -> dict:
+    """The buffer with the block's sum written to its slot (with its 1/rms), passed through
+    `constrain` (the mechanism's sharding of its state): the summary becomes a source."""
     slot = first // layout.block_size + 1
     history = dict(history, sources=add_to_slot(history["sources"], partial_BxTxD, slot))
     if layout.normalizes_keys:
         history["inverse_rms"] = write_slot(
             history["inverse_rms"], inverse_rms(partial_BxTxD, layout.heads, layout.eps),
             slot, layout.heads)
-    return constrain_state(history)
+    return constrain(history)
 
 
 def unit_state(queries_table, phase: tuple, first, partial_BxTxD, fresh: bool) -> dict:
@@ -63,11 +62,12 @@ def unit_state(queries_table, phase: tuple, first, partial_BxTxD, fresh: bool) -
     return dict(state, fresh=None) if fresh else state
 
 
-def scan_blocks(stream, body, state: dict, xs):
+def scan_blocks(stream, body, state: dict, xs, constrain):
     """`stream.scan` (`arch.attnres.AttnResStream`): the layer stack as `jax.lax.scan` over
     AttnRes blocks, `body(unit_state, x) -> (unit_state, y)` run for each scan unit of a block
     after `open_block`, then `close_block`, with `block_scan`'s gradient. Returns (final state,
-    y stacked over units)."""
+    y stacked over units). `constrain` shards the buffer after each block (the kernels import
+    no mechanism: `arch.residual.constrain_state`, passed by `arch.attnres`)."""
     queries, first = state["pseudo_queries"], state["sublayer"]
     history = {name: state[name] for name in HISTORY if name in state}
     layout = stream.layout
@@ -82,7 +82,8 @@ def scan_blocks(stream, body, state: dict, xs):
     # A unit that starts its block reads no partial sum: a body of its own.
     bodies, consts = zip(*(jax.closure_convert(body, *example(fresh))
                            for fresh in (True, False)[:per_block]), strict=True)
-    history, ys = block_scan(stream, bodies, per_block)(queries, history, first, consts, xs)
+    history, ys = block_scan(stream, bodies, per_block, constrain)(
+        queries, history, first, consts, xs)
     return dict(state, **history, sublayer=first + layout.sublayers), ys
 
 
@@ -110,7 +111,7 @@ def _empty_partial(history: dict, queries_table) -> jax.Array:
     return jnp.zeros((*sources.shape[:2], queries_table.shape[-1]), sources.dtype)
 
 
-def block_scan(stream, bodies: tuple, per_block: int):
+def block_scan(stream, bodies: tuple, per_block: int, constrain):
     """`run(queries_table, history, first, consts, xs) -> (history, ys)`: the scan of
     `AttnResStream.scan`, one AttnRes block of `per_block` scan units per step, with
     `bodies[0](unit_state, x, *consts[0])` for a block's first unit and `bodies[1]` (with
@@ -185,7 +186,7 @@ def block_scan(stream, bodies: tuple, per_block: int):
             (history, first), (block,) = carry, inputs
             phase = open_block(layout, queries, buffer_views(layout, history), first)
             partial, ys, _ = step_units(queries, phase, consts, xs, block, history, first, False)
-            return (close_block(layout, history, partial, first), first + size), (ys, ())
+            return (close_block(layout, history, partial, first, constrain), first + size), (ys, ())
         (history, _), ys, _ = scan_blocks(step, (history, first), _units(xs))
         return history, ys
 
@@ -211,7 +212,8 @@ def block_scan(stream, bodies: tuple, per_block: int):
                                            True)
             saved = [keep("open", open_vjp, (queries, views))]
             saved += [keep(j, vjp, inputs) for j, (vjp, inputs) in enumerate(vjps)]
-            return (close_block(layout, history, partial, first), first + size), (ys, saved)
+            closed = close_block(layout, history, partial, first, constrain)
+            return (closed, first + size), (ys, saved)
         (history, _), ys, saved = scan_blocks(step, (history, first), _units(xs))
         return (history, ys), (queries, history, first, consts, xs, saved)
 

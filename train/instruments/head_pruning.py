@@ -45,6 +45,7 @@ from flax import nnx
 
 from arch.accounting import abstract_model
 from arch.model import TransformerLM, interleaves_moe
+from config.catalogue import HEAD_PRUNING, has, with_capability
 from config.resolution import unresolved
 from train.instruments.probes import _split_tokens
 from train.instruments.timing import paired_ratio, time_interleaved
@@ -56,9 +57,10 @@ ATTENTION_PARAMS = {"query", "key", "value", "output"}
 
 def require_head_prunable(cfg) -> None:
     """ValueError (one line) for a model whose heads this module cannot mask or remove."""
-    if cfg.attention.name != "mha":
+    if not has("attention", cfg.attention.name, HEAD_PRUNING):
+        valid = ", ".join(repr(name) for name in with_capability("attention", HEAD_PRUNING))
         raise ValueError(f"model.attention.name={cfg.attention.name!r}: head pruning masks and "
-                         "removes heads of 'mha' attention (query/key/value/output Dense)")
+                         f"removes heads of {valid} attention (query/key/value/output Dense)")
     if interleaves_moe(cfg):
         raise ValueError(f"model.moe.every={cfg.moe.every}: head pruning reads the stack of "
                          "single blocks; use model.moe.every=1")

@@ -40,7 +40,7 @@ import jax
 import numpy as np
 
 from arch import accounting, bottleneck
-from arch.residual import RESIDUALS
+from config.catalogue import SINGLE_STREAM, has
 from config.resolution import unresolved
 from train.instruments import probes
 from train.restore import bytes_per_token, restore_for_analysis
@@ -260,7 +260,7 @@ def markdown(report: dict) -> str:
         depth = report["depth"]
         layers = len(depth["block_influence"])
         definition = ("Hidden state h_i = x_i, block i's input; the gradient is ∂loss/∂x_i."
-                      if RESIDUALS[report["residual"]].single_stream else
+                      if has("residual", report["residual"], SINGLE_STREAM) else
                       "Hidden state h_i is the readout of the residual state at block i's input "
                       "(what the final norm would read there); the gradient is ∂loss/∂u_i, u_i "
                       "the embedding or the last update written before block i; the update ratio "

@@ -61,6 +61,7 @@ from arch.attention import ATTENTION, AttentionWeights
 from arch.layers import Dense
 from arch.model import TransformerLM, interleaves_moe
 from arch.residual import RESIDUALS
+from config.catalogue import SINGLE_STREAM, has
 from config.derived import layer_attentions
 from sharding.rules import STREAM, constrain
 from train.step import build_program, compile_train_step, next_token_loss
@@ -253,7 +254,7 @@ def _walk(model: TransformerLM, tokens_BxT1, perturbations, threshold):
     to each block's input and to the last block's output (∂loss/∂x_i); otherwise added to the
     update of each block's last sublayer and to the embedding (∂loss/∂u_i)."""
     cfg = model.cfg
-    single = RESIDUALS[cfg.residual.name].single_stream
+    single = has("residual", cfg.residual.name, SINGLE_STREAM)
     inputs_BxT, targets_BxT = _split_tokens(tokens_BxT1)
     positions_BxT = jnp.broadcast_to(jnp.arange(inputs_BxT.shape[1]), inputs_BxT.shape)
     block_perturbations, other_perturbation = perturbations
@@ -321,7 +322,7 @@ def _profile(graphdef, state, tokens_BxT1, threshold, gradients: bool):
     (loss, (per_block, final)), (block_grads, other_grad) = jax.value_and_grad(
         loss_fn, argnums=1, has_aux=True)(state, zeros)
     block_grads = block_grads.reshape(cfg.num_layers, b, t, cfg.d_model)
-    ordered = ([block_grads, other_grad[None]] if RESIDUALS[cfg.residual.name].single_stream
+    ordered = ([block_grads, other_grad[None]] if has("residual", cfg.residual.name, SINGLE_STREAM)
                else [other_grad[None], block_grads])  # boundaries 0..L
     grads = jnp.concatenate(ordered).astype(jnp.float32)
     gradient_rms = jnp.sqrt(jnp.mean(grads**2, axis=(1, 2, 3)))

@@ -14,6 +14,7 @@ runs `check_exportable` on the run's config.json before JAX loads, and
 from __future__ import annotations
 
 from config import ConfigError
+from config.catalogue import ROTARY, has
 from train.data.tokenizer import Tokenizer
 
 
@@ -29,7 +30,7 @@ def check_exportable(model, tokenizer: Tokenizer) -> None:
             "would give ids past the embedding and scripts/import_hf.py would refuse it; export "
             "a run whose model.vocab_size covers its tokenizer (train with model.vocab_size=0)")
     d_model, heads = model["d_model"], model["attention"]["num_heads"]
-    if model["position"]["name"] == "rope" and not model["attention"]["window"] \
+    if has("position", model["position"]["name"], ROTARY) and not model["attention"]["window"] \
             and d_model % heads:
         raise ConfigError(
             f"model.attention.num_heads={heads} cannot be exported as llama: transformers' "

@@ -72,6 +72,7 @@ from arch.accounting import abstract_model
 from arch.hf_config import LLAMA_GATED_FFN, model_config_from_hf
 from arch.model import TransformerLM
 from config import ConfigError, lookup
+from config.catalogue import OUTPUT_TABLE, ROTARY, TIES_EMBEDDING, has
 from train.data.arguments import read_json_object, safetensors_problem
 
 BASE_PREFIX = {"llama": "model.", "gpt2": "transformer."}
@@ -98,7 +99,7 @@ Rule = tuple[str, tuple[int, ...], list[tuple[tuple[str, ...], Transform]]]
 
 def _layout(cfg) -> str:
     """Which weight layout fills `cfg`'s parameters; ValueError if the config is in neither."""
-    layout = "llama" if cfg.position.name == "rope" else "gpt2"
+    layout = "llama" if has("position", cfg.position.name, ROTARY) else "gpt2"
     for field, valid in {**LAYOUTS[layout], **COMMON_LAYOUT}.items():
         allowed = valid if isinstance(valid, tuple) else (valid,)
         if (value := lookup(cfg, field)) not in allowed:
@@ -115,7 +116,7 @@ def _llama_rules(cfg) -> tuple[list[Rule], list[Rule]]:
     transpose = lambda w: w.T
     top = [("model.embed_tokens.weight", (v, d), [(("embed", "embedding"), np.asarray)]),
            ("model.norm.weight", (d,), [(("final_norm", "scale"), np.asarray)])]
-    if cfg.head.name == "untied":
+    if has("head", cfg.head.name, OUTPUT_TABLE):
         top.append(("lm_head.weight", (v, d), [(("head", "output", "kernel"), transpose)]))
     layer = [
         ("input_layernorm.weight", (d,), [(("attention_residual", "norm", "scale"), np.asarray)]),
@@ -152,7 +153,7 @@ def _gpt2_rules(cfg) -> tuple[list[Rule], list[Rule]]:
            ("transformer.wpe.weight", (cfg.max_seq_len, d), [(("position", "table"), same)]),
            ("transformer.ln_f.weight", (d,), [(("final_norm", "scale"), same)]),
            ("transformer.ln_f.bias", (d,), [(("final_norm", "bias"), same)])]
-    if cfg.head.name == "untied":
+    if has("head", cfg.head.name, OUTPUT_TABLE):
         top.append(("lm_head.weight", (v, d), [(("head", "output", "kernel"), lambda w: w.T)]))
     layer = [
         *norm("ln_1", "attention_residual"),
@@ -234,7 +235,7 @@ def params_from_hf(model_cfg, tensors: Mapping[str, np.ndarray]) -> nnx.State:
             continue
         for path, transform in targets:
             values[("blocks", *path)] = np.stack([transform(weight) for weight in per_layer])
-    if model_cfg.head.name == "tied" and HEAD_NAME in named:
+    if has("head", model_cfg.head.name, TIES_EMBEDDING) and HEAD_NAME in named:
         consumed.add(HEAD_NAME)
         embedding = named.get(EMBEDDING_NAME[layout])
         if embedding is not None and not np.array_equal(named[HEAD_NAME], embedding):

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from config import lookup
+from config.catalogue import OUTPUT_TABLE, has
 from train.optim import schedule
 
 MODELS = {"residual.name": ("prenorm",), "norm.name": ("layernorm",),
@@ -92,7 +93,7 @@ class TorchLM(nn.Module):
         self.final_norm = (nn.LayerNorm(cfg.d_model, eps=cfg.norm.eps) if cfg.norm.final
                            else nn.Identity())
         self.head = (nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-                     if cfg.head.name == "untied" else None)
+                     if has("head", cfg.head.name, OUTPUT_TABLE) else None)
 
     def forward(self, tokens_BxT):
         x = self.embed(tokens_BxT) + self.position[:tokens_BxT.shape[1]]
