@@ -181,10 +181,13 @@ def cache_positions(model_cfg, seq_len: int) -> int:
     return cache_slots(model_cfg, seq_len)
 
 
-def flops_per_token(model_cfg, seq_len: int, training: bool = True) -> float:
+def flops_per_token(model_cfg, seq_len: int, training: bool = True,
+                    depth_mixing: bool = True) -> float:
     """Matmul FLOPs per token: 2 per matmul weight, plus each layer's token mixing
     (`score_flops_per_token` of its attention class: causal attention counted honestly, position
-    t attends to t + 1 keys, not T; Gated DeltaNet's chunked form, O(1) in T).
+    t attends to t + 1 keys, not T; Gated DeltaNet's chunked form, O(1) in T), plus, with
+    `depth_mixing`, the residual mechanism's own mixing over depth
+    (`ResidualMechanism.mixing_flops_per_token`: AttnRes's depth reads; 0 for the plain sums).
     Training (forward + backward) is 3× forward. Multi-token prediction (`model.head.mtp_depth`
     = k, arch/mtp.py) adds, in training only, its modules' weights and, per module, one more
     head application and one block's attention scores. Looped depth (`model.loop_count` = R)
@@ -196,6 +199,8 @@ def flops_per_token(model_cfg, seq_len: int, training: bool = True) -> float:
     mtp = _matmul_weights(model_cfg, model, lambda path: path[0] == "mtp")
     blocks = _matmul_weights(model_cfg, model, lambda path: path[0] == "blocks")
     loops = model_cfg.get("loop_count", 1)
+    if depth_mixing:
+        mixing += RESIDUALS[model_cfg.residual.name].mixing_flops_per_token(model_cfg)
     forward = (2 * (matmul_parameter_count(model_cfg) - mtp + (loops - 1) * blocks)
                + loops * mixing)
     depth = model_cfg.head.get("mtp_depth", 0)

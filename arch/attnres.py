@@ -322,6 +322,20 @@ class AttentionResidual(ResidualMechanism):
                            T("phase 2: merge the intra-chunk outputs", S - 1, 0)))
 
     @classmethod
+    def mixing_flops_per_token(cls, cfg) -> float:
+        """The depth reads: read l (l = 0 … n, the last the final read) has
+        s_l = 1 + ⌈l/S⌉ sources (at most W with `attnres.window`), each costing 2d for its
+        score w_l · k̂_j (none with static weights) and 2d for its share of the weighted sum:
+        Σ_l 4d·s_l FLOPs per token (2d·s_l static); the keys' RMS norms are elementwise and
+        not counted, nor is the input-dependent query's W_l (a matmul weight)."""
+        layout = cls.depth_layout(cfg)
+        sources = [1 + math.ceil(read / layout.block_size) for read in range(layout.sublayers + 1)]
+        if layout.window:
+            sources = [min(count, layout.window) for count in sources]
+        per_source = (2 if layout.weights == "static" else 4) * cfg.d_model
+        return float(per_source * sum(sources))
+
+    @classmethod
     def residual_history(cls, cfg) -> int:
         """N + 1 sources: the embedding and one per block of S (Full: S = 1, L + 1)."""
         L = sublayer_count(cfg)

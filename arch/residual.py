@@ -249,6 +249,12 @@ class ResidualMechanism(nnx.Module):
         compute dtype's itemsize."""
         return float(jnp.dtype(cfg.dtype).itemsize)
 
+    @classmethod
+    def mixing_flops_per_token(cls, cfg) -> float:
+        """Forward FLOPs per token of the mechanism's own mixing over depth, beyond its matmul
+        weights (`arch.accounting.flops_per_token` adds it). Default: 0, the plain sums."""
+        return 0.0
+
     def probe_norm(self, state) -> tuple[nnx.Module, jax.Array] | None:
         """For a mechanism whose read normalizes without a `norm` submodule: (the module whose
         `scale` is the gain, the normalization's input, rows of D) that the probes report as the

@@ -327,3 +327,25 @@ def test_attnres_prefill_history_bytes_per_sequence_and_per_device():
     assert history["history_bytes_per_sequence"] == (blocks + 1) * tokens * d * 2
     assert blocks * tokens * d * 2 / 1e9 == pytest.approx(15.03, abs=0.01)
     assert history["history_bytes_per_device"] == history["history_bytes_per_sequence"] / 8
+
+
+def test_attnres_depth_reads_are_counted_in_the_flops_per_token():
+    """AttnRes's depth reads by hand (d = 32, 2 layers: n = 4 sublayers and the final read):
+    read l has 1 + ⌈l/S⌉ sources, each 2d for its score and 2d for its share of the mixture;
+    the plain sums add nothing, and the rest of the count is the Pre-Norm model's."""
+    from arch import accounting
+    from tests.helpers import tiny_model
+
+    prenorm, _ = tiny_model(num_layers=2)  # (the resolved model config, the model)
+    base = accounting.flops_per_token(prenorm, 16, training=False)
+    cases = [(dict(residual="attnres"), 4 * 32 * (1 + 2 + 3 + 4 + 5)),
+             (dict(residual="block_attnres", attnres=dict(block_size=2)),
+              4 * 32 * (1 + 2 + 2 + 3 + 3)),
+             (dict(residual="block_attnres", attnres=dict(block_size=2, weights="static")),
+              2 * 32 * (1 + 2 + 2 + 3 + 3)),
+             (dict(residual="attnres", attnres=dict(window=2)), 4 * 32 * (1 + 2 + 2 + 2 + 2))]
+    for overrides, expected in cases:
+        cfg, _ = tiny_model(num_layers=2, **overrides)
+        assert accounting.flops_per_token(cfg, 16, training=False) == base + expected
+        assert accounting.flops_per_token(cfg, 16, training=True) == 3 * (base + expected)
+        assert accounting.flops_per_token(cfg, 16, depth_mixing=False) == 3 * base

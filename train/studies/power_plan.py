@@ -62,7 +62,7 @@ def plan_claims(losses: Mapping[str, Mapping[int, float]], claims: list[studies.
     """The power plan of each loss claim (compute-multiplier claims have none), from `losses`
     (cell → seed → final loss). `tails` plans every direction one- (1) or two-sided (2) in
     place of its registered tails: a replication's plan."""
-    claims = [claim for claim in claims if claim.metric != studies.MULTIPLIER]
+    claims = [claim for claim in claims if claim.metric not in studies.MULTIPLIERS]
     family_size = {family: sum(c.family == family for c in claims)
                    for family in {c.family for c in claims}}
     plans = []

@@ -293,7 +293,7 @@ def assess_claims(results: dict[str, dict[int, Result]], claims: list[studies.Cl
     (`stats.tost_p`) for an equivalence; an exploratory claim counts in it as untested (p = 1),
     so the family's other verdicts never get easier while some of its claims wait for runs.
     Compute-multiplier claims are left out: `isoflop_section` assesses them."""
-    claims = [claim for claim in claims if claim.metric != studies.MULTIPLIER]
+    claims = [claim for claim in claims if claim.metric not in studies.MULTIPLIERS]
     def per_run(reason) -> dict[tuple[str, int], str | None]:
         return {(cell, seed): reason(run.launches) for claim in claims
                 for cell in (claim.arm, claim.reference)
@@ -834,32 +834,45 @@ def flop_parameters(workdir: str | Path) -> float:
 Profiles = dict[float, dict[float, list[float]]]  # C → N → final losses (one per seed)
 
 
+def isoflop_budgets(root: Path, results: dict[str, dict[int, Result]],
+                    arm: str) -> dict[float, float]:
+    """The arm's nominal budget (its size names') → its true C: the geometric mean of the
+    budget's runs' training FLOPs (`training_flops`, the arm's own FLOPs per token: AttnRes's
+    depth reads make Block's C a little above the nominal budget; rounding the steps moves a
+    run's FLOPs by well under 1%)."""
+    computes: dict[float, list[float]] = {}
+    for cell, runs in results.items():
+        cell_arm, size = studies.split_cell(cell)
+        if cell_arm == arm and runs and size is not None:
+            computes.setdefault(studies.size_budget(size), []).extend(
+                run.compute for run in runs.values())
+    return {budget: float(np.exp(np.mean(np.log(values))))
+            for budget, values in sorted(computes.items())}
+
+
 def isoflop_profiles(root: Path, results: dict[str, dict[int, Result]], arm: str) -> Profiles:
-    """The arm's IsoFLOP profiles from its finished runs: each budget's C is the geometric mean
-    of its runs' training FLOPs (the size name's budget groups them; rounding the steps moves a
-    run's FLOPs by well under 1%), each size's N its runs' `flop_parameters`."""
-    groups: dict[float, list[tuple[float, list[Result]]]] = {}
+    """The arm's IsoFLOP profiles from its finished runs, keyed by each budget's true C
+    (`isoflop_budgets`), each size's N its runs' `flop_parameters`."""
+    budgets = isoflop_budgets(root, results, arm)
+    profiles: Profiles = {compute: {} for compute in budgets.values()}
     for cell, runs in results.items():
         cell_arm, size = studies.split_cell(cell)
         if cell_arm != arm or not runs or size is None:
             continue
         n = flop_parameters(studies.run_dir(root, cell, min(runs)))
-        groups.setdefault(studies.size_budget(size), []).append((n, list(runs.values())))
-    profiles: Profiles = {}
-    for _, sizes in sorted(groups.items()):
-        computes = [run.compute for _, runs in sizes for run in runs]
-        compute = float(np.exp(np.mean(np.log(computes))))
-        profiles[compute] = {n: [run.loss for run in runs] for n, runs in sizes}
+        profiles[budgets[studies.size_budget(size)]][n] = [run.loss for run in runs.values()]
     return profiles
 
 
 def _multiplier_claims(description: dict, results: dict[str, dict[int, Result]],
                        profiles: dict[str, Profiles]) -> list[str]:
     """The Markdown table of the registered compute-multiplier claims: each claim's multiplier
-    at the arm's largest budget with its 95% bootstrap interval, the paper's number and the
-    verdict (`stats.multiplier_verdict`), or "exploratory: why" when a cell of its arms has a
-    finished-seed count other than the registered n."""
-    claims = [claim for claim in description["claims"] if claim.metric == studies.MULTIPLIER]
+    at the arm's largest budget with its 95% bootstrap interval (over seeds, or misfit-aware for
+    metric "compute_multiplier_misfit"), the paper's number and the verdict
+    (`stats.multiplier_verdict`, or `stats.excludes_one_verdict` for the misfit-aware claims),
+    or "exploratory: why" when a cell of its arms has a finished-seed count other than the
+    registered n."""
+    claims = [claim for claim in description["claims"] if claim.metric in studies.MULTIPLIERS]
     if not claims:
         return []
     lines = ["| Claim | Source | Check | Paper | Multiplier at C [95% CI] (refits) | C (FLOPs) | "
@@ -870,15 +883,19 @@ def _multiplier_claims(description: dict, results: dict[str, dict[int, Result]],
                  if studies.split_cell(cell)[0] in (claim.arm, claim.reference)
                  and len(runs) != claim.n]
         arm, reference = profiles.get(claim.arm, {}), profiles.get(claim.reference, {})
+        misfit = claim.metric == "compute_multiplier_misfit"
         try:
             at = max(arm)
-            m, low, high, refits = stats.bootstrap_frontier_multiplier(arm, reference, at)
+            m, low, high, refits = (stats.misfit_bootstrap_frontier_multiplier if misfit else
+                                    stats.bootstrap_frontier_multiplier)(arm, reference, at)
         except ValueError as error:
             value, at_text, verdict = f"— ({error})", "—", "inconclusive: no fit"
         else:
-            value = f"{m:.3f} [{low:.3f}, {high:.3f}] ({refits})"
-            at_text, verdict = f"{at:.3g}", stats.multiplier_verdict(claim.relation,
-                                                                     (low, high), paper)
+            value = (f"{m:.3f} [{low:.3f}, {high:.3f}] ({refits}"
+                     + (", misfit-aware)" if misfit else ")"))
+            at_text = f"{at:.3g}"
+            verdict = (stats.excludes_one_verdict(claim.relation, (low, high)) if misfit else
+                       stats.multiplier_verdict(claim.relation, (low, high), paper))
         if short:
             verdict = (f"exploratory: finished seeds, registered n = {claim.n}: "
                        + ", ".join(short))
@@ -898,6 +915,8 @@ def isoflop_section(root: Path, description: dict, results: dict[str, dict[int, 
     (`_multiplier_claims`); and ROOT/isoflop.png."""
     baseline = description["baseline"]
     profiles = {arm: isoflop_profiles(root, results, arm) for arm in arms}
+    computes = {arm: isoflop_budgets(root, results, arm) for arm in arms}
+    nominal = sorted({budget for arm in arms for budget in computes[arm]})
     minima: dict[str, dict[float, stats.IsoFlopMinimum | str]] = {}
     frontiers: dict[str, stats.PowerLaw | str] = {}
     for arm in arms:
@@ -923,8 +942,8 @@ def isoflop_section(root: Path, description: dict, results: dict[str, dict[int, 
              "the geometric mean of the budget's runs' training FLOPs.", "",
              "| Budget C (FLOPs) | Arm | Sizes (runs) | N* | L* | Interior |",
              "|---|---|---|---|---|---|"]
-    budgets = sorted({c for arm in arms for c in profiles[arm]})
-    for compute, arm in ((c, arm) for c in budgets for arm in arms if c in minima[arm]):
+    for compute, arm in ((computes[arm][b], arm) for b in nominal for arm in arms
+                         if b in computes[arm]):
         minimum, profile = minima[arm][compute], profiles[arm][compute]
         runs = f"{len(profile)} ({sum(map(len, profile.values()))})"
         if isinstance(minimum, str):
@@ -936,25 +955,26 @@ def isoflop_section(root: Path, description: dict, results: dict[str, dict[int, 
               "(C, L*). The compute multiplier at C is how many times C the baseline needs to "
               "reach the arm's frontier loss at C on its own frontier, M(C) = "
               "(a_baseline / L*_arm(C))^(1/b_baseline) / C (M > 1: the arm is worth more "
-              "compute), shown at the budgets where both arms have a minimum (elsewhere it "
-              "would extrapolate both frontiers).", "",
-              "| Arm | a | b | " + " | ".join(f"M at {c:.3g}" for c in budgets) + " |",
-              "|---|---|---|" + "---|" * len(budgets)]
+              "compute), at each nominal budget where both arms have a minimum (elsewhere it "
+              "would extrapolate both frontiers), C the arm's own compute there.", "",
+              "| Arm | a | b | " + " | ".join(f"M at {c:.3g}" for c in nominal) + " |",
+              "|---|---|---|" + "---|" * len(nominal)]
     base = frontiers.get(baseline)
 
-    def fitted_at(arm: str, compute: float) -> bool:
+    def fitted_at(arm: str, budget: float) -> bool:
+        compute = computes[arm].get(budget)
         return isinstance(minima.get(arm, {}).get(compute), stats.IsoFlopMinimum)
 
     for arm in arms:
         fit = frontiers[arm]
         if isinstance(fit, str):
             lines.append(f"| {arm} | — | — | " + " | ".join(["no fit: " + fit]
-                                                         + ["—"] * (len(budgets) - 1)) + " |")
+                                                         + ["—"] * (len(nominal) - 1)) + " |")
             continue
         values = ["1 (baseline)" if arm == baseline else
-                  f"{stats.compute_multiplier(fit, base, c):.3f}"
-                  if isinstance(base, stats.PowerLaw) and fitted_at(arm, c)
-                  and fitted_at(baseline, c) else "—" for c in budgets]
+                  f"{stats.compute_multiplier(fit, base, computes[arm][b]):.3f}"
+                  if isinstance(base, stats.PowerLaw) and fitted_at(arm, b)
+                  and fitted_at(baseline, b) else "—" for b in nominal]
         lines.append(f"| {arm} | {fit.a:.4g} | {fit.b:.4g} | " + " | ".join(values) + " |")
     claims = _multiplier_claims(description, results, profiles)
     lines += ["", "Compute multiplier over the baseline at the arm's largest budget with its 95% "
@@ -979,8 +999,69 @@ def isoflop_section(root: Path, description: dict, results: dict[str, dict[int, 
                              f"{at:.3g} |")
             except ValueError as error:
                 lines.append(f"| {arm} | — ({error}) | — |")
+    for arm in arms:
+        if arm != baseline and profiles[arm] and profiles.get(baseline):
+            lines += ["", *isoflop_sensitivity(arm, profiles[arm], profiles[baseline])]
     plot_isoflop(profiles, minima, frontiers, arms, root / ISOFLOP_PLOT)
     return lines + ["", f"![IsoFLOP profiles and frontiers]({ISOFLOP_PLOT})", ""]
+
+
+def _drop_size(profiles: Profiles, rank: int) -> Profiles:
+    """`profiles` without the `rank`-th smallest size of every budget."""
+    return {c: {n: losses for i, (n, losses) in enumerate(sorted(profile.items())) if i != rank}
+            for c, profile in profiles.items()}
+
+
+def isoflop_sensitivity(arm: str, arm_profiles: Profiles, base_profiles: Profiles) -> list[str]:
+    """The multiplier of `arm` over the baseline under other analysis choices, beside the
+    headline with its seed-bootstrap and its misfit-aware interval
+    (`stats.misfit_bootstrap_frontier_multiplier`): each budget left out (the multiplier then at
+    the largest budget left), each size rank left out of every budget, the parabolas fitted in
+    log-loss, and the frontier through each budget's best observed run."""
+    at = max(arm_profiles)
+
+    def row(label: str, compute, at_compute: float = at) -> str:
+        try:
+            value = f"{compute():.3f}"
+        except ValueError as error:
+            value = f"— ({error})"
+        return f"| {label} | {value} | {at_compute:.3g} |"
+
+    try:
+        _, seed_low, seed_high, _ = stats.bootstrap_frontier_multiplier(arm_profiles,
+                                                                        base_profiles, at)
+        point, low, high, refits = stats.misfit_bootstrap_frontier_multiplier(
+            arm_profiles, base_profiles, at)
+    except ValueError as error:
+        return [f"Sensitivity of {arm}'s multiplier: none ({error})."]
+    lines = [f"Sensitivity of {arm}'s multiplier to the analysis (point values; the first row "
+             "with its seed-bootstrap interval and its misfit-aware interval, 1000 refits each "
+             "resampling every parabola's residuals and then the frontier's log-residuals: the "
+             "seeds' noise and the fits' misfit together).", "",
+             "| Analysis | Multiplier | At C (FLOPs) |", "|---|---|---|",
+             f"| all runs (seed bootstrap [{seed_low:.3f}, {seed_high:.3f}]; misfit-aware "
+             f"[{low:.3f}, {high:.3f}], {refits} refits) | {point:.3f} | {at:.3g} |"]
+    # The k-th budget of each arm is the same nominal budget (each arm at its own true C).
+    for k, dropped in enumerate(sorted(arm_profiles)):
+        kept_arm = {c: p for i, (c, p) in enumerate(sorted(arm_profiles.items())) if i != k}
+        kept_base = {c: p for i, (c, p) in enumerate(sorted(base_profiles.items())) if i != k}
+        if kept_arm:
+            lines.append(row(f"without budget {dropped:.3g}", lambda a=kept_arm, b=kept_base:
+                             stats.frontier_multiplier(a, b, max(a)), max(kept_arm)))
+    sizes = min(len(profile) for profile in arm_profiles.values())
+    for rank in range(sizes):
+        lines.append(row(f"without the {_ordinal(rank + 1)} smallest size of each budget",
+                         lambda r=rank: stats.frontier_multiplier(
+                             _drop_size(arm_profiles, r), _drop_size(base_profiles, r), at)))
+    lines.append(row("parabolas in log-loss", lambda: stats.compute_multiplier(
+        stats.log_loss_frontier(arm_profiles), stats.log_loss_frontier(base_profiles), at)))
+    lines.append(row("frontier through the best observed runs", lambda: stats.compute_multiplier(
+        stats.observed_frontier(arm_profiles), stats.observed_frontier(base_profiles), at)))
+    return lines
+
+
+def _ordinal(k: int) -> str:
+    return {1: "1st", 2: "2nd", 3: "3rd"}.get(k, f"{k}th")
 
 
 def plot_isoflop(profiles: dict[str, Profiles],
@@ -1081,7 +1162,7 @@ def write_report(root: str | Path, description: dict) -> Path:
     lines += [""] + accuracy_section(results, description)
     plot_curves(results, root / CURVES)
     lines += ["", f"![Validation loss curves]({CURVES})", ""]
-    if any(claim.metric != studies.MULTIPLIER for claim in description["claims"]):
+    if any(claim.metric not in studies.MULTIPLIERS for claim in description["claims"]):
         boundary, registered = description["numerics_since"], description.get("registered", "")
         lines += ["## Registered claims", "",
                   "Each claim as registered in the study file: Δ = arm − "

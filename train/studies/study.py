@@ -61,8 +61,11 @@ COMMIT = re.compile(r"^[0-9a-f]{7,40}$")
 RECORD = "study.json"
 SCALING_AXES = ("model", "steps")  # what a scaling study's sizes vary
 RELATIONS = ("<", ">", "≈")  # the arm ends lower / higher than the reference / within a margin
-METRICS = ("eval_loss", "compute_multiplier")  # a run's final eval_loss; an IsoFLOP frontier's
+# A run's final eval_loss; an IsoFLOP frontier's compute multiplier, judged by its interval over
+# seeds or by its misfit-aware interval (train.studies.stats.misfit_bootstrap_frontier_multiplier).
+METRICS = ("eval_loss", "compute_multiplier", "compute_multiplier_misfit")
 MULTIPLIER = "compute_multiplier"
+MULTIPLIERS = ("compute_multiplier", "compute_multiplier_misfit")
 BUDGET = re.compile(r"^c(\d+(?:\.\d+)?(?:e\d+)?)-[A-Za-z0-9_.-]+$")
 
 
@@ -307,7 +310,7 @@ def _claims(claims, arms: tuple[str, ...], scaling: tuple[str, ...], flag: str,
         for claim in claims:
             named = [claim.get(field) for field in ("arm", "reference")
                      if isinstance(claim, dict) and claim.get(field) in arms
-                     and claim.get("metric") != MULTIPLIER]
+                     and claim.get("metric") not in MULTIPLIERS]
             if named:
                 raise UsageError(f"{flag}: CLAIMS name arms ({named[0]!r}), not in a scaling "
                                  f"study: there a claim compares cells ARM@SIZE, e.g. "
@@ -315,9 +318,9 @@ def _claims(claims, arms: tuple[str, ...], scaling: tuple[str, ...], flag: str,
     checked = tuple(_claim(claim, arms if _multiplier(claim) else names, flag)
                     for claim in claims)
     for claim in checked:
-        if claim.metric != MULTIPLIER:
+        if claim.metric not in MULTIPLIERS:
             continue
-        name = f"{flag}: claim {claim.check()} ({MULTIPLIER})"
+        name = f"{flag}: claim {claim.check()} ({claim.metric})"
         if not is_isoflop(scaling):
             raise UsageError(f"{name} needs an IsoFLOP study: SCALING sizes named "
                              "c<BUDGET>-<SHAPE>, e.g. 'c2e13-d64L8'")
@@ -335,7 +338,7 @@ def _claims(claims, arms: tuple[str, ...], scaling: tuple[str, ...], flag: str,
 
 def _multiplier(claim) -> bool:
     """Whether a declared claim is about an IsoFLOP frontier's compute multiplier."""
-    return isinstance(claim, dict) and claim.get("metric") == MULTIPLIER
+    return isinstance(claim, dict) and claim.get("metric") in MULTIPLIERS
 
 
 def _claim(claim, arms: tuple[str, ...], flag: str) -> Claim:
