@@ -4,7 +4,7 @@ multipliers; with a learning rate per arm (scripts/sweep.py --tune / --tuned), e
 grid with its pick and the shared-rate and tuned-rate comparisons side by side.
 
     python scripts/study_report.py --root runs/STUDY [--study experiments/STUDY.py]
-        [--plan [--one_sided]]
+        [--plan [--one_sided] | --rerun K]
 
 Reads ROOT/study.json (written by scripts/sweep.py) and every run directory under ROOT, and
 writes ROOT/report.md with its plots: `train.studies.report`, whose module docstring says what
@@ -17,8 +17,14 @@ claims) than those recorded.
 the observed difference and the paper's (or show the margin) at 80% power and the level α/m of
 its family, and per family the n to register; --one_sided plans every direction one-sided.
 
-Exit status: 0 done; 2 a bad argument, study or record, one line on stderr. --root and --study
-are checked before JAX loads.
+--rerun K trains the K lowest finished seeds of every cell again at this checkout's code, into
+ROOT/reruns/ (`train.studies.reruns`: the commands their provenance records; resumable), and
+writes ROOT/reruns.md: each rerun's final loss against the committed one and against its cell's
+paired SD, a cell flagged **sensitive to rounding** when a rerun moves by more than a tenth of
+it. Run it from the repository root, as the sweep.
+
+Exit status: 0 done (--rerun: 1 when a rerun failed); 2 a bad argument, study or record, one
+line on stderr. --root and --study are checked before JAX loads.
 """
 
 from __future__ import annotations
@@ -37,9 +43,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="print the seeds a replication needs instead of writing the report")
     parser.add_argument("--one_sided", action="store_true",
                         help="with --plan: plan every direction as a one-sided test")
+    parser.add_argument("--rerun", type=int, metavar="K",
+                        help="rerun the K lowest finished seeds of every cell at this code")
     args = parser.parse_args(argv)
     if args.one_sided and not args.plan:
         parser.error("--one_sided plans a replication: it needs --plan")
+    if args.rerun is not None and (args.rerun < 1 or args.plan):
+        parser.error(f"--rerun={args.rerun} is invalid: a positive count of seeds per cell, "
+                     "without --plan")
     try:
         studies.check_root(args.root, args.study)
     except UsageError as error:
@@ -58,12 +69,41 @@ def main(argv: list[str] | None = None) -> int:
                                            tails=1 if args.one_sided else None)
             print("\n".join(power_plan.replication_lines(plans) or ["no loss claims to plan"]))
             return 0
+        if args.rerun:
+            return rerun(args.root, description, args.rerun, argv)
         written = report.write_report(args.root, description)
     except UsageError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     print(f"wrote {written}")
     return 0
+
+
+def rerun(root: str, description: dict, per_arm: int, argv: list[str] | None) -> int:
+    """--rerun: train, compare, write ROOT/reruns.md (the command, the machine, the table)."""
+    from pathlib import Path
+
+    from train.studies import provenance, reruns, sweep
+    from train.studies.report import _baseline_cell, collect
+
+    results, _ = collect(root, description)
+    runs, skipped = reruns.plan(root, results, per_arm)
+    status = sweep.run_local(runs)
+    rows = reruns.compare(root, results, runs,
+                          lambda cell: _baseline_cell(cell, description["baseline"]))
+    here = provenance.current([])
+    command = " ".join(["python scripts/study_report.py", *(argv or sys.argv[1:])])
+    lines = ["# Reruns at today's code", "",
+             f"`{command}`, at {(here['commit'] or 'no commit')[:7]}"
+             f"{' (dirty tree)' if here['dirty'] else ''} on {here['cpu']}, {here['date']}.",
+             "", f"Each cell's {per_arm} lowest finished seed(s) trained again with the command "
+             "its provenance records; a rerun that moves by more than "
+             f"{reruns.SENSITIVE:g} × its cell's paired SD is *sensitive to rounding* "
+             "(`train/studies/reruns.py`). The committed runs stay the record.", "",
+             *reruns.table(rows, skipped)]
+    (Path(root) / "reruns.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines[-len(rows) - len(skipped) - 2:]))
+    return 1 if status else 0
 
 
 if __name__ == "__main__":

@@ -615,3 +615,53 @@ def test_runs_that_do_not_name_their_code_are_exploratory_and_listed(tmp_path, m
     section = "\n".join(report_module.provenance_section({**results, "none": runs(2.0)}))
     assert f"| side | 2 | commit {commits['side'][:7]} is not an ancestor of HEAD |" in section
     assert "| clean |" not in section and "Without a provenance record (1): none/seed0." in section
+
+
+def test_reruns_compare_each_committed_run_with_its_rerun_at_todays_code(tmp_path, monkeypatch,
+                                                                          capsys):
+    """--rerun 1 on a root of two cells: each cell's lowest seed trains again with the command
+    its provenance records (flags kept, work directory and seed its own); a rerun equal to the
+    committed run is stable, one that moves by more than a tenth of the paired SD is sensitive
+    to rounding, and a run without provenance is listed as not rerun."""
+    study = tmp_path / "study.py"
+    study.write_text(STUDY.format(claims=GOOD, extra="").replace(
+        "    return None", "    from experiments.common import base_config\n\n"
+        "    config = base_config()\n    config.steps = 10\n    return config"))
+    root = tmp_path / "root"
+    studies.record(root, studies.load_study(str(study)), "cpu", ["a", "b"], [0, 1], [])
+    write_runs(root, a=(2.0, 2.2), b=(1.5, 1.8))  # paired SD of b − a: 0.0707
+    for cell in ("a", "b"):
+        (studies.run_dir(root, cell, 0) / "provenance.jsonl").write_text(json.dumps({
+            "commit": "0" * 40, "dirty": False, "date": "2026-12-07T00:00:00+00:00",
+            "command": ["python", "-P", "-m", "train", "--config", f"{study}:{cell},cpu",
+                        "--workdir", "elsewhere", "--config.seed=0",
+                        "--config.eval_every=5"]}) + "\n")
+    today = {"a": 2.0, "b": 1.52}  # b moves by 0.02 > 0.1 × 0.0707
+    launched = []
+
+    class Launched:  # the fake trainer: today's code ends each run at `today`
+        def __init__(self, command, **_):
+            launched.append(command)
+            workdir = Path(command[command.index("--workdir") + 1])
+            cell = workdir.parent.name
+            (workdir / "config.json").write_text(json.dumps({"steps": 10}))
+            (workdir / "metrics.jsonl").write_text(json.dumps({"step": 10,
+                                                               "eval_loss": today[cell]}))
+
+        def wait(self):
+            return 0
+
+    monkeypatch.setattr(sweep, "subprocess", types.SimpleNamespace(
+        Popen=Launched, STDOUT=subprocess.STDOUT))
+    assert study_report.main(["--root", str(root), "--rerun", "1"]) == 0
+    assert [c[c.index("--workdir") + 1:] for c in launched] == [
+        [str(root / "reruns" / cell / "seed0"), "--config.seed=0", "--config.eval_every=5"]
+        for cell in ("a", "b")]
+    text = (root / "reruns.md").read_text()
+    assert "| a | 0 | 2.0000 | 2.0000 (" in text and "| 0.0000 | 0.1414 | 0.00 | stable |" in text
+    assert "| b | 0 | 1.5000 | 1.5200 (" in text
+    assert "| 0.0200 | 0.0707 | 0.28 | **sensitive to rounding** |" in text
+    (studies.run_dir(root, "a", 0) / "provenance.jsonl").unlink()
+    assert study_report.main(["--root", str(root), "--rerun", "1"]) == 0
+    assert "| a | 0 | — | — | — | — | — | not rerun: no provenance" in (
+        root / "reruns.md").read_text()
