@@ -18,7 +18,8 @@ the observed difference and the paper's (or show the margin) at 80% power and th
 its family, and per family the n to register; --one_sided plans every direction one-sided.
 
 --rerun K trains the K lowest finished seeds of every cell again at this checkout's code, into
-ROOT/reruns/ (`train.studies.reruns`: the commands their provenance records; resumable), and
+ROOT/reruns/ (`train.studies.reruns`: the commands their provenance records, or ROOT/study.json
+gives; resumable), and
 writes ROOT/reruns.md: each rerun's final loss against the committed one and against its cell's
 paired SD, a cell flagged **sensitive to rounding** when a rerun moves by more than a tenth of
 it. Run it from the repository root, as the sweep.
@@ -87,7 +88,7 @@ def rerun(root: str, description: dict, per_arm: int, argv: list[str] | None) ->
     from train.studies.report import _baseline_cell, collect
 
     results, _ = collect(root, description)
-    runs, skipped = reruns.plan(root, results, per_arm)
+    runs, skipped = reruns.plan(root, results, per_arm, description)
     status = sweep.run_local(runs)
     rows = reruns.compare(root, results, runs,
                           lambda cell: _baseline_cell(cell, description["baseline"]))

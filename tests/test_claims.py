@@ -9,6 +9,7 @@ import datetime
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import types
@@ -661,7 +662,13 @@ def test_reruns_compare_each_committed_run_with_its_rerun_at_todays_code(tmp_pat
     assert "| a | 0 | 2.0000 | 2.0000 (" in text and "| 0.0000 | 0.1414 | 0.00 | stable |" in text
     assert "| b | 0 | 1.5000 | 1.5200 (" in text
     assert "| 0.0200 | 0.0707 | 0.28 | **sensitive to rounding** |" in text
-    (studies.run_dir(root, "a", 0) / "provenance.jsonl").unlink()
+    (studies.run_dir(root, "b", 0) / "provenance.jsonl").write_text(json.dumps({
+        "commit": "0" * 40, "command": ["python", "-c", "pass"]}) + "\n")
+    shutil.rmtree(root / "reruns")
+    (studies.run_dir(root, "a", 0) / "provenance.jsonl").unlink()  # from study.json instead
+    launched.clear()
     assert study_report.main(["--root", str(root), "--rerun", "1"]) == 0
-    assert "| a | 0 | — | — | — | — | — | not rerun: no provenance" in (
+    assert launched[0][launched[0].index("--config") + 1:] == [
+        f"{study}:a,cpu", "--workdir", str(root / "reruns" / "a" / "seed0"), "--config.seed=0"]
+    assert "| b | 0 | — | — | — | — | — | not rerun: its provenance records no" in (
         root / "reruns.md").read_text()

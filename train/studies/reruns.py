@@ -45,21 +45,30 @@ def _arguments(command: list[str]) -> tuple[str, list[str]] | None:
     return config, flags
 
 
-def plan(root: str | Path, results: dict, per_arm: int) -> tuple[list[Run], list[tuple]]:
+def plan(root: str | Path, results: dict, per_arm: int,
+         description: dict) -> tuple[list[Run], list[tuple]]:
     """(the runs to train, [(cell, seed, why)] of the chosen runs that cannot be rerun): each
-    cell's `per_arm` lowest finished seeds, from `results` (cell → seed → a report `Result`)."""
+    cell's `per_arm` lowest finished seeds, from `results` (cell → seed → a report `Result`).
+    A run without provenance (runs committed before provenance was recorded) reruns with the
+    command the sweep would give it from ROOT/study.json (`description`: study, scale,
+    overrides); a tuned root's runs all have provenance."""
     runs, skipped = [], []
     for cell, finished in results.items():
         for seed in sorted(finished)[:per_arm]:
             launches = finished[seed].launches
-            parsed = _arguments(launches[-1].get("command", [])) if launches else None
-            if parsed is None:
-                skipped.append((cell, seed, "no provenance: the command that trained it is "
-                                "unknown"))
+            workdir = Path(root) / RERUNS / cell / f"seed{seed}"
+            if not launches:
+                runs.append(Run(cell, seed, f"{description['study']}:{cell},"
+                                f"{description['scale']}", workdir,
+                                tuple(description.get("overrides", [])),
+                                note="(command from study.json)"))
                 continue
-            config, flags = parsed
-            runs.append(Run(cell, seed, config, Path(root) / RERUNS / cell / f"seed{seed}",
-                            tuple(flags)))
+            parsed = _arguments(launches[-1].get("command", []))
+            if parsed is None:
+                skipped.append((cell, seed, "its provenance records no `python -m train` "
+                                "command"))
+                continue
+            runs.append(Run(cell, seed, parsed[0], workdir, tuple(parsed[1])))
     return runs, skipped
 
 
