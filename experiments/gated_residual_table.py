@@ -143,7 +143,8 @@ CLAIMS = (
     # Removing the static term also changes the initialization (module docstring of
     # arch/gated_residual.py), so this claim tests both; gr_frozen_static tests the term's
     # learning alone, against the same margin.
-    claim("gr_no_static", "≈", "gr", quote="the static gate term adds no useful gain",
+    claim("gr_no_static", "≈", "gr", quote="the static gate term adds no useful gain (here "
+          "removed, which changes GR's initialization too: read gates 1/2, write strengths 1)",
           margin=_MARGIN, **_NOTES),
     claim("gr_frozen_static", "≈", "gr", quote="the static gate term adds no useful gain",
           margin=_MARGIN, **_NOTES),
