@@ -12,10 +12,12 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from config import ConfigError
 from scripts import evaluate as evaluate_script
 from tests.helpers import tiny_config, tiny_model, write_run
+from train import restore
 from train.data import tasks
 from train.data.tasks import Item
 from train.instruments import multiple_choice
@@ -164,3 +166,60 @@ def test_the_study_report_tables_accuracy_beside_loss_paired_by_seed(tmp_path):
     (workdir / "eval_t.json").write_text(json.dumps(scored(0.3, 0.3)))
     (workdir / "eval_broken.json").write_text("{")
     assert report.read_accuracy(workdir) == {"t": scored(0.3, 0.3)}
+
+
+LM_EVAL_TASK = """task: {name}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {path}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{context}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{gold}}}}"
+target_delimiter: ""
+metric_list:
+  - metric: acc
+  - metric: acc_norm
+"""
+
+
+@pytest.mark.slow
+def test_lm_eval_harness_on_the_exported_run_scores_every_choice_as_we_do(tmp_path,
+                                                                         monkeypatch):
+    """The recipe of docs/instruments.md: the run exported with scripts/export_hf.py, the task
+    file as a local lm-eval-harness task. Its per-choice log-likelihoods equal ours (two
+    programs, two frameworks: a tolerance), and so do acc and acc_norm."""
+    lm_eval = pytest.importorskip("lm_eval")
+    from lm_eval.tasks import TaskManager
+
+    from scripts import export_hf
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    config = tiny_config()
+    config.mesh.data, config.seq_len = -1, 64
+    write_run(config, tmp_path / "run", step=4)
+    task = tmp_path / "kjv_few.jsonl"
+    tasks.write_task(tasks.load_task(SHIPPED)[:12], task)
+    assert export_hf.main(["--workdir", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) \
+        == 0
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "kjv_few.yaml").write_text(LM_EVAL_TASK.format(name="kjv_few",
+                                                                         path=task))
+    results = lm_eval.simple_evaluate(
+        model="hf", model_args=f"pretrained={tmp_path / 'hf'},dtype=float32,max_length=64,"
+        "prefix_token_id=10", tasks=["kjv_few"], device="cpu", batch_size=4, log_samples=True,
+        task_manager=TaskManager(include_path=str(tmp_path / "tasks")))
+    theirs = [float(choice[0]) for sample in results["samples"]["kjv_few"]
+              for choice in sample["filtered_resps"]]
+    ours = multiple_choice.evaluate_run(tmp_path / "run", task)
+    program, _, state = restore.restore_run(tmp_path / "run")
+    model = nnx.merge(program.graphdef, state["params"], state["model_state"])
+    scores = choice_loglikelihoods(model, *encode_choices(tasks.load_task(task), byte_encode,
+                                                          64))
+    np.testing.assert_allclose(scores, theirs, rtol=1e-4, atol=1e-4)
+    metrics = results["results"]["kjv_few"]
+    assert (metrics["acc,none"], metrics["acc_norm,none"]) == pytest.approx(
+        (ours["acc"], ours["acc_norm"]))
