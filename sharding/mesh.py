@@ -26,7 +26,7 @@ from jax.sharding import AxisType
 from config import ConfigError
 from config.mesh_shape import MESH_AXES
 from config.resolution import require_resolved
-from sharding.environment import multiprocess_launch
+from sharding.environment import heartbeat_seconds, multiprocess_launch
 
 AUTO_AXES = (AxisType.Auto,) * len(MESH_AXES)
 
@@ -70,6 +70,7 @@ def maybe_initialize_distributed() -> None:
     `BLOCKBENCH_NUM_PROCESSES` and `BLOCKBENCH_PROCESS_ID` (and the coordinator in
     `JAX_COORDINATOR_ADDRESS`). This decides whether the launch is multi-process
     (`multiprocess_launch`), and has CPU devices' collectives across processes go over gloo.
+    The coordination service's heartbeat timeout is `heartbeat_seconds` (30 s by default).
     """
     if not multiprocess_launch(os.environ) or jax.distributed.is_initialized():
         return
@@ -77,7 +78,8 @@ def maybe_initialize_distributed() -> None:
     given = {name: int(os.environ[variable]) for name, variable in (
         ("num_processes", "BLOCKBENCH_NUM_PROCESSES"), ("process_id", "BLOCKBENCH_PROCESS_ID"))
         if variable in os.environ}
-    jax.distributed.initialize(**given)
+    jax.distributed.initialize(**given, heartbeat_timeout_seconds=heartbeat_seconds(os.environ))
+
 
 
 def any_process(flag: bool) -> bool:

@@ -314,3 +314,34 @@ def test_slurm_script_runs_one_task_per_node_and_requeues_when_preempted(tmp_pat
     assert scontrol["argv"] == ["requeue", "77"]
     header = (ROOT / "scripts" / "slurm_train.sbatch").read_text()
     assert "#SBATCH --ntasks-per-node=1\n" in header
+
+
+def test_the_dead_process_is_named_from_the_coordination_services_words():
+    """What JAX's coordination service logs as it ends the survivors (jaxlib 0.10), read by the
+    supervisor of a process no launcher watches (`train.launch.supervise`)."""
+    from sharding.environment import heartbeat_seconds
+    from train.launch import dead_processes
+
+    unhealthy = ("E1207 20:24:07.553205   15433 coordination_service.cc:1549] [24] Use error "
+                 "polling to propagate the following error to all tasks: UNAVAILABLE: The "
+                 "following tasks are unhealthy (stopped sending heartbeats):\n1\nThe tasks have "
+                 "crashed. Check the task logs\n")
+    assert dead_processes(unhealthy) == "process 1"
+    assert dead_processes(unhealthy.replace(":\n1\n", ":\n/job:jax_worker/replica:0/task:2, "
+                                            "/job:jax_worker/replica:0/task:3\n")) \
+        == "processes 2, 3"
+    assert dead_processes("F1207 20:25:04.057179 16971 client.h:80] Terminating process ... "
+                          "UNAVAILABLE: Failed to send RPC to coordination service. Either the "
+                          "leader task died") == "process 0 (which runs the job's coordination " \
+                                                 "service)"
+    assert dead_processes("E1207 something else") is None
+    assert heartbeat_seconds({}) == 30 and heartbeat_seconds(
+        {"BLOCKBENCH_HEARTBEAT_SECONDS": "12"}) == 12
+    env = dict(os.environ, SLURM_JOB_ID="7", SLURM_STEP_NODELIST="localhost", SLURM_NTASKS="2",
+               SLURM_PROCID="0", SLURM_LOCALID="0", BLOCKBENCH_HEARTBEAT_SECONDS="0")
+    done = subprocess.run([sys.executable, "-m", "train", "--config", "experiments/quickstart.py",
+                           "--workdir", "unused"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert (done.returncode, done.stderr) == (2, "error: BLOCKBENCH_HEARTBEAT_SECONDS=0 is "
+                                              "invalid: a whole number of seconds ≥ 2 (default "
+                                              "30); set it or unset it\n")

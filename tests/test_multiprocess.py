@@ -1,6 +1,7 @@
 """Several JAX processes on this machine (`python -m train.launch`), as a pod runs one per host:
 2 processes × 2 CPU devices against 1 process × 4; the job preempted (SIGTERM), one of its
-processes SIGKILLed, and the job relaunched; a 2-process checkpoint restored by 1 process."""
+processes SIGKILLed, and the job relaunched; a 2-process checkpoint restored by 1 process; the
+same job started as srun starts it (SLURM's variables, no launcher), one process SIGKILLed."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -158,3 +160,57 @@ def test_bad_launcher_arguments_are_one_line():
                           cwd=REPO, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and done.stderr.startswith(
         "error: the training arguments are missing")
+
+
+NATIVE_LOG = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d|Check failure|^\s+@\s+0x", re.M)
+
+
+def srun(workdir: Path) -> list[subprocess.Popen]:
+    """The job's 2 processes as an srun step starts them: `python -m train` with SLURM's
+    variables (JAX derives the coordinator, localhost, and its port from the job id) and a
+    10 s heartbeat."""
+    def free(port: int) -> bool:
+        with socket.socket() as probe:
+            return probe.connect_ex(("127.0.0.1", port)) != 0
+
+    job = next(job for job in range(4096) if free(job % 4096 + 61440))  # JAX's port rule
+    return [subprocess.Popen(
+        [sys.executable, "-m", "train", *TRAIN_ARGS, "--workdir", str(workdir)], cwd=REPO,
+        env=dict(one_device_env(), SLURM_JOB_ID=str(job), SLURM_STEP_NODELIST="localhost",
+                 SLURM_NTASKS="2", SLURM_PROCID=str(index), SLURM_LOCALID=str(index),
+                 JAX_NUM_CPU_DEVICES="2", BLOCKBENCH_HEARTBEAT_SECONDS="10"),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for index in range(2)]
+
+
+@pytest.mark.slow
+def test_without_the_launcher_a_dead_process_ends_the_job_in_one_line_and_it_resumes(
+        runs, tmp_path):
+    """issue 61: on a pod nobody stops the survivors of a dead process. Started the srun way
+    and process 1 SIGKILLed, process 0 ends within 60 s (the heartbeat is 10 s here) with one
+    line naming process 1, exit 4, no Python or C++ trace; the relaunch resumes bit-identically.
+    """
+    workdir = tmp_path / "job"
+    processes = srun(workdir)
+    deadline = time.monotonic() + 600
+    while not checkpoints(workdir):
+        assert all(p.poll() is None for p in processes) and time.monotonic() < deadline, \
+            [p.communicate()[1][-2000:] for p in processes]
+        time.sleep(0.02)
+    processes[1].kill()
+    killed = time.monotonic()
+    _, stderr = processes[0].communicate(timeout=120)
+    took = time.monotonic() - killed
+    assert processes[0].returncode == 4 and took <= 60, (took, stderr[-3000:])
+    assert stderr.splitlines()[-1] == (
+        "error: process 0 of 2 lost process 1 of this job; rerun the job (the same command on "
+        "every host) to resume from its newest checkpoint")
+    assert stderr.count("error:") == 1 and "Traceback" not in stderr, stderr[-3000:]
+    assert not NATIVE_LOG.search(stderr), stderr[-3000:]
+    processes[1].communicate()
+    kept = checkpoints(workdir)[-1]
+
+    processes = srun(workdir)
+    outputs = [p.communicate(timeout=600) for p in processes]
+    assert [p.returncode for p in processes] == [0, 0], [e[-3000:] for _, e in outputs]
+    assert f"resuming from the checkpoint at step {kept}" in outputs[0][1]
+    assert losses(workdir) == losses(runs / "two")  # the same program: bit for bit

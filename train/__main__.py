@@ -4,8 +4,8 @@ Trains the experiment's model, resuming from <workdir>'s newest checkpoint if th
 ends by printing the validation loss and a generated sample. Exit status: 0 done, 1 stopped on a
 non-finite loss or state, 2 bad config, arguments or run directory (one line on stderr), 3 a
 checkpoint or metrics.jsonl could not be written (one line naming the path, the error and the
-newest complete checkpoint), 4 a collective failed because another process of the job died
-(several processes only; one line), 130 interrupted (SIGINT, Ctrl-C) and 143 preempted
+newest complete checkpoint), 4 another process of the job died (several
+processes only; one line naming it where known), 130 interrupted (SIGINT, Ctrl-C) and 143 preempted
 (SIGTERM), each after saving the checkpoint of the current step. The run directory is
 described in docs/runs.md.
 
@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+import time
 
 from train import hugepages
 
@@ -36,8 +37,12 @@ from config import ConfigError, resolve
 from config.cli import ArgumentParser, parse_with_config
 from config.state_memory import check_state_fits
 from config.validate import check_training
-from sharding.environment import device_count_from_environment, multiprocess_launch
-from train import rundir
+from sharding.environment import (
+    device_count_from_environment,
+    heartbeat_seconds,
+    multiprocess_launch,
+)
+from train import launch, rundir
 from train.data.arguments import check_prepared
 from train.data.tokenizer import check_vocab, tokenizer_of
 
@@ -74,6 +79,13 @@ def check_run(config, workdir: str) -> None:
 
 
 def main(argv: list[str]) -> int:
+    if launch.needs_supervisor(os.environ):  # a pod's or srun's process: one line if a peer dies
+        try:
+            heartbeat_seconds(os.environ)
+        except ConfigError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
+        return launch.supervise(argv)
     try:
         config, workdir = parse(argv)
         devices = device_count_from_environment(os.environ)
@@ -112,6 +124,9 @@ def main(argv: list[str]) -> int:
     except jax.errors.JaxRuntimeError as error:
         if jax.process_count() == 1 or not LOST_PROCESS.search(str(error)):
             raise
+        if os.environ.get(launch.SUPERVISED) == "1":  # the supervisor names the dead process
+            time.sleep(heartbeat_seconds(os.environ) + 15)  # once the service ends this one
+            os._exit(4)
         print(f"error: process {jax.process_index()} of {jax.process_count()} lost another "
               f"process of this job ({str(error).splitlines()[0][:200]}); rerun the job to "
               "resume from its newest checkpoint", file=sys.stderr)
