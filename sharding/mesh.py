@@ -89,3 +89,17 @@ def any_process(flag: bool) -> bool:
     if jax.process_count() == 1:
         return flag
     return bool(np.any(multihost_utils.process_allgather(np.int32(flag))))
+
+
+def gather_text(key: str, text: str, timeout_s: int = 300) -> list[str]:
+    """Every process's `text` under `key`, by process index, through the coordination
+    service's key-value store (no collective runs: a process that disagrees is found before
+    the first one). `[text]` with one process."""
+    if jax.process_count() == 1:
+        return [text]
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    client.key_value_set(f"blockbench/{key}/{jax.process_index()}", text)
+    return [client.blocking_key_value_get(f"blockbench/{key}/{index}", timeout_s * 1000)
+            for index in range(jax.process_count())]

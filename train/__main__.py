@@ -20,6 +20,7 @@ pages on (`train.hugepages`).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
@@ -35,6 +36,7 @@ from absl import logging as absl_logging
 
 from config import ConfigError, resolve
 from config.cli import ArgumentParser, parse_with_config
+from config.defaults import base_config
 from config.state_memory import check_state_fits
 from config.validate import check_training
 from sharding.environment import (
@@ -78,6 +80,46 @@ def check_run(config, workdir: str) -> None:
     check_state_fits(config)  # parameters and optimizer state against the memory, from the config
 
 
+def check_same_config(config) -> None:
+    """Refuse (`ConfigError`) a job whose processes resolved different configs (each host ran
+    other arguments or another config file), before the first collective: each process
+    publishes its resolved config in the coordination service and compares it with process
+    0's. The process that differs says how; process 0, if it differs from some, says so after
+    a moment (so that, under `train.launch`, the one that differs is the one named)."""
+    import jax
+
+    from sharding.mesh import gather_text
+
+    mine = config.to_json_best_effort(sort_keys=True)
+    configs = gather_text("resolved-config", mine)
+    index = jax.process_index()
+    differing = [i for i, other in enumerate(configs) if other != configs[0]]
+    if not differing:
+        return
+    if index == 0:
+        time.sleep(5)
+        raise ConfigError(f"process{'es' if len(differing) > 1 else ''} "
+                          f"{', '.join(map(str, differing))} of this job resolved a different "
+                          "config from process 0's; every process must run the same arguments "
+                          "and config file")
+    if index in differing:
+        theirs = rundir._flatten(json.loads(configs[0]))
+        ours = rundir._flatten(json.loads(mine))
+        derived = rundir._flatten(json.loads(base_config().to_json_best_effort()))
+        fields = [f"{field}: {theirs.get(field)!r} (process 0) → {ours.get(field)!r}"
+                  for field in sorted(theirs.keys() | ours.keys(),
+                                      key=lambda field: (derived.get(field, 0) is None, field))
+                  if theirs.get(field) != ours.get(field)]
+        raise ConfigError(f"process {index} of {jax.process_count()} resolved a different config "
+                          f"from process 0's ({'; '.join(fields[:4])}"
+                          f"{'; …' if len(fields) > 4 else ''}); every process must run the same "
+                          "arguments and config file")
+    time.sleep(5)  # the same as process 0's: one that differs says why; then stop with it
+    raise ConfigError(f"processes {', '.join(map(str, differing))} of this job resolved a "
+                      "different config from process 0's; every process must run the same "
+                      "arguments and config file")
+
+
 def main(argv: list[str]) -> int:
     if launch.needs_supervisor(os.environ):  # a pod's or srun's process: one line if a peer dies
         try:
@@ -106,6 +148,7 @@ def main(argv: list[str]) -> int:
         if devices is None:  # JAX counts the devices (of every process), then the same checks
             maybe_initialize_distributed()
             config = resolve(config, jax.device_count(), slice_count(jax.devices()))
+            check_same_config(config)
             check_run(config, workdir)
         result = train(config, workdir, checked=True)
     except KeyboardInterrupt as error:  # SIGINT: the loop saved its step first (`Interrupted`)
@@ -127,6 +170,8 @@ def main(argv: list[str]) -> int:
         if os.environ.get(launch.SUPERVISED) == "1":  # the supervisor names the dead process
             time.sleep(heartbeat_seconds(os.environ) + 15)  # once the service ends this one
             os._exit(4)
+        if "BLOCKBENCH_PROCESS_ID" in os.environ:  # train.launch's line names the dead one
+            os._exit(4)
         print(f"error: process {jax.process_index()} of {jax.process_count()} lost another "
               f"process of this job ({str(error).splitlines()[0][:200]}); rerun the job to "
               "resume from its newest checkpoint", file=sys.stderr)
@@ -140,5 +185,21 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+def exit_now_if_failed(status: int) -> None:
+    """After a failure, one process of several leaves at once: a normal exit waits at the
+    coordination service's shutdown barrier for the others, which wait for it (the launcher,
+    or the heartbeat, stops them, naming this one)."""
+    if status in (0, 130, 143) or "jax" not in sys.modules:
+        return
+    import jax
+
+    if jax.distributed.is_initialized():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    exit_status = main(sys.argv)
+    exit_now_if_failed(exit_status)
+    sys.exit(exit_status)

@@ -26,6 +26,7 @@ naming that process, exit status 4 (docs/pods.md).
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import ctypes
 import os
@@ -161,11 +162,29 @@ def _wait(children: list[subprocess.Popen]) -> tuple[int, int] | None:
     while True:
         statuses = [child.poll() for child in children]
         failures = [(i, s) for i, s in enumerate(statuses) if s not in (None, 0, 130, 143)]
-        if failures:
-            return failures[0]
+        if failures:  # a process that lost another (4) only follows from that one's failure
+            return min(failures, key=lambda failure: failure[1] == 4)
         if all(status is not None for status in statuses):
             return None
         time.sleep(POLL_S)
+
+
+def tcp_port(text: str) -> int:
+    """An argparse `type` for a TCP port, 1..65535."""
+    port = positive_int(text)
+    if port > 65535:
+        raise argparse.ArgumentTypeError(f"{port} is invalid: a TCP port is 1..65535")
+    return port
+
+
+def port_in_use(port: int) -> str | None:
+    """Why the coordinator cannot listen on localhost:`port` (the system's words), or None."""
+    with socket.socket() as probe:
+        try:
+            probe.bind(("", port))
+        except OSError as error:
+            return error.strerror or str(error)
+    return None
 
 
 def main(argv: list[str]) -> int:
@@ -174,7 +193,7 @@ def main(argv: list[str]) -> int:
                         help="the number of JAX processes to run")
     parser.add_argument("--devices", type=positive_int, metavar="D",
                         help="simulated CPU devices per process (JAX_NUM_CPU_DEVICES)")
-    parser.add_argument("--port", type=int, metavar="P",
+    parser.add_argument("--port", type=tcp_port, metavar="P",
                         help="the coordinator's port on localhost (default: a free one)")
     parser.add_argument("train_args", nargs="*", metavar="TRAIN ARGS",
                         help="after --: the arguments of python -m train")
@@ -182,6 +201,10 @@ def main(argv: list[str]) -> int:
     if not args.train_args:
         parser.error("the training arguments are missing, e.g. -- --config "
                      "experiments/quickstart.py --workdir runs/quickstart")
+    if args.port is not None and (problem := port_in_use(args.port)):
+        parser.error(f"--port={args.port} is invalid: the coordinator cannot listen on it "
+                     f"({problem}; another job's coordinator?); pass another --port, or leave "
+                     "it out to use a free one")
     return launch(args.train_args, args.processes, args.devices, args.port)
 
 
