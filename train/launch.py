@@ -146,8 +146,8 @@ def launch(train_args: list[str], processes: int, devices: int | None = None,
             copier.join(timeout=5)
     if failed is not None:
         index, status = failed
-        stopped = [i for i, child in enumerate(children)
-                   if i != index and child.returncode == -signal.SIGKILL]
+        stopped = [i for i, child in enumerate(children)  # killed here, or left on losing it
+                   if i != index and child.returncode in (-signal.SIGKILL, 4)]
         others = (f"; stopped process{'es' if len(stopped) > 1 else ''} "
                   f"{', '.join(map(str, stopped))}" if stopped else "")
         print(f"error: process {index} of {processes} {describe_exit(status)}{others}",
