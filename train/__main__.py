@@ -4,8 +4,9 @@ Trains the experiment's model, resuming from <workdir>'s newest checkpoint if th
 ends by printing the validation loss and a generated sample. Exit status: 0 done, 1 stopped on a
 non-finite loss or state, 2 bad config, arguments or run directory (one line on stderr), 3 a
 checkpoint or metrics.jsonl could not be written (one line naming the path, the error and the
-newest complete checkpoint), 4 another process of the job died (several
-processes only; one line naming it where known), 130 interrupted (SIGINT, Ctrl-C) and 143 preempted
+newest complete checkpoint), 4 another process of the job died (several processes only; one
+line naming it where known), 5 out of memory although the state-memory check passed (one line:
+the estimate, the limit, the knobs), 130 interrupted (SIGINT, Ctrl-C) and 143 preempted
 (SIGTERM), each after saving the checkpoint of the current step. The run directory is
 described in docs/runs.md.
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import sys
 import time
 
@@ -37,7 +39,7 @@ from absl import logging as absl_logging
 from config import ConfigError, resolve
 from config.cli import ArgumentParser, parse_with_config
 from config.defaults import base_config
-from config.state_memory import check_state_fits
+from config.state_memory import check_state_fits, out_of_memory_line
 from config.validate import check_training
 from sharding.environment import (
     device_count_from_environment,
@@ -50,6 +52,7 @@ from train.data.tokenizer import check_vocab, tokenizer_of
 
 # A collective that failed because another process of the job is gone (gloo on the CPU; the
 # coordination service's heartbeat elsewhere).
+OUT_OF_MEMORY = re.compile(r"RESOURCE_EXHAUSTED|out of memory", re.I)
 LOST_PROCESS = re.compile(r"Gloo|Connection reset|Connection closed|heartbeat|UNAVAILABLE", re.I)
 
 
@@ -67,7 +70,7 @@ def parse(argv: list[str]) -> tuple[ml_collections.ConfigDict, str]:
     return config, args.workdir
 
 
-def check_run(config, workdir: str) -> None:
+def check_run(config, workdir: str, processes_on_host: int = 1) -> None:
     """The checks of a training run on the resolved `config`: its data and final sample, and its
     run directory (writable, not locked by another job, the same config as its checkpoints',
     its files intact)."""
@@ -77,7 +80,7 @@ def check_run(config, workdir: str) -> None:
     if not multiprocess_launch(os.environ):  # several processes: process 0 locks, in train()
         rundir.check_not_locked(workdir)
     rundir.check_resume(workdir, config, resolved=True)
-    check_state_fits(config)  # parameters and optimizer state against the memory, from the config
+    check_state_fits(config, processes_on_host)  # the state against the memory, from the config
 
 
 def check_same_config(config) -> None:
@@ -141,7 +144,7 @@ def main(argv: list[str]) -> int:
     try:
         import jax
 
-        from sharding.mesh import maybe_initialize_distributed, slice_count
+        from sharding.mesh import gather_text, maybe_initialize_distributed, slice_count
         from train.checkpoint import WriteError
         from train.loop import NonFiniteLoss, train
 
@@ -149,7 +152,8 @@ def main(argv: list[str]) -> int:
             maybe_initialize_distributed()
             config = resolve(config, jax.device_count(), slice_count(jax.devices()))
             check_same_config(config)
-            check_run(config, workdir)
+            hosts = gather_text("host", socket.gethostname())
+            check_run(config, workdir, processes_on_host=hosts.count(socket.gethostname()))
         result = train(config, workdir, checked=True)
     except KeyboardInterrupt as error:  # SIGINT: the loop saved its step first (`Interrupted`)
         print(str(error) or "SIGINT: stopped; rerun the same command to resume from the newest "
@@ -165,6 +169,10 @@ def main(argv: list[str]) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 3
     except jax.errors.JaxRuntimeError as error:
+        if OUT_OF_MEMORY.search(str(error)):
+            print(f"error: {out_of_memory_line(config, str(error).splitlines()[0])}",
+                  file=sys.stderr)
+            return 5
         if jax.process_count() == 1 or not LOST_PROCESS.search(str(error)):
             raise
         if os.environ.get(launch.SUPERVISED) == "1":  # the supervisor names the dead process
