@@ -91,6 +91,14 @@ def any_process(flag: bool) -> bool:
     return bool(np.any(multihost_utils.process_allgather(np.int32(flag))))
 
 
+def any_process_flags(flags: int) -> int:
+    """The bitwise OR of `flags` (small non-negative ints) over every process of the job: as
+    `any_process`, several decisions in one collective."""
+    if jax.process_count() == 1:
+        return flags
+    return int(np.bitwise_or.reduce(multihost_utils.process_allgather(np.int32(flags))))
+
+
 def gather_text(key: str, text: str, timeout_s: int = 300) -> list[str]:
     """Every process's `text` under `key`, by process index, through the coordination
     service's key-value store (no collective runs: a process that disagrees is found before

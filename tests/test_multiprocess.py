@@ -6,6 +6,7 @@ same job started as srun starts it (SLURM's variables, no launcher), one process
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import signal
@@ -214,3 +215,42 @@ def test_without_the_launcher_a_dead_process_ends_the_job_in_one_line_and_it_res
     assert [p.returncode for p in processes] == [0, 0], [e[-3000:] for _, e in outputs]
     assert f"resuming from the checkpoint at step {kept}" in outputs[0][1]
     assert losses(workdir) == losses(runs / "two")  # the same program: bit for bit
+
+
+# Makes process 1 (only) fail to read the batch of step $FAIL_STEP, as a damaged shard would.
+DATA_FAULT = """import os
+if os.environ.get("BLOCKBENCH_PROCESS_ID") == "1":
+    from config import ConfigError
+    from train.data import in_memory
+    original = in_memory.Dataset.batch
+    def batch(self, step, *args, **kwargs):
+        if self.split == "train" and step == int(os.environ["FAIL_STEP"]):
+            raise ConfigError("data.path='corpus' is invalid: shard 3 is damaged (a stand-in)")
+        return original(self, step, *args, **kwargs)
+    in_memory.Dataset.batch = batch
+"""
+
+
+@pytest.mark.slow
+def test_a_data_error_on_one_process_saves_the_last_good_step_on_all(runs, tmp_path):
+    """issue 61: after a data error on one process the others did not save the last good step.
+    Now the processes agree on it (one collective a step, with the signal flag) and save it
+    together; that process's line and the launcher's, exit 2; the rerun equals the
+    uninterrupted run bit for bit."""
+    (tmp_path / "shim").mkdir()
+    (tmp_path / "shim" / "sitecustomize.py").write_text(DATA_FAULT)
+    workdir = tmp_path / "job"
+    env = dict(one_device_env(), FAIL_STEP="7", PYTHONPATH=os.pathsep.join(
+        [str(tmp_path / "shim"), os.environ.get("PYTHONPATH", str(REPO))]))
+    done = subprocess.run([*LAUNCH, *TRAIN_ARGS, "--workdir", str(workdir)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert [line for line in done.stderr.splitlines() if "error:" in line] == [
+        "[p1] error: data.path='corpus' is invalid: shard 3 is damaged (a stand-in)",
+        "error: process 1 of 2 exited with status 2; stopped process 0"], done.stderr[-3000:]
+    assert checkpoints(workdir) == [5, 7]  # the last good step, saved by both processes
+    done = two_processes(workdir)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "resuming from the checkpoint at step 7" in done.stderr
+    assert losses(workdir) == losses(runs / "two")
+
