@@ -16,9 +16,9 @@ The memory: before JAX loads, `python -m train` runs this only for a CPU-only JA
 (`sharding.environment.device_count_from_environment`), whose devices all share the host's RAM: the
 whole state against the host's physical memory. After JAX has loaded (it had to count the
 devices), the devices JAX reports: on CPU, the shares of the state of every process of the job
-on this host (`processes_on_host`) against the host's memory; on an accelerator, the state spread evenly over every device against one device's
-`bytes_limit` (skipped where the device does not report it). This module imports no JAX; it asks
-the loaded one.
+on this host (`processes_on_host`) against the host's memory; on an accelerator, the state
+spread evenly over every device against one device's `bytes_limit` (skipped where the device
+does not report it). This module imports no JAX; it asks the loaded one.
 """
 
 from __future__ import annotations

@@ -39,6 +39,7 @@ import threading
 import time
 
 from config.cli import ArgumentParser, positive_int
+from sharding.environment import multiprocess_launch
 
 POLL_S = 0.05
 
@@ -226,8 +227,6 @@ _LEADER_GONE = re.compile(r"Failed to send RPC to coordination service|Socket cl
 def needs_supervisor(environ: dict[str, str]) -> bool:
     """Whether `python -m train` runs as one process of a job that no `train.launch` watches (an
     srun step, a TPU pod, mpirun), and is not already the supervised child."""
-    from sharding.environment import multiprocess_launch
-
     return (multiprocess_launch(environ) and "BLOCKBENCH_PROCESS_ID" not in environ
             and environ.get(SUPERVISED) != "1")
 
