@@ -209,6 +209,8 @@ def train(config, workdir: str | Path, *, checked: bool = False) -> dict:
             except ConfigError as error:
                 refused = error
         if any_process(refused is not None):  # the others stop with it, not at a collective
+            if refused is None:  # after it: the line that says why comes first
+                time.sleep(3)
             raise refused or rundir.WorkdirError(
                 f"--workdir={workdir}: process 0 of this job refused it (its line says why)")
         return _train_locked(program, config, workdir)
