@@ -216,3 +216,16 @@ def test_ctrl_c_saves_every_seed_and_the_rerun_resumes_as_if_uninterrupted(tmp_p
             (_, state, _), (_, expected, _) = (c.restore_latest(program.abstract_state())
                                                for c in (a, b))
         jax.tree.map(np.testing.assert_array_equal, state["params"], expected["params"])
+
+
+def test_a_seed_directory_holding_only_a_sweeps_provenance_is_a_new_run(tmp_path):
+    """scripts/sweep.py --vmap_seeds appends each seed's provenance.jsonl before it launches
+    train.seeds: such a directory is a new run, not another's."""
+    from train.seeds import check_seed_directories, parse
+
+    config, _, _ = parse(["train.seeds", *SMALL, "--workdir", "x", "--seeds", "0,1"])
+    (tmp_path / "seed0").mkdir()
+    (tmp_path / "seed0" / "provenance.jsonl").write_text('{"command": []}\n')
+    before = tree_hashes(tmp_path)
+    assert check_seed_directories(resolve(config, 1), tmp_path, [0, 1]) == 0
+    assert tree_hashes(tmp_path) == before

@@ -87,6 +87,11 @@ def check_seed_mode(config) -> None:
                           "config's one seed; train these seeds separately (python -m train)")
 
 
+# What `scripts/sweep.py --vmap_seeds` writes into a seed's directory before it launches this
+# (`train.studies.sweep`): a seed directory holding only these is a new run.
+SWEEP_FILES = {"provenance.jsonl", "train.log"}
+
+
 def config_json(config) -> dict:
     """A ConfigDict as config.json holds it (tuples as lists, references resolved)."""
     return json.loads(config.to_json_best_effort())
@@ -118,8 +123,8 @@ def check_seed_directories(config, root: str | Path, seeds: list[int]) -> int:
         directory = Path(root) / f"seed{seed}"
         if directory.exists() and not directory.is_dir():
             raise _refuse(root, directory, "is a file, not a seed's run directory")
-        if not directory.exists() or not any(directory.iterdir()):
-            newest[seed] = 0
+        if not directory.exists() or {entry.name for entry in directory.iterdir()} <= SWEEP_FILES:
+            newest[seed] = 0  # a new run (a sweep records its provenance before it launches)
             continue
         rundir.check_not_locked(directory)
         saved = rundir.saved_config(directory, defaults)
