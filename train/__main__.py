@@ -166,6 +166,10 @@ def main(argv: list[str]) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 1
     except WriteError as error:
+        if jax.process_count() > 1 and os.environ.get(launch.SUPERVISED) == "1":
+            # a save needs every process: if another died, the coordination service ends this
+            # one within the heartbeat and the supervisor names the dead one (exit 4)
+            time.sleep(heartbeat_seconds(os.environ) + 10)
         print(f"error: {error}", file=sys.stderr)
         return 3
     except jax.errors.JaxRuntimeError as error:
