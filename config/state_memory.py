@@ -8,15 +8,17 @@ embedding (vocab_size × d_model), of an untied output head (d_model × vocab_si
 block's dense FFN (n × d_model × d_ff for an FFN of n matrices; a MoE FFN counts nothing), each
 with the optimizer's moments (AdamW two; one under Muon, whose hidden matrices keep one) and the
 parameters' EMA with `optimizer.ema_decay > 0`. Attention, norms, gradients and activations are
-left out, so a config it refuses is clearly impossible; one it passes may still not fit.
+left out, so a config it refuses is clearly impossible; one it passes may still not fit: the
+trainer then reports the runtime's out-of-memory error in one line (`out_of_memory_line`,
+exit status 5).
 
 The memory: before JAX loads, `python -m train` runs this only for a CPU-only JAX in one process
 (`sharding.environment.device_count_from_environment`), whose devices all share the host's RAM: the
 whole state against the host's physical memory. After JAX has loaded (it had to count the
-devices), the devices JAX reports: on CPU, this process's share of the state against the host's
-memory; on an accelerator, the state spread evenly over every device against one device's
-`bytes_limit` (skipped where the device does not report it). This module imports no JAX; it asks
-the loaded one.
+devices), the devices JAX reports: on CPU, the shares of the state of every process of the job
+on this host (`processes_on_host`) against the host's memory; on an accelerator, the state
+spread evenly over every device against one device's `bytes_limit` (skipped where the device
+does not report it). This module imports no JAX; it asks the loaded one.
 """
 
 from __future__ import annotations
@@ -55,15 +57,17 @@ def host_memory() -> int:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def memory_for_state(device_count: int) -> tuple[float, int, str] | None:
+def memory_for_state(device_count: int,
+                     processes_on_host: int = 1) -> tuple[float, int, str] | None:
     """(the share of the state one memory holds at best, that memory's bytes, its name), or None
-    where the device does not say how much it has (see the module docstring)."""
+    where the device does not say how much it has (see the module docstring). On the CPU the
+    host's memory holds the shares of all `processes_on_host` processes of the job there."""
     jax = sys.modules.get("jax")  # loaded only where JAX had to count the devices
     if jax is None:  # a CPU-only JAX in one process: its devices share this host's memory
         return 1.0, host_memory(), "this host's memory"
     device = jax.local_devices()[0]
     if device.platform == "cpu":
-        share = min(1.0, jax.local_device_count() / device_count)
+        share = min(1.0, jax.local_device_count() * processes_on_host / device_count)
         return share, host_memory(), "this host's memory"
     limit = (device.memory_stats() or {}).get("bytes_limit")
     if not limit:
@@ -71,10 +75,11 @@ def memory_for_state(device_count: int) -> tuple[float, int, str] | None:
     return 1 / device_count, limit, f"the memory of one {device.platform} device"
 
 
-def check_state_fits(config) -> None:
+def check_state_fits(config, processes_on_host: int = 1) -> None:
     """Raise `ConfigError` in one line when the resolved `config`'s train state cannot fit (see
-    the module docstring), naming the field that contributes the most."""
-    memory = memory_for_state(config.resolved.device_count)
+    the module docstring), naming the field that contributes the most. `processes_on_host`: the
+    processes of the job on this host, whose shares its memory holds together (CPU)."""
+    memory = memory_for_state(config.resolved.device_count, processes_on_host)
     if memory is None:
         return
     share, available, where = memory
@@ -83,10 +88,30 @@ def check_state_fits(config) -> None:
     if need <= available:
         return
     field = "vocab_size" if embedding >= ffn else "d_model"
-    spread = "" if share == 1 else f" (its share of {config.resolved.device_count} devices)"
+    spread = (f" (the share of {config.resolved.device_count} devices that this host's "
+              f"{processes_on_host} processes hold)" if processes_on_host > 1 else
+              "" if share == 1 else f" (its share of {config.resolved.device_count} devices)")
     raise ConfigError(
         f"model.{field}={config.model[field]!r} is invalid: the parameters and optimizer state "
         f"need at least {need / 1e9:.1f} GB{spread} (float32: {embedding:,} embedding and head "
         f"parameters, {ffn:,} FFN parameters, {copies_per_parameter(config)} values each), more "
         f"than {where} ({available / 1e9:.1f} GB); lower model.{field} (or another size of the "
         "model), or run where there is more memory")
+
+
+def out_of_memory_line(config, error_line: str) -> str:
+    """The one line of a run that ran out of memory although `check_state_fits` passed (that
+    check is a lower bound: attention, gradients and activations come on top): the first line
+    of the runtime's error, the state's lower bound per memory, the memory's limit where known,
+    and the knobs that lower what a device holds."""
+    memory = memory_for_state(config.resolved.device_count)
+    share, available, where = memory if memory is not None else (
+        1 / config.resolved.device_count, None, "one device's memory")
+    embedding, ffn = state_lower_bound(config)
+    need = (embedding + ffn) * copies_per_parameter(config) * FLOAT32_BYTES * share
+    limit = f"{available / 1e9:.1f} GB" if available else "not reported"
+    return (f"out of memory ({error_line[:160]}): the parameters and optimizer state alone need "
+            f"at least {need / 1e9:.2f} GB of {where} ({limit}), and gradients and activations "
+            "come on top; lower what each device holds: shard the state (mesh.fsdp), recompute "
+            "activations (execution.remat=full), lower batch_size or raise accumulation_steps, "
+            "or a smaller model")

@@ -11,6 +11,8 @@ import pkgutil
 import re
 from collections.abc import Mapping
 
+from config import ConfigError
+
 
 def multiprocess_launch(environ: Mapping[str, str]) -> bool:
     """Whether the environment says this process is one of several of one job.
@@ -32,6 +34,22 @@ def multiprocess_launch(environ: Mapping[str, str]) -> bool:
     if int(environ.get("OMPI_COMM_WORLD_SIZE", "1")) > 1:
         return True
     return "," in environ.get("TPU_WORKER_HOSTNAMES", "")
+
+
+HEARTBEAT_SECONDS = 30
+
+
+def heartbeat_seconds(environ: Mapping[str, str]) -> int:
+    """How long the coordination service waits for a process's heartbeat before it declares the
+    process dead and fails the job: `BLOCKBENCH_HEARTBEAT_SECONDS`, default 30 (JAX's is 100).
+    A survivor of a dead peer ends within about this long (docs/pods.md)."""
+    value = environ.get("BLOCKBENCH_HEARTBEAT_SECONDS", "").strip()
+    if not value:
+        return HEARTBEAT_SECONDS
+    if not value.isdigit() or int(value) < 2:
+        raise ConfigError(f"BLOCKBENCH_HEARTBEAT_SECONDS={value} is invalid: a whole number "
+                          f"of seconds ≥ 2 (default {HEARTBEAT_SECONDS}); set it or unset it")
+    return int(value)
 
 
 _HOST_DEVICES = re.compile(r"--xla_force_host_platform_device_count=(\d+)")

@@ -26,7 +26,7 @@ from jax.sharding import AxisType
 from config import ConfigError
 from config.mesh_shape import MESH_AXES
 from config.resolution import require_resolved
-from sharding.environment import multiprocess_launch
+from sharding.environment import heartbeat_seconds, multiprocess_launch
 
 AUTO_AXES = (AxisType.Auto,) * len(MESH_AXES)
 
@@ -70,6 +70,7 @@ def maybe_initialize_distributed() -> None:
     `BLOCKBENCH_NUM_PROCESSES` and `BLOCKBENCH_PROCESS_ID` (and the coordinator in
     `JAX_COORDINATOR_ADDRESS`). This decides whether the launch is multi-process
     (`multiprocess_launch`), and has CPU devices' collectives across processes go over gloo.
+    The coordination service's heartbeat timeout is `heartbeat_seconds` (30 s by default).
     """
     if not multiprocess_launch(os.environ) or jax.distributed.is_initialized():
         return
@@ -77,7 +78,8 @@ def maybe_initialize_distributed() -> None:
     given = {name: int(os.environ[variable]) for name, variable in (
         ("num_processes", "BLOCKBENCH_NUM_PROCESSES"), ("process_id", "BLOCKBENCH_PROCESS_ID"))
         if variable in os.environ}
-    jax.distributed.initialize(**given)
+    jax.distributed.initialize(**given, heartbeat_timeout_seconds=heartbeat_seconds(os.environ))
+
 
 
 def any_process(flag: bool) -> bool:
@@ -87,3 +89,25 @@ def any_process(flag: bool) -> bool:
     if jax.process_count() == 1:
         return flag
     return bool(np.any(multihost_utils.process_allgather(np.int32(flag))))
+
+
+def any_process_flags(flags: int) -> int:
+    """The bitwise OR of `flags` (small non-negative ints) over every process of the job: as
+    `any_process`, several decisions in one collective."""
+    if jax.process_count() == 1:
+        return flags
+    return int(np.bitwise_or.reduce(multihost_utils.process_allgather(np.int32(flags))))
+
+
+def gather_text(key: str, text: str, timeout_s: int = 300) -> list[str]:
+    """Every process's `text` under `key`, by process index, through the coordination
+    service's key-value store (no collective runs: a process that disagrees is found before
+    the first one). `[text]` with one process."""
+    if jax.process_count() == 1:
+        return [text]
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    client.key_value_set(f"blockbench/{key}/{jax.process_index()}", text)
+    return [client.blocking_key_value_get(f"blockbench/{key}/{index}", timeout_s * 1000)
+            for index in range(jax.process_count())]

@@ -100,6 +100,50 @@ def test_the_memory_bound_refuses_only_what_cannot_fit(monkeypatch):
         state_memory.check_state_fits(config)
 
 
+
+def test_the_cpu_memory_check_counts_every_process_on_the_host(monkeypatch):
+    """issue 61: two processes on one host whose states were 0.75× its memory each both passed.
+    A fake loaded `jax`: a CPU process holding 2 of the job's 4 devices."""
+    config = tiny_config(head="untied")
+    config.mesh.data = 4
+    config = resolve(config, 4)
+    embedding, ffn = state_memory.state_lower_bound(config)
+    whole = (embedding + ffn) * 3 * 4
+    cpu = types.SimpleNamespace(platform="cpu")
+    monkeypatch.setitem(sys.modules, "jax", types.SimpleNamespace(
+        local_devices=lambda: [cpu], local_device_count=lambda: 2))
+    monkeypatch.setattr(state_memory, "host_memory", lambda: int(whole * 0.75))
+    state_memory.check_state_fits(config)  # alone on its host: its half fits
+    with pytest.raises(ConfigError, match=r"^model.d_model=32 is invalid: .* \(the share of 4 "
+                       r"devices that this host's 2 processes hold\)"):
+        state_memory.check_state_fits(config, processes_on_host=2)
+
+
+def test_out_of_memory_past_the_check_is_one_line_with_its_own_status(tmp_path, monkeypatch,
+                                                                      capsys):
+    """issue 61: a state that passed the (lower-bound) check and then ran out of memory was a
+    29-line JaxRuntimeError with exit status 1. The runtime's error is stood in for."""
+    import jax
+
+    import train.__main__ as cli
+    import train.loop
+
+    def out_of_memory(*args, **kwargs):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to "
+                                         "allocate 68719476736 bytes.\nmore lines")
+
+    monkeypatch.setattr(train.loop, "train", out_of_memory)
+    assert cli.main(["train", "--config", QUICKSTART, "--workdir", str(tmp_path / "w")]) == 5
+    stderr = capsys.readouterr().err
+    assert stderr.count("\n") == 1 and stderr.startswith(
+        "error: out of memory (RESOURCE_EXHAUSTED: Out of memory while trying to allocate "
+        "68719476736 bytes.): the parameters and optimizer state alone need at least "), stderr
+    assert stderr.endswith("lower what each device holds: shard the state (mesh.fsdp), "
+                           "recompute activations (execution.remat=full), lower batch_size or "
+                           "raise accumulation_steps, or a smaller model\n")
+    assert " GB of this host's memory (" in stderr
+
+
 # Resuming with steps below the newest checkpoint ----------------------------------------------
 
 def write_resumable(workdir: Path, checkpoint: int) -> None:

@@ -165,6 +165,26 @@ def test_when_no_checkpoint_restores_nothing_is_moved(trained_run, tmp_path):
     assert snapshot(workdir) == before
 
 
+
+def test_generation_from_a_run_whose_checkpoints_all_fail_is_one_line(trained_run, tmp_path):
+    """issue 61: train.generate printed the right line, then ~380 lines of Orbax's "Exception
+    ignored in coroutine" at exit. Now the line alone, naming the newest checkpoint's error, and
+    the run left as it was."""
+    workdir = copy_run(trained_run, tmp_path / "run")
+    for step in (2, 3, 4):
+        for item in (workdir / "checkpoints" / str(step) / "state").iterdir():
+            if item.is_dir():  # the array data
+                shutil.rmtree(item)
+    before = snapshot(workdir)
+    done = subprocess.run([sys.executable, "-m", "train.generate", "--workdir", str(workdir),
+                           "--num_tokens", "4"], cwd=REPO, env=one_device_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr[-3000:]
+    assert done.stderr.startswith(f"error: --workdir={workdir} holds no restorable checkpoint "
+                                  "(step 4: "), done.stderr
+    assert snapshot(workdir) == before
+
+
 def read_events(path: Path):
     """The Event protos of a TensorBoard event file (TFRecord framing)."""
     from tensorboardX.proto import event_pb2

@@ -142,3 +142,42 @@ def test_an_export_that_would_not_load_back_is_refused(tmp_path, overrides, mess
     with pytest.raises(Exception, match="not a multiple of the number of attention heads"):
         transformers.LlamaConfig(**shape)
     transformers.MistralConfig(**shape)  # a sliding window's config takes it (exported above)
+
+
+def test_ema_exports_the_ema_and_the_default_says_what_it_exports(tmp_path, capsys):
+    """issue 61: an EMA run exported its raw parameters without saying so, and its EMA could not
+    be exported."""
+    from safetensors.numpy import load_file
+
+    from train.interop.hf import hf_tensors_from_params
+
+    config = tiny_config(**RUNS["llama"])
+    config.mesh.data = -1
+    config.optimizer.ema_decay = 0.9
+    config = resolve_for_job(config)
+    program = build_program(config)
+    state = program.init(0)
+    state["ema"] = jax.tree.map(lambda p: p * 0.5 + 0.25, state["params"])  # not the params
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.json").write_text(config.to_json_best_effort(indent=2))
+    with Checkpointer(tmp_path / "run") as checkpointer:
+        checkpointer.save(3, state, {"next_step": 3, "seed": 0}, force=True)
+    for flags, entry, said in (
+            ([], "params", "the parameters (not their EMA: --ema exports that) at step 3"),
+            (["--ema"], "ema", "the EMA of the parameters (ema_decay=0.9) at step 3")):
+        out = tmp_path / f"hf-{entry}"
+        assert export_hf_script.main(["--workdir", str(tmp_path / "run"), "--out", str(out),
+                                      *flags]) == 0
+        assert capsys.readouterr().out.endswith(f"and the tokenizer: {said}\n")
+        expected = hf_tensors_from_params(config.model, state[entry])
+        written = load_file(out / "model.safetensors")
+        assert written.keys() == expected.keys()
+        for name in written:
+            np.testing.assert_array_equal(written[name], expected[name], err_msg=name)
+    write_run(tmp_path / "plain")  # no EMA: --ema is one line, before JAX loads anything
+    assert export_hf_script.main(["--workdir", str(tmp_path / "plain"), "--out",
+                                  str(tmp_path / "hf-none"), "--ema"]) == 2
+    assert capsys.readouterr().err == (
+        f"error: --ema is invalid: the run in --workdir={tmp_path / 'plain'} keeps no EMA of its "
+        "parameters (optimizer.ema_decay=0); export its parameters without --ema\n")
+    assert not (tmp_path / "hf-none").exists()

@@ -4,8 +4,10 @@ meshes, and the TPU-pod and SLURM launch scripts (run against fake gcloud/srun c
 import json
 import os
 import shlex
+import socket
 import subprocess
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -314,3 +316,101 @@ def test_slurm_script_runs_one_task_per_node_and_requeues_when_preempted(tmp_pat
     assert scontrol["argv"] == ["requeue", "77"]
     header = (ROOT / "scripts" / "slurm_train.sbatch").read_text()
     assert "#SBATCH --ntasks-per-node=1\n" in header
+
+
+def test_the_dead_process_is_named_from_the_coordination_services_words():
+    """What JAX's coordination service logs as it ends the survivors (jaxlib 0.10), read by the
+    supervisor of a process no launcher watches (`train.launch.supervise`)."""
+    from sharding.environment import heartbeat_seconds
+    from train.launch import dead_processes
+
+    unhealthy = ("E1207 20:24:07.553205   15433 coordination_service.cc:1549] [24] Use error "
+                 "polling to propagate the following error to all tasks: UNAVAILABLE: The "
+                 "following tasks are unhealthy (stopped sending heartbeats):\n1\nThe tasks have "
+                 "crashed. Check the task logs\n")
+    assert dead_processes(unhealthy) == "process 1"
+    assert dead_processes(unhealthy.replace(":\n1\n", ":\n/job:jax_worker/replica:0/task:2, "
+                                            "/job:jax_worker/replica:0/task:3\n")) \
+        == "processes 2, 3"
+    assert dead_processes("F1207 20:25:04.057179 16971 client.h:80] Terminating process ... "
+                          "UNAVAILABLE: Failed to send RPC to coordination service. Either the "
+                          "leader task died") == "process 0 (which runs the job's coordination " \
+                                                 "service)"
+    assert dead_processes("E1207 something else") is None
+    assert heartbeat_seconds({}) == 30 and heartbeat_seconds(
+        {"BLOCKBENCH_HEARTBEAT_SECONDS": "12"}) == 12
+    env = dict(os.environ, SLURM_JOB_ID="7", SLURM_STEP_NODELIST="localhost", SLURM_NTASKS="2",
+               SLURM_PROCID="0", SLURM_LOCALID="0", BLOCKBENCH_HEARTBEAT_SECONDS="0")
+    done = subprocess.run([sys.executable, "-m", "train", "--config", "experiments/quickstart.py",
+                           "--workdir", "unused"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert (done.returncode, done.stderr) == (2, "error: BLOCKBENCH_HEARTBEAT_SECONDS=0 is "
+                                              "invalid: a whole number of seconds ≥ 2 (default "
+                                              "30); set it or unset it\n")
+
+
+def test_a_port_out_of_range_or_in_use_is_one_line_before_anything_starts():
+    done = subprocess.run([sys.executable, "-m", "train.launch", "--processes", "2", "--port",
+                           "70000", "--", "--config", "experiments/quickstart.py"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stderr) == (
+        2, "error: argument --port: 70000 is invalid: a TCP port is 1..65535\n")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "train.launch", "--processes", "2",
+                               "--port", str(port), "--", "--config",
+                               "experiments/quickstart.py"], cwd=ROOT, capture_output=True,
+                              text=True, timeout=60)
+    assert (done.returncode, done.stderr) == (
+        2, f"error: --port={port} is invalid: the coordinator cannot listen on it (Address "
+        "already in use; another job's coordinator?); pass another --port, or leave it out to "
+        "use a free one\n")
+
+
+# Gives the process whose BLOCKBENCH_PROCESS_ID is 1 the extra arguments in $EXTRA_P1: one
+# process of a job with other arguments, as a host with another command line would have.
+SHIM = """import os, sys
+if os.environ.get("BLOCKBENCH_PROCESS_ID") == "1" and len(sys.argv) > 1:
+    sys.argv.extend(os.environ["EXTRA_P1"].split())
+"""
+SMALL_JOB = ["--config", "experiments/quickstart.py", *[
+    f"--config.{field}={value}" for field, value in dict(
+        steps=6, batch_size=8, seq_len=16, eval_every=6, eval_batches=1, sample_tokens=0, **{
+            "mesh.data": 4, "model.d_model": 32, "model.num_layers": 2,
+            "model.attention.num_heads": 4, "model.attention.num_kv_heads": 2,
+            "optimizer.warmup_steps": 2}).items()]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra, line", [
+    ("--config.steps=0", "[p1] error: steps=0 is invalid: must be a positive integer"),
+    ("--config.model.d_model=64", "[p1] error: process 1 of 2 resolved a different config from "
+     "process 0's (model.d_model: 32 (process 0) → 64; model.attention.head_dim: 8 (process 0) "
+     "→ 16; model.attention.width: 32 (process 0) → 64; model.ffn.d_ff: 128 (process 0) → 256);"
+     " every process must run the same arguments and config file"),
+])
+def test_one_process_with_other_arguments_stops_the_job_at_once_naming_it(tmp_path, extra,
+                                                                          line):
+    """issue 61: a bad argument in one process ended the job only after process 0's 30 s wait,
+    with a misleading line from process 0; different configs were not seen until gloo aborted
+    at the first collective. Now that process's line, then the launcher's, within 5 s."""
+    (tmp_path / "shim").mkdir()
+    (tmp_path / "shim" / "sitecustomize.py").write_text(SHIM)
+    env = dict(one_device_env(), EXTRA_P1=extra, PYTHONPATH=os.pathsep.join(
+        [str(tmp_path / "shim"), os.environ.get("PYTHONPATH", str(ROOT))]))
+    launcher = subprocess.Popen([sys.executable, "-m", "train.launch", "--processes", "2",
+                                 "--devices", "2", "--", *SMALL_JOB, "--workdir",
+                                 str(tmp_path / "run")], cwd=ROOT, env=env,
+                                stderr=subprocess.PIPE, text=True)
+    lines, seen = [], None
+    for received in launcher.stderr:
+        lines.append(received.rstrip("\n"))
+        if seen is None and received.startswith("[p1] error:"):
+            seen = time.monotonic()
+    launcher.wait(timeout=60)
+    assert seen is not None and time.monotonic() - seen < 5, lines
+    assert launcher.returncode == 2 and lines[1:] == [
+        line, "error: process 1 of 2 exited with status 2; stopped process 0"], lines
+    assert not (tmp_path / "run" / "checkpoints").exists()

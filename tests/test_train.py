@@ -47,7 +47,8 @@ def test_resume_after_preemption_reproduces_the_uninterrupted_run(tmp_path, monk
     original_batch = in_memory.Dataset.batch
 
     def batch_then_sigterm(self, step, *args, **kwargs):
-        if self.split == "train" and step == 2:  # preempted while the third step runs
+        if self.split == "train" and step == 3:  # preempted after the third step, while
+            # the next batch is read (a step ahead, before the processes agree to stop)
             os.kill(os.getpid(), signal.SIGTERM)
         return original_batch(self, step, *args, **kwargs)
 

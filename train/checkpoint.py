@@ -77,11 +77,19 @@ class _OrbaxErrors(logging.Filter):
 
 
 def _quiet_closed_loops(unraisable) -> None:
-    """`sys.unraisablehook` that drops "Event loop is closed" from TensorStore callbacks that
-    outlive a failed Orbax write, passing everything else on."""
-    if not (isinstance(unraisable.exc_value, RuntimeError)
-            and str(unraisable.exc_value) == "Event loop is closed"):
-        sys.__unraisablehook__(unraisable)
+    """`sys.unraisablehook` that drops what Orbax's abandoned work leaves at exit: "Event loop
+    is closed" from TensorStore callbacks that outlive a failed write, and the errors of its
+    reads still pending when a restore failed (coroutines of Orbax's code collected unawaited,
+    each with a TensorStore spec of dozens of lines); the failure they belong to reached the
+    caller as one error. Everything else is passed on."""
+    error = unraisable.exc_value
+    if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
+        return
+    orbax = f"{os.sep}orbax{os.sep}"
+    frames = traceback.extract_tb(error.__traceback__) if error is not None else []
+    if any(orbax in frame.filename for frame in frames) or "TensorStore" in str(error):
+        return
+    sys.__unraisablehook__(unraisable)
 
 
 for _logger in ("absl", "asyncio"):  # absl.logging, which Orbax logs through; its event loops
@@ -260,9 +268,10 @@ class Checkpointer:
                 message = _restore_error(error) if error is not None else \
                     "another process of this job could not restore it"
                 self.restore_errors[step] = message
-                log.warning("checkpoint at step %d cannot be restored (%s); trying an earlier "
-                            "one", step, message)
                 continue
+            for failed, message in self.restore_errors.items():  # none restores: the caller's
+                log.warning("checkpoint at step %d cannot be restored (%s); trying an earlier "
+                            "one", failed, message)
             if move_aside_corrupt and self.restore_errors:
                 self._move_aside(sorted(self.restore_errors))
             return step, restored["state"], restored["data"]

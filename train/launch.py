@@ -17,10 +17,18 @@ a collective without it, and stops showing their output (their errors would only
 it); it prints one line naming the process and how it ended, and exits with its status (128 +
 the signal for a process killed by one). Exit status: the processes' (0 when all finished), 2
 for bad launcher arguments.
+
+A job started without this launcher (an srun step, a TPU pod) is watched from within: each
+`python -m train` runs the training as its child (`supervise`), and turns the coordination
+service's end of the survivors of a dead process (an abort with a C++ trace) into one line
+naming that process, exit status 4 (docs/pods.md).
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import ctypes
 import os
 import re
 import signal
@@ -31,6 +39,7 @@ import threading
 import time
 
 from config.cli import ArgumentParser, positive_int
+from sharding.environment import multiprocess_launch
 
 POLL_S = 0.05
 
@@ -138,8 +147,8 @@ def launch(train_args: list[str], processes: int, devices: int | None = None,
             copier.join(timeout=5)
     if failed is not None:
         index, status = failed
-        stopped = [i for i, child in enumerate(children)
-                   if i != index and child.returncode == -signal.SIGKILL]
+        stopped = [i for i, child in enumerate(children)  # killed here, or left on losing it
+                   if i != index and child.returncode in (-signal.SIGKILL, 4)]
         others = (f"; stopped process{'es' if len(stopped) > 1 else ''} "
                   f"{', '.join(map(str, stopped))}" if stopped else "")
         print(f"error: process {index} of {processes} {describe_exit(status)}{others}",
@@ -154,11 +163,29 @@ def _wait(children: list[subprocess.Popen]) -> tuple[int, int] | None:
     while True:
         statuses = [child.poll() for child in children]
         failures = [(i, s) for i, s in enumerate(statuses) if s not in (None, 0, 130, 143)]
-        if failures:
-            return failures[0]
+        if failures:  # a process that lost another (4) only follows from that one's failure
+            return min(failures, key=lambda failure: failure[1] == 4)
         if all(status is not None for status in statuses):
             return None
         time.sleep(POLL_S)
+
+
+def tcp_port(text: str) -> int:
+    """An argparse `type` for a TCP port, 1..65535."""
+    port = positive_int(text)
+    if port > 65535:
+        raise argparse.ArgumentTypeError(f"{port} is invalid: a TCP port is 1..65535")
+    return port
+
+
+def port_in_use(port: int) -> str | None:
+    """Why the coordinator cannot listen on localhost:`port` (the system's words), or None."""
+    with socket.socket() as probe:
+        try:
+            probe.bind(("", port))
+        except OSError as error:
+            return error.strerror or str(error)
+    return None
 
 
 def main(argv: list[str]) -> int:
@@ -167,7 +194,7 @@ def main(argv: list[str]) -> int:
                         help="the number of JAX processes to run")
     parser.add_argument("--devices", type=positive_int, metavar="D",
                         help="simulated CPU devices per process (JAX_NUM_CPU_DEVICES)")
-    parser.add_argument("--port", type=int, metavar="P",
+    parser.add_argument("--port", type=tcp_port, metavar="P",
                         help="the coordinator's port on localhost (default: a free one)")
     parser.add_argument("train_args", nargs="*", metavar="TRAIN ARGS",
                         help="after --: the arguments of python -m train")
@@ -175,8 +202,117 @@ def main(argv: list[str]) -> int:
     if not args.train_args:
         parser.error("the training arguments are missing, e.g. -- --config "
                      "experiments/quickstart.py --workdir runs/quickstart")
+    if args.port is not None and (problem := port_in_use(args.port)):
+        parser.error(f"--port={args.port} is invalid: the coordinator cannot listen on it "
+                     f"({problem}; another job's coordinator?); pass another --port, or leave "
+                     "it out to use a free one")
     return launch(args.train_args, args.processes, args.devices, args.port)
 
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv))
+
+
+# ---------------------------------------------------------------------------------------------
+# One process of a job started without this launcher (srun, a TPU pod, mpirun)
+
+SUPERVISED = "BLOCKBENCH_SUPERVISED"
+# A line of the C++ runtime's log (absl): severity, date, time, thread, file:line].
+_NATIVE_LOG = re.compile(rb"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ [^\]]+\] ")
+_UNHEALTHY = re.compile(r"stopped sending heartbeats\):\s*((?:(?:/job:\S+?/task:)?\d+[,\s]*)+)")
+_LEADER_GONE = re.compile(r"Failed to send RPC to coordination service|Socket closed|"
+                          r"Connection refused|failed to connect", re.I)
+
+
+def needs_supervisor(environ: dict[str, str]) -> bool:
+    """Whether `python -m train` runs as one process of a job that no `train.launch` watches (an
+    srun step, a TPU pod, mpirun), and is not already the supervised child."""
+    return (multiprocess_launch(environ) and "BLOCKBENCH_PROCESS_ID" not in environ
+            and environ.get(SUPERVISED) != "1")
+
+
+def own_rank(environ: dict[str, str]) -> tuple[str, str]:
+    """(this process's index, the process count) as the environment names them, "?" if not."""
+    for index, count in (("SLURM_PROCID", "SLURM_NTASKS"),
+                         ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")):
+        if index in environ:
+            return environ[index], environ.get(count, "?")
+    if "TPU_WORKER_ID" in environ:
+        return environ["TPU_WORKER_ID"], str(len(environ.get("TPU_WORKER_HOSTNAMES",
+                                                               "").split(",")))
+    return "?", "?"
+
+
+def dead_processes(native_log: str) -> str | None:
+    """Which process died, from the coordination service's last words: the tasks it found
+    unhealthy, or process 0 (it runs the service) when the service is unreachable."""
+    if match := _UNHEALTHY.search(native_log):
+        ids = re.findall(r"task:(\d+)" if "task:" in match[1] else r"\d+", match[1])
+        return f"process{'es' if len(ids) > 1 else ''} {', '.join(ids)}"
+    if _LEADER_GONE.search(native_log):
+        return "process 0 (which runs the job's coordination service)"
+    return None
+
+
+def _die_with_parent() -> None:
+    """In the child, before it runs: SIGKILL it when its parent (the supervisor) dies, so a
+    SIGKILL of the process that srun started kills the training too (Linux)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def supervise(argv: list[str]) -> int:
+    """Run `python -m train ARGV` as a child and watch it, for a process of a job no launcher
+    watches. When another process of the job dies, JAX's coordination service ends this one
+    (within `BLOCKBENCH_HEARTBEAT_SECONDS`) with an abort and a C++ stack trace; here that is
+    one line naming the dead process, and exit status 4. The child's output passes through,
+    less the C++ runtime's log once it reports an error (the job is ending); SIGTERM and SIGINT
+    are forwarded."""
+    env = dict(os.environ, **{SUPERVISED: "1", "PYTHONUNBUFFERED": "1"})
+    child = subprocess.Popen([sys.executable, "-m", "train", *argv[1:]], env=env,
+                             stderr=subprocess.PIPE, preexec_fn=_die_with_parent)
+    native: list[bytes] = []
+
+    def copy() -> None:
+        muted = False
+        for line in iter(child.stderr.readline, b""):
+            if _NATIVE_LOG.match(line):
+                muted = muted or line[:1] in (b"E", b"F")
+                native.append(line)
+                continue
+            if muted or line.startswith((b"Additional GRPC", b":UNKNOWN:", b"*** ")):
+                native.append(line)
+                continue
+            sys.stderr.buffer.write(line)
+            sys.stderr.buffer.flush()
+
+    copier = threading.Thread(target=copy, daemon=True)
+    copier.start()
+
+    def forward(signum, frame):
+        if child.poll() is None:
+            child.send_signal(signum)
+
+    previous = {signum: signal.signal(signum, forward) for signum in (signal.SIGTERM,
+                                                                        signal.SIGINT)}
+    try:
+        status = child.wait()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    copier.join(timeout=5)
+    if status in (0, 1, 2, 3, 130, 143):
+        return status
+    index, count = own_rank(os.environ)
+    dead = dead_processes(b"".join(native).decode(errors="replace"))
+    if dead is None and status != 4 and native == []:
+        print(f"error: process {index} of {count} {describe_exit(status)}", file=sys.stderr,
+              flush=True)
+        return shell_status(status)
+    print(f"error: process {index} of {count} lost {dead or 'another process'} of this job; "
+          "rerun the job (the same command on every host) to resume from its newest checkpoint",
+          file=sys.stderr, flush=True)
+    return 4

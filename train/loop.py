@@ -29,7 +29,7 @@ from jax.experimental import multihost_utils
 from arch.accounting import flops_per_token
 from config import ConfigError
 from config.validate import check_training
-from sharding.mesh import any_process
+from sharding.mesh import any_process, any_process_flags
 from sharding.pipeline import bubble_fraction
 from train import rundir
 from train.checkpoint import Checkpointer
@@ -209,6 +209,8 @@ def train(config, workdir: str | Path, *, checked: bool = False) -> dict:
             except ConfigError as error:
                 refused = error
         if any_process(refused is not None):  # the others stop with it, not at a collective
+            if refused is None:  # after it: the line that says why comes first
+                time.sleep(3)
             raise refused or rundir.WorkdirError(
                 f"--workdir={workdir}: process 0 of this job refused it (its line says why)")
         return _train_locked(program, config, workdir)
@@ -265,15 +267,34 @@ def _train_locked(program: TrainProgram, config, workdir: Path) -> dict:
             checkpointer.save(step, state, {"next_step": step, "seed": config.seed,
                                             "skipped_steps": int(skipped)}, force=True)
 
+        def fetch():
+            """(the next step's batch, None), or (None, the error reading it)."""
+            if step >= config.steps:
+                return None, None
+            try:
+                return next(batches), None
+            except Exception as error:  # noqa: BLE001 -- reported after the agreement
+                return None, error
+
+        def data_failed(error) -> None:
+            """Every process: raise the data error of whichever process had one (its own
+            error where it was this one's), after the last good step was saved together."""
+            if error is not None:
+                raise error
+            if jax.process_count() > 1:  # the process that failed leaves first, and is named
+                time.sleep(3)
+            raise rundir.WorkdirError(
+                f"another process of this job could not read its data for step {step + 1} "
+                f"(its line says why); the state of step {saved} is saved: fix the data and "
+                "rerun the job to resume")
+
+        batch, data_error = fetch()  # fetched a step ahead: the processes agree on a failure
+        failed = any_process(data_error is not None)  # (and a signal) in one collective
         stopping = False  # a signal reached some process: every process stops at one step
         while step < config.steps and not stopping:
+            if failed:  # a data error on some process: the last good state is saved
+                data_failed(data_error)
             checkpointer.check()  # a save that failed stops the run now
-            try:
-                batch = next(batches)
-            except Exception:
-                if step > saved:  # a data error: keep the last good state, then report it
-                    save()
-                raise
             state, metrics = program.train_step(state, program.put_batch(batch))
             step += 1
             if skip_nonfinite:
@@ -316,10 +337,15 @@ def _train_locked(program: TrainProgram, config, workdir: Path) -> dict:
                 except OSError as error:
                     raise checkpointer.write_error(writer.path, error) from None
             progress.update(1)
-            stopping = any_process(preemption.requested)
-            if step % config.checkpoint_every == 0 or step == config.steps or stopping:
+            batch, data_error = fetch()
+            agreed = any_process_flags(int(preemption.requested) | (data_error is not None) << 1)
+            stopping, failed = bool(agreed & 1), bool(agreed & 2)
+            if step % config.checkpoint_every == 0 or step == config.steps or stopping or \
+                    failed:  # a data error: keep the last good state, then report it
                 save()
                 saved = step
+        if failed:
+            data_failed(data_error)
     preempted = stopping
     if preempted:  # the ExitStack finished writing the checkpoint
         line = (f"{signal.Signals(preemption.signal or signal.SIGTERM).name}: "

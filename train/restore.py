@@ -60,7 +60,9 @@ def restore_run(workdir: str | Path, step: int | None = None):
         raise FileNotFoundError(f"--workdir={workdir} holds no restorable checkpoint at step "
                                 f"{step} (its checkpoints: {saved or 'none'})")
     if restored is None:
-        raise FileNotFoundError(f"--workdir={workdir} holds no restorable checkpoint")
+        errors = checkpointer.restore_errors
+        why = f" (step {max(errors)}: {errors[max(errors)]})" if errors else ""
+        raise FileNotFoundError(f"--workdir={workdir} holds no restorable checkpoint{why}")
     step, state, _ = restored
     return program, step, state
 

@@ -1,9 +1,9 @@
 """Export a blockbench run as a Hugging Face checkpoint that `transformers` loads.
 
 `export_run(RUN, DIR)` (the command line: scripts/export_hf.py). RUN is a run directory
-(`python -m train`, or an import); its newest checkpoint's parameters are restored
-(`train.restore.restore_run`: never the optimizer state). A model that a Llama or GPT-2
-checkpoint represents exactly is written (RoPE → "llama", learned positions → "gpt2":
+(`python -m train`, or an import); its newest checkpoint's parameters (or, with `ema`, their
+EMA) are restored (`train.restore.restore_run`: never the optimizer state). A model that a
+Llama or GPT-2 checkpoint represents exactly is written (RoPE → "llama", learned positions → "gpt2":
 `arch.hf_config.hf_config_from_model`; anything else is refused in one line naming the field,
 e.g. an AttnRes stream or a MoE FFN, as is what would not load back:
 `train.interop.exportable`). DIR must not exist or be empty. It gets
@@ -32,16 +32,20 @@ from arch.hf_config import hf_config_from_model
 from train.data.tokenizer import ByteTokenizer, HuggingFaceTokenizer, tokenizer_of
 from train.interop.exportable import check_exportable
 from train.interop.hf import SINGLE_FILE, hf_tensors_from_params
-from train.restore import restore_run
+from train.restore import restore_run, with_ema_params
 
 
-def export_run(workdir: str | Path, out: str | Path) -> Path:
+def export_run(workdir: str | Path, out: str | Path, *, ema: bool = False) -> int:
     """Write the Hugging Face checkpoint of the run in `workdir` into `out` (see the module
-    docstring); returns `out`. FileNotFoundError / ValueError with a one-line message."""
+    docstring): its parameters, or with `ema` their exponential moving average (a run with
+    optimizer.ema_decay > 0; `train.restore.with_ema_params`). Returns the checkpoint's step.
+    FileNotFoundError / ValueError with a one-line message."""
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"--out={out} is not empty; export into a new directory")
-    program, _, state = restore_run(workdir)
+    program, step, state = restore_run(workdir)
+    if ema:
+        state = with_ema_params(state, workdir)
     model_cfg = program.config.model
     tokenizer = tokenizer_of(program.config.data)
     check_exportable(model_cfg, tokenizer)  # these refuse before anything is written
@@ -56,4 +60,4 @@ def export_run(workdir: str | Path, out: str | Path) -> Path:
         name = "tokenizer.json" if isinstance(tokenizer, HuggingFaceTokenizer) \
             else "tokenizer.model"
         shutil.copyfile(tokenizer.path, out / name)
-    return out
+    return step
