@@ -298,16 +298,17 @@ def test_two_processes_refused_by_the_lock_and_falling_back_together(runs, tmp_p
 
 
 @pytest.mark.slow
-def test_the_chaos_soak_resumes_bit_identically_after_ten_random_interruptions(tmp_path):
-    """issue 61: scripts/chaos_soak.py kills a 2-process job at 10 random points (SIGKILL of a
+def test_the_chaos_soak_resumes_bit_identically_after_random_interruptions(tmp_path):
+    """issue 61: scripts/chaos_soak.py kills a 2-process job at random points (SIGKILL of a
     random process, or SIGTERM to the launcher), resumes it each time, and checks each launch's
     status and line, each step logged once, and the losses and final parameters bit-equal to an
-    uninterrupted run's (the figure in docs/runs.md's fault suite)."""
+    uninterrupted run's. Here 3 interruptions of 40 steps, within the suite's time; the figure
+    of 10 over 80 steps in docs/runs.md's fault suite is the script's default run."""
     done = subprocess.run([sys.executable, "scripts/chaos_soak.py", "--workdir", str(tmp_path),
-                           "--interruptions", "10", "--seed", "0"], cwd=REPO,
+                           "--interruptions", "3", "--steps", "40", "--seed", "0"], cwd=REPO,
                           env=one_device_env(), capture_output=True, text=True, timeout=3600)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     summary = done.stdout.splitlines()[-1]
-    assert summary.startswith("chaos soak: 10 interruptions (") and (
-        "0 not as documented; each of 80 steps logged once: True; losses bit-equal: True; "
+    assert summary.startswith("chaos soak: 3 interruptions (") and (
+        "0 not as documented; each of 40 steps logged once: True; losses bit-equal: True; "
         "final parameters bit-equal: True;") in summary, done.stdout
