@@ -1,5 +1,7 @@
 """Dry run for a target topology: `python scripts/dry_run.py --config PATH[:ARG] --devices N
-[--mesh AXIS=SIZE,...] [--config.FIELD=VALUE ...] [--json] [--no_compile]`
+[--mesh AXIS=SIZE,...] [--config.FIELD=VALUE ...] [--json] [--no_compile]`, or, with the TPU
+compiler, `python scripts/dry_run.py --config PATH[:ARG] --target TYPE [--slices K] [--json]
+[--no_decode]`
 
 Prints, without the target hardware, what training the experiment on N devices would place
 where: the mesh (and its ICI × DCN factoring across TPU slices), every parameter's logical axes,
@@ -39,6 +41,25 @@ argument_bytes, output_bytes, alias_bytes, peak_bytes.
 
 Example: python scripts/dry_run.py --config experiments/quickstart.py --devices 8
     --mesh data=1,fsdp=4,tensor=2
+
+With `--target TYPE` (a Cloud TPU accelerator type: v4-32, v5p-128, v5e-16 or v5litepod-16,
+v6e-64; `sharding.tpu` names chips and cores as each generation does), stage 2 compiles instead
+with the TPU compiler (libtpu, the `tpu` extra; without it, one line naming the extra and exit
+2) for the compile-only devices of that topology, K slices of it with `--slices K` (joined by
+DCN: the config's mesh.dcn factors must multiply to K). Nothing is allocated and no TPU is
+needed. It compiles the train step and the one-token KV-cache decode step (batch_size
+sequences, a cache of seq_len positions; `--no_decode` skips it) and reports per chip, under
+the JSON key "tpu": device kind, chips, slices, topology; argument, temporary, output, aliased
+and peak bytes against the chip's HBM, and whether it fits; the collectives by kind with their
+bytes and ICI / DCN traffic (`sharding.collectives`: async `-start` forms and the TPU's fused
+all-reduce-scatter counted, loop bodies times their trip count); the compile time; and a
+roofline step estimate: accounting FLOPs (arch/accounting.py) / the chip's bf16 peak, HBM bytes
+(the compiled program's cost_analysis(), scaled by accounting FLOPs / compiled FLOPs, as its
+loop bodies are counted once) / HBM bandwidth, ICI and DCN traffic / their bandwidths; the step
+is the slowest of them, MFU the compute time over it, and chip-hours = step × config.steps ×
+chips. The chips' figures are `sharding.tpu.CHIPS`, each citing its public spec. A train step
+whose peak exceeds the chip's HBM prints the report, then one line on stderr (peak, capacity,
+the knobs: mesh.fsdp, execution.remat, accumulation_steps) and exits 2.
 """
 
 from __future__ import annotations
@@ -144,6 +165,150 @@ def compiled_memory(config) -> dict:
     return result
 
 
+def _memory(compiled) -> dict:
+    memory = compiled.memory_analysis()
+    result = {"temp_bytes": memory.temp_size_in_bytes,
+              "argument_bytes": memory.argument_size_in_bytes,
+              "output_bytes": memory.output_size_in_bytes,
+              "alias_bytes": memory.alias_size_in_bytes}
+    result["peak_bytes"] = (result["argument_bytes"] + result["output_bytes"]
+                            - result["alias_bytes"] + result["temp_bytes"])
+    return result
+
+
+def _collective_summary(compiled, mesh) -> dict:
+    """`sharding.collectives` of the compiled program, by kind, for one chip; DCN traffic is
+    that of groups spanning slices (partition id i is the mesh's i-th device)."""
+    from sharding.collectives import collectives
+
+    slice_of = [getattr(device, "slice_index", 0) for device in mesh.devices.flat]
+    return collectives(compiled.as_text(), slice_of)
+
+
+def _roofline(chip, flops: float, compiled_cost: dict, traffic: dict, devices: int,
+              steps: int | None = None) -> dict:
+    """Step-time estimate for one chip: each resource's time at its peak, the step the
+    slowest of them (perfect overlap). `flops`: the project's accounting per chip; the compiled
+    program's `cost_analysis()` counts a loop body once, so its HBM bytes are scaled by
+    accounting FLOPs / compiled FLOPs (`loop_factor`) to stand for the whole step."""
+    compiled_flops = float(compiled_cost.get("flops", 0.0))
+    loop_factor = flops / compiled_flops if compiled_flops > 0 else 1.0
+    hbm_bytes = float(compiled_cost.get("bytes accessed", 0.0)) * loop_factor
+    times = {"compute_s": flops / chip.bf16_flops,
+             "hbm_s": hbm_bytes / chip.hbm_bandwidth,
+             "ici_s": traffic["ici"] / chip.ici_bandwidth,
+             "dcn_s": traffic["dcn"] / chip.dcn_bandwidth}
+    step = max(times.values())
+    result = {"flops_per_chip": flops, "compiled_flops": compiled_flops,
+              "loop_factor": loop_factor, "hbm_bytes_estimate": hbm_bytes, **times,
+              "step_s": step, "bound": max(times, key=times.get)[:-2],
+              "mfu": times["compute_s"] / step if step > 0 else 0.0}
+    if steps is not None:
+        result["chip_hours"] = step * steps * devices / 3600
+    return result
+
+
+def _traffic(collective_report: dict) -> dict:
+    return {link: sum(entry[f"{link}_traffic_bytes"] for entry in collective_report.values())
+            for link in ("ici", "dcn")}
+
+
+def compile_decode_step(program):
+    """(seconds, compiled, per-chip cache bytes) of the one-token KV-cache decode step of
+    `program`'s model, for config.batch_size sequences and a cache of config.seq_len positions,
+    the cache sharded over the batch axes and donated, in evaluation mode (as in
+    `train.generate`); lowered from abstract values (nothing is allocated)."""
+    import time
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from sharding.rules import named_sharding
+
+    config = program.config
+    batch, length = config.batch_size, config.seq_len
+    dtype = jnp.dtype(program.model_cfg.dtype)
+    state = program.abstract_state()
+    stack = len(nnx.eval_shape(lambda: program._model(nnx.Rngs(0))).stack_shape)
+    stack += config.model.get("loop_count", 1) > 1
+
+    def merged(params, model_state):
+        model = nnx.merge(program.graphdef, params, model_state)
+        model.eval()
+        return model
+
+    def init_cache(params, model_state):
+        return merged(params, model_state).init_cache(batch, length, dtype)
+
+    def place(leaf):
+        axis = next((i for i in range(stack, leaf.ndim) if leaf.shape[i] == batch), None)
+        logical = [None] * leaf.ndim
+        if axis is not None:
+            logical[axis] = "act_batch"
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,
+                                    sharding=named_sharding(program.mesh, logical, leaf.shape))
+
+    with jax.set_mesh(program.mesh):
+        cache = jax.tree.map(place, jax.eval_shape(init_cache, state["params"],
+                                                   state["model_state"]))
+
+    def decode(params, model_state, cache, token_Bx1, position):
+        logits_Bx1xV, cache = merged(params, model_state).decode(
+            token_Bx1, jnp.full(token_Bx1.shape, position, jnp.int32), cache)
+        return jnp.argmax(logits_Bx1xV, axis=-1).astype(jnp.int32), cache
+
+    token = jax.ShapeDtypeStruct((batch, 1), jnp.int32, sharding=program.batch_sharding)
+    position = jax.ShapeDtypeStruct((), jnp.int32)
+    start = time.perf_counter()
+    with jax.set_mesh(program.mesh):
+        compiled = jax.jit(decode, donate_argnums=2).lower(
+            state["params"], state["model_state"], cache, token, position).compile()
+    return time.perf_counter() - start, compiled, sum(_bytes(x) for x in jax.tree.leaves(cache))
+
+
+def tpu_report(config, target, decode: bool = True) -> dict:
+    """Stage 2 for a TPU target (`sharding.tpu.Target`): the resolved `config`'s train step
+    (and its one-token decode step) compiled by the TPU compiler for the target's compile-only
+    devices, and per chip: memory against HBM, collectives by kind, compile time, a roofline
+    step estimate, MFU and chip-hours for config.steps."""
+    from arch.accounting import flops_per_token
+    from sharding.mesh import make_mesh
+    from sharding.tpu import target_devices
+    from train.step import TrainProgram, compile_train_step
+
+    chip = target.chip
+    devices = target_devices(target)
+    program = TrainProgram(config, make_mesh(config, devices))
+    seconds, compiled = compile_train_step(program)
+    memory = _memory(compiled)
+    collective_report = _collective_summary(compiled, program.mesh)
+    cost = compiled.cost_analysis() or {}
+    tokens = config.batch_size * config.seq_len
+    flops = flops_per_token(config.model, config.seq_len, training=True) * tokens / target.devices
+    report = {"target": target.accelerator_type, "device_kind": devices[0].device_kind,
+              "chips": target.devices, "chips_per_slice": target.chips,
+              "topology": target.topology, "hbm_bytes": chip.hbm_bytes,
+              "chip_source": chip.source,
+              "train": {**memory, "fits": memory["peak_bytes"] <= chip.hbm_bytes,
+                        "compile_seconds": seconds, "collectives": collective_report,
+                        "roofline": _roofline(chip, flops, cost, _traffic(collective_report),
+                                              target.devices, config.steps)}}
+    if decode:
+        seconds, compiled, cache_bytes = compile_decode_step(program)
+        memory = _memory(compiled)
+        collective_report = _collective_summary(compiled, program.mesh)
+        flops = (flops_per_token(config.model, config.seq_len, training=False)
+                 * config.batch_size / target.devices)
+        report["decode"] = {**memory, "fits": memory["peak_bytes"] <= chip.hbm_bytes,
+                            "cache_bytes": cache_bytes, "compile_seconds": seconds,
+                            "batch": config.batch_size, "cache_positions": config.seq_len,
+                            "collectives": collective_report,
+                            "roofline": _roofline(chip, flops, compiled.cost_analysis() or {},
+                                                  _traffic(collective_report), target.devices)}
+    return report
+
+
 def resolve_for(config, device_count: int):
     """`config` resolved for `device_count` devices in ∏ mesh.dcn slices (ConfigError on a bad
     config; no JAX)."""
@@ -212,28 +377,104 @@ def table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def tpu_table(report: dict) -> str:
+    """The TPU section of the report as text."""
+    lines = [f"TPU target {report['target']}: {report['chips']} × {report['device_kind']} "
+             f"({report['topology']} per slice), HBM {human(report['hbm_bytes'])} per chip "
+             f"({report['chip_source']})"]
+    for step in ("train", "decode"):
+        if step not in report:
+            continue
+        part, roof = report[step], report[step]["roofline"]
+        extra = (f", KV cache {human(part['cache_bytes'])} per chip for {part['batch']} × "
+                 f"{part['cache_positions']} positions" if step == "decode" else "")
+        lines += ["", f"{step} step, per chip (TPU compiler, {part['compile_seconds']:.1f} s to "
+                  f"compile){extra}:"]
+        lines += [f"  {name:<12}{human(part[key + '_bytes']):>12}" for name, key in
+                  (("arguments", "argument"), ("outputs", "output"), ("aliased", "alias"),
+                   ("temporaries", "temp"), ("peak", "peak"))]
+        lines.append(f"  fits: {'yes' if part['fits'] else 'NO'} "
+                     f"({100 * part['peak_bytes'] / report['hbm_bytes']:.0f}% of HBM)")
+        lines.append("  collectives (count, bytes, ICI / DCN traffic):")
+        for kind, entry in part["collectives"].items():
+            if entry["count"]:
+                fused = f", {entry['fused']} fused all-reduce-scatter" if entry["fused"] else ""
+                lines.append(f"    {kind:<20}{entry['count']:>5}  {human(entry['bytes']):>10}  "
+                             f"{human(entry['ici_traffic_bytes']):>10} / "
+                             f"{human(entry['dcn_traffic_bytes'])}{fused}")
+        lines.append(f"  roofline: compute {roof['compute_s'] * 1e3:.2f} ms, HBM "
+                     f"{roof['hbm_s'] * 1e3:.2f} ms, ICI {roof['ici_s'] * 1e3:.2f} ms, DCN "
+                     f"{roof['dcn_s'] * 1e3:.2f} ms → step ≈ {roof['step_s'] * 1e3:.2f} ms "
+                     f"({roof['bound']}-bound), MFU ≈ {100 * roof['mfu']:.0f}%"
+                     + (f", {roof['chip_hours']:.1f} chip-hours for the run's steps"
+                        if "chip_hours" in roof else ""))
+        lines.append(f"  FLOPs per chip: accounting {roof['flops_per_chip']:.3g}, compiled "
+                     f"cost_analysis {roof['compiled_flops']:.3g} (loop bodies counted once)")
+    return "\n".join(lines)
+
+
+def _does_not_fit(config_path: str, report: dict) -> str | None:
+    """The one-line refusal when the train step's peak exceeds the chip's HBM, else None."""
+    train = report["train"]
+    if train["fits"]:
+        return None
+    return (f"error: {config_path} does not fit {report['target']}: peak "
+            f"{human(train['peak_bytes'])} per chip > {human(report['hbm_bytes'])} HBM; "
+            "shard more (a larger config.mesh.fsdp), recompute more "
+            "(config.execution.remat=full) or split the batch (config.accumulation_steps)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser("python scripts/dry_run.py", __doc__)
-    parser.add_argument("--devices", type=int, required=True,
-                        help="device count of the target topology")
+    parser.add_argument("--devices", type=int, default=None,
+                        help="device count of the target topology (simulated CPU devices)")
+    parser.add_argument("--target", default=None, metavar="TYPE",
+                        help="a Cloud TPU accelerator type (v5e-16, v5p-128, v4-32, v6e-64): "
+                             "compile with the TPU compiler (the tpu extra: libtpu)")
+    parser.add_argument("--slices", type=int, default=1,
+                        help="with --target: slices of that type, joined by DCN")
+    parser.add_argument("--no_decode", action="store_true",
+                        help="with --target: skip compiling the one-token decode step")
     parser.add_argument("--mesh", metavar="AXIS=SIZE[,...]", default=None,
                         help="config.mesh axes to set")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object on stdout instead of a table")
     parser.add_argument("--no_compile", action="store_true", help="skip compiling (no temp_bytes)")
     config, args = parse_with_config(parser, argv)
-    if args.devices < 1:
+    if (args.devices is None) == (args.target is None):
+        parser.error("give one of --devices N (simulated CPU devices) or --target TYPE (a TPU "
+                     "accelerator type, e.g. v5e-16)")
+    if args.devices is not None and args.devices < 1:
         parser.error(f"--devices={args.devices} is invalid: use a positive count")
+    target = None
     try:
+        if args.target is not None:
+            from sharding.tpu import libtpu_available, parse_target
+
+            target = parse_target(args.target, args.slices)
+            if not libtpu_available():
+                raise ConfigError(f"--target={args.target} needs the TPU compiler, libtpu, which "
+                                  "is not installed: pip install -e '.[tpu]'")
         if args.mesh:
             config.mesh.update(parse_mesh(args.mesh))
-        config = resolve_for(config, args.devices)
+        config = resolve_for(config, target.devices if target else args.devices)
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     absl_logging.set_verbosity(absl_logging.WARNING)
     import jax
 
+    if target is not None:
+        jax.config.update("jax_platforms", "cpu")  # libtpu compiles; nothing runs on a TPU
+        report = dry_run(config, compile_step=False)
+        report["tpu"] = tpu_report(config, target, decode=not args.no_decode)
+        print(json.dumps(report) if args.json else table(report) + "\n\n"
+              + tpu_table(report["tpu"]))
+        refusal = _does_not_fit(args.config, report["tpu"])
+        if refusal:
+            print(refusal, file=sys.stderr)
+            return 2
+        return 0
     if not args.no_compile:  # before anything starts JAX's backend (stage 2 needs devices)
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", args.devices)
