@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 
 from absl import logging as absl_logging
@@ -273,6 +274,7 @@ def tpu_report(config, target, decode: bool = True) -> dict:
     devices, and per chip: memory against HBM, collectives by kind, compile time, a roofline
     step estimate, MFU and chip-hours for config.steps."""
     from arch.accounting import flops_per_token
+    from sharding.collectives import entry_parameter_bytes
     from sharding.mesh import make_mesh
     from sharding.tpu import target_devices
     from train.step import TrainProgram, compile_train_step
@@ -282,6 +284,9 @@ def tpu_report(config, target, decode: bool = True) -> dict:
     program = TrainProgram(config, make_mesh(config, devices))
     seconds, compiled = compile_train_step(program)
     memory = _memory(compiled)
+    # the arguments' element bytes (stage 1's arithmetic) and as allocated, tile-padded
+    memory["argument_bytes_unpadded"], memory["argument_bytes_padded"] = entry_parameter_bytes(
+        compiled.as_text())
     collective_report = _collective_summary(compiled, program.mesh)
     cost = compiled.cost_analysis() or {}
     tokens = config.batch_size * config.seq_len
@@ -413,15 +418,157 @@ def tpu_table(report: dict) -> str:
     return "\n".join(lines)
 
 
+KNOBS = ("shard more (a larger config.mesh.fsdp), recompute more (config.execution.remat=full) "
+         "or split the batch (config.accumulation_steps)")
+
+
 def _does_not_fit(config_path: str, report: dict) -> str | None:
     """The one-line refusal when the train step's peak exceeds the chip's HBM, else None."""
     train = report["train"]
     if train["fits"]:
         return None
     return (f"error: {config_path} does not fit {report['target']}: peak "
-            f"{human(train['peak_bytes'])} per chip > {human(report['hbm_bytes'])} HBM; "
-            "shard more (a larger config.mesh.fsdp), recompute more "
-            "(config.execution.remat=full) or split the batch (config.accumulation_steps)")
+            f"{human(train['peak_bytes'])} per chip > {human(report['hbm_bytes'])} HBM; {KNOBS}")
+
+
+def _compiler_out_of_memory(config_path: str, target: str, error: Exception) -> str | None:
+    """The one-line refusal when the TPU compiler itself gives up for lack of HBM (it does when
+    the temporaries alone exceed it), else None."""
+    message = str(error)
+    if "RESOURCE_EXHAUSTED" not in message and "out of memory" not in message.lower():
+        return None
+    found = re.search(r"(?:the )?(total memory required[^\n]*?exceeds available HBM "
+                      r"\([^)]*\))", message)
+    reason = found[1] if found else message.strip().splitlines()[0][:200]
+    return f"error: {config_path} does not fit {target}: the TPU compiler: {reason}; {KNOBS}"
+
+
+PODS_DOC = "docs/pods.md"
+TABLE_BEGIN, TABLE_END = "<!-- dry_run --all: begin -->", "<!-- dry_run --all: end -->"
+TABLE_HEAD = ("| experiment | target | mesh | remat, accumulation | HBM per chip (peak / capacity) "
+              "| compile | step (est.) | MFU (est.) | chip-hours (est.) | commit |\n"
+              "|---|---|---|---|---|---|---|---|---|---|")
+
+
+def paper_scale(module) -> str | None:
+    """The config argument `--all` compiles for an experiment module: its `TARGET_ARG`, or the
+    baseline arm at the largest size (`SCALING`'s last), paper scale; None without a paper
+    scale."""
+    if "paper" not in getattr(module, "SCALES", ()):
+        return None
+    if hasattr(module, "TARGET_ARG"):
+        return module.TARGET_ARG
+    sizes = getattr(module, "SCALING", ())
+    return f"{module.BASELINE}@{sizes[-1]},paper" if sizes else f"{module.BASELINE},paper"
+
+
+PAPER_VOCAB = 32_768  # a paper scale's vocabulary when its tokenizer sets it (vocab_size=0)
+
+
+def experiments_with_targets(only: set[str] | None = None) -> list[tuple[str, str, str, int]]:
+    """(experiment file, config argument, TARGET, vocabulary) of every experiment file with a
+    paper scale and a declared TARGET (ConfigError naming a paper-scale file that declares
+    none). The vocabulary stands in for one its tokenizer gives at run time (`vocab_size=0`):
+    the file's TARGET_VOCAB, else PAPER_VOCAB."""
+    from pathlib import Path
+
+    from config.cli import load_module
+
+    found = []
+    for path in sorted(Path("experiments").glob("*.py")):
+        if only is not None and path.stem not in only:
+            continue
+        module = load_module(str(path))
+        arg = paper_scale(module)
+        if arg is None:
+            continue
+        if not hasattr(module, "TARGET"):
+            raise ConfigError(f"{path} has a paper scale but no TARGET: declare the accelerator "
+                              'type it is meant for, e.g. TARGET = "v5p-64"')
+        found.append((str(path), arg, module.TARGET,
+                      getattr(module, "TARGET_VOCAB", PAPER_VOCAB)))
+    return found
+
+
+def table_row(path: str, arg: str, report: dict, commit: str) -> str:
+    """One row of docs/pods.md's table for a resolved config's TPU report."""
+    tpu, train = report["tpu"], report["tpu"]["train"]
+    roof = train["roofline"]
+    mesh = ", ".join(f"{axis}={size}" for axis, size in report["mesh"].items() if size > 1)
+    dcn = ", ".join(f"{axis}={size}" for axis, size in report["dcn"].items() if size > 1)
+    command = (f"`python scripts/dry_run.py --config {path}:{arg} --target {tpu['target']}"
+               + (f" --slices {report['slices']}" if report["slices"] > 1 else "")
+               + (f" --config.model.vocab_size={report['vocab_override']}"
+                  if report.get("vocab_override") else "") + "`")
+    return (f"| {command} | {tpu['target']} ({tpu['chips']} × {tpu['device_kind']}) | "
+            f"{mesh or '1 device'}{f'; DCN {dcn}' if dcn else ''} | {report['remat']}, "
+            f"{report['accumulation_steps']} | {human(train['peak_bytes'])} / "
+            f"{human(tpu['hbm_bytes'])}{'' if train['fits'] else ' (does NOT fit)'} | "
+            f"{train['compile_seconds']:.0f} s | {roof['step_s'] * 1e3:.0f} ms "
+            f"({roof['bound']}) | {100 * roof['mfu']:.0f}% | {roof['chip_hours']:.0f} | "
+            f"{commit} |")
+
+
+def write_table(rows: dict[str, str], doc: str = PODS_DOC) -> None:
+    """Put `rows` (experiment file → row) into the doc's table between its markers, keeping the
+    rows of experiments not compiled this time."""
+    from pathlib import Path
+
+    text = Path(doc).read_text()
+    begin, end = text.index(TABLE_BEGIN), text.index(TABLE_END)
+    kept = {}
+    for line in text[begin:end].splitlines():
+        found = re.search(r"--config (experiments/[\w.]+\.py)", line)
+        if found and line.startswith("| `"):
+            kept[found[1]] = line
+    kept.update(rows)
+    body = "\n".join([TABLE_HEAD, *(kept[key] for key in sorted(kept))])
+    Path(doc).write_text(text[:begin] + TABLE_BEGIN + "\n" + body + "\n" + text[end:])
+
+
+def run_all(only: set[str] | None) -> int:
+    """`--all`: every experiment's paper scale compiled for its TARGET; the table into
+    docs/pods.md. Exit 2 if one does not fit (each such one also gets its line)."""
+    import subprocess
+
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
+    from config.cli import load_experiment
+    from sharding.tpu import parse_target
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip() or "?"
+    status, rows = 0, {}
+    for path, arg, accelerator_type, vocab in experiments_with_targets(only):
+        print(f"{path}:{arg} → {accelerator_type}", file=sys.stderr, flush=True)
+        config = load_experiment(f"{path}:{arg}")
+        report_vocab = None
+        if config.model.vocab_size == 0:  # set by the tokenizer at run time
+            config.model.vocab_size = report_vocab = vocab
+        target = parse_target(accelerator_type)
+        config = resolve_for(config, target.devices)
+        report = dry_run(config, compile_step=False)
+        report["remat"] = config.execution.remat
+        report["accumulation_steps"] = config.accumulation_steps
+        report["vocab_override"] = report_vocab
+        try:
+            report["tpu"] = tpu_report(config, target, decode=False)
+        except jax.errors.JaxRuntimeError as error:
+            refusal = _compiler_out_of_memory(path, accelerator_type, error)
+            if refusal is None:
+                raise
+            print(refusal, file=sys.stderr)
+            status = 2
+            continue
+        refusal = _does_not_fit(path, report["tpu"])
+        if refusal:
+            print(refusal, file=sys.stderr)
+            status = 2
+        rows[path] = table_row(path, arg, report, commit)
+        print(rows[path], flush=True)
+        write_table(rows)  # row by row: a long run keeps what it has
+    return status
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -440,7 +587,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object on stdout instead of a table")
     parser.add_argument("--no_compile", action="store_true", help="skip compiling (no temp_bytes)")
-    config, args = parse_with_config(parser, argv)
+    parser.add_argument("--all", action="store_true",
+                        help="every experiment's paper scale compiled for its TARGET; the table "
+                             "into docs/pods.md")
+    parser.add_argument("--only", default=None, metavar="NAME[,...]",
+                        help="with --all: only these experiment files (names without .py)")
+    config, args = parse_with_config(parser, argv, required=False)
+    if args.all:
+        if config is not None or args.target or args.devices:
+            parser.error("--all takes no --config, --target or --devices: each experiment "
+                         "file declares its TARGET")
+        try:
+            return run_all(set(args.only.split(",")) if args.only else None)
+        except ConfigError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
+    if config is None:
+        parser.error("--config is required, e.g. --config experiments/quickstart.py")
     if (args.devices is None) == (args.target is None):
         parser.error("give one of --devices N (simulated CPU devices) or --target TYPE (a TPU "
                      "accelerator type, e.g. v5e-16)")
@@ -467,7 +630,14 @@ def main(argv: list[str] | None = None) -> int:
     if target is not None:
         jax.config.update("jax_platforms", "cpu")  # libtpu compiles; nothing runs on a TPU
         report = dry_run(config, compile_step=False)
-        report["tpu"] = tpu_report(config, target, decode=not args.no_decode)
+        try:
+            report["tpu"] = tpu_report(config, target, decode=not args.no_decode)
+        except jax.errors.JaxRuntimeError as error:
+            refusal = _compiler_out_of_memory(args.config, target.accelerator_type, error)
+            if refusal is None:
+                raise
+            print(refusal, file=sys.stderr)
+            return 2
         print(json.dumps(report) if args.json else table(report) + "\n\n"
               + tpu_table(report["tpu"]))
         refusal = _does_not_fit(args.config, report["tpu"])

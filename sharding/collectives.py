@@ -19,6 +19,10 @@ program, with their bytes:
   reduce-scatter and all-to-all (n−1)/n × bytes, collective-permute 1 × bytes.
 - With `slice_of` (each partition id's slice), a collective whose group spans several slices
   goes over DCN, the others over ICI: `ici_traffic_bytes`, `dcn_traffic_bytes`.
+- Across TPU slices, the compiled program is one slice's (its partition ids number one slice's
+  chips), and the collectives between slices are host transfers to the multislice runtime: a
+  `send` whose `_xla_megascale_transfer_type` names the collective (ALL_REDUCE, ...). Each
+  such send counts as one collective of that kind over DCN, among the slices.
 """
 
 from __future__ import annotations
@@ -38,6 +42,10 @@ _HEADER = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(")
 _INSTRUCTION = re.compile(
     r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*?) (all-reduce|all-gather|reduce-scatter|collective-permute"
     r"|all-to-all)(-start)?\(")
+_MEGASCALE = re.compile(r"^\s*(?:ROOT )?%?[\w.\-]+ = (.*?) send\(.*"
+                        r"_xla_megascale_transfer_type=\"(\w+)\"")
+_MEGASCALE_KINDS = {"ALL_REDUCE": "all-reduce", "ALL_GATHER": "all-gather",
+                    "REDUCE_SCATTER": "reduce-scatter", "ALL_TO_ALL": "all-to-all"}
 _ARRAY = re.compile(r"\b([a-z]+\d*[a-z0-9]*)\[([\d,]*)\]")
 _CALLEE = re.compile(r"\b(body|condition|calls|to_apply|true_computation|false_computation)="
                      r"%?([\w.\-]+)")
@@ -134,6 +142,23 @@ def _groups(line: str, kind: str) -> list[list[int]]:
     return []
 
 
+def _add_dcn_transfer(report: dict, match: re.Match, runs: int,
+                      slice_of: Sequence[int] | None) -> None:
+    """One cross-slice collective (a multislice runtime `send`) into `report`."""
+    kind = _MEGASCALE_KINDS.get(match[2], "collective-permute")
+    size = _array_bytes(match[1])[0]  # (data, context, token): the data sent
+    slices = len(set(slice_of)) if slice_of else 2
+    share = {"all-reduce": 2 * (slices - 1) / slices,
+             "collective-permute": 1.0}.get(kind, (slices - 1) / slices)
+    entry = report[kind]
+    entry["count"] += runs
+    entry["bytes"] += runs * size
+    traffic = round(runs * size * share)
+    entry["traffic_bytes"] += traffic
+    entry["dcn_traffic_bytes"] += traffic
+    entry["largest"].append((size, re.sub(r"\{[^}]*\}|/\*[^*]*\*/", "", match[1])))
+
+
 def collectives(hlo_text: str, slice_of: Sequence[int] | None = None) -> dict[str, dict]:
     """Per kind: {"count", "bytes", "traffic_bytes", "ici_traffic_bytes", "dcn_traffic_bytes",
     "fused"} for one device and one call of the program (see the module docstring), and
@@ -149,6 +174,9 @@ def collectives(hlo_text: str, slice_of: Sequence[int] | None = None) -> dict[st
         for line in lines:
             match = _INSTRUCTION.match(line)
             if not match:
+                dcn = _MEGASCALE.match(line)
+                if dcn:
+                    _add_dcn_transfer(report, dcn, counts[name], slice_of)
                 continue
             kind, is_start = match[3], bool(match[4])
             arrays = _array_bytes(match[2])
@@ -181,3 +209,38 @@ def collectives(hlo_text: str, slice_of: Sequence[int] | None = None) -> dict[st
         entry["largest"] = [list(item) for item in
                             itertools.islice(sorted(entry["largest"], reverse=True), 5)]
     return report
+
+
+_PARAMETER = re.compile(r"=\s*([a-z]+\d*[a-z0-9]*)\[([\d,]*)\](\{[^}]*\})?\s+parameter\(")
+
+
+def entry_parameter_bytes(hlo_text: str) -> tuple[int, int]:
+    """(logical, padded) bytes of the entry computation's parameters on one device: the arrays'
+    element bytes, and with each array's minor dimensions padded to its layout's first tile
+    (`T(8,128)` pads the two most-minor dimensions to multiples of 8 and 128), as the TPU
+    allocates them."""
+    bodies = _computations(hlo_text)
+    logical = padded = 0
+    for line in bodies.get("ENTRY", []):
+        match = _PARAMETER.search(line)
+        if not match or match[1] not in DTYPE_BYTES:
+            continue
+        dims = [int(d) for d in match[2].split(",") if d]
+        itemsize = DTYPE_BYTES[match[1]]
+        logical += math.prod(dims) * itemsize
+        layout = match[3] or ""
+        minor_to_major = re.match(r"\{([\d,]*)", layout)
+        tile = re.search(r"T\(([\d,]+)\)", layout)
+        physical = dims
+        if minor_to_major and minor_to_major[1]:
+            physical = [dims[i] for i in reversed([int(i) for i in minor_to_major[1].split(",")])]
+        if tile:
+            sizes = [int(t) for t in tile[1].split(",")]
+            physical = list(physical) or [1]
+            for offset, size in enumerate(reversed(sizes), start=1):
+                if offset <= len(physical):
+                    physical[-offset] = -(-physical[-offset] // size) * size
+                elif size > 1:
+                    physical = [size] + physical
+        padded += math.prod(physical) * itemsize
+    return logical, padded

@@ -124,18 +124,24 @@ def target_devices(target: Target) -> list:
     v4 and v5p chips are one device each (megacore).
 
     libtpu's initialization looks for a TPU VM's metadata (accelerator type, worker hostnames)
-    and prints warnings without them; for compiling only, they are given here unless already
-    set, so it stays quiet. Call it only in a process that compiles for TPU and runs nothing on
-    one (the dry run, tests), as it sets them for the process."""
+    and prints warnings without them, and takes a lock that keeps any other process from
+    loading libtpu (/tmp/libtpu_lockfile: two test workers, or a test and the dry run it
+    starts); for compiling only, they are given here unless already set, and the lock is not
+    taken (ALLOW_MULTIPLE_LIBTPU_LOAD), so it stays quiet and any number of processes compile.
+    Call it only in a process that compiles for TPU and runs nothing on one (the dry run,
+    tests), as it sets them for the process."""
     from jax.experimental import topologies
 
     name = target.chip.generation.replace("v5e", "v5litepod")
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
     os.environ.setdefault("TPU_ACCELERATOR_TYPE",
                           f"{name}-{target.chips * (2 if target.chip.counts_cores else 1)}")
 
     options = {"chip_config_name": "megacore"} if target.chip.generation == "v4" else {}
+    if target.chips < 4:  # under a host's 2x2 chips (v5e-1, v6e-1): the slice is the host
+        options["chips_per_host_bounds"] = (*map(int, target.topology.split("x")), 1)
     topology = topologies.get_topology_desc(
         platform="tpu", topology_name=f"{target.chip.generation}:{target.topology}",
         num_slices=target.slices, **options)
