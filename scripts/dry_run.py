@@ -539,6 +539,9 @@ def run_all(only: set[str] | None) -> int:
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip() or "?"
+    if subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                      capture_output=True, text=True).stdout.strip():
+        commit += " + uncommitted changes"  # the table says what code made each row
     status, rows = 0, {}
     for path, arg, accelerator_type, vocab in experiments_with_targets(only):
         print(f"{path}:{arg} → {accelerator_type}", file=sys.stderr, flush=True)
