@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from arch.init import truncated_normal
-from sharding.rules import replicate
+from sharding.rules import constrain
 
 Initializer = nnx.initializers.Initializer
 
@@ -120,10 +120,9 @@ class Embedding(nnx.Module):
 
     def __call__(self, tokens_BxT: jax.Array) -> jax.Array:
         # Gather from a replicated copy: a lookup into a vocab-sharded table would make XLA
-        # replicate the (much larger) gathered activations instead; its gradient is
-        # reduce-scattered back to the table's sharding, not all-reduced at full size. FixNorm
-        # normalizes only the gathered rows (the same numbers as normalizing the table first).
-        table = replicate(self.embedding[...], ("vocab", "embed"))
+        # replicate the (much larger) gathered activations instead. FixNorm normalizes only the
+        # gathered rows (the same numbers as normalizing the table first).
+        table = constrain(self.embedding[...], (None, None))
         return self._fix_norm(jnp.take(table, tokens_BxT, axis=0)).astype(self.dtype)
 
     def attend(self, x_BxTxD: jax.Array) -> jax.Array:

@@ -107,25 +107,3 @@ def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
         return x
     spec = logical_to_spec(logical, x.shape, dict(mesh.shape))
     return jax.lax.with_sharding_constraint(x, spec)
-
-
-
-def replicate(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
-    """`x` (a parameter with the logical axis names `logical`) constrained to be replicated, as
-    `constrain(x, (None, ...))`, but with its gradient constrained back to the parameter's own
-    sharding rather than replicated: the transpose of a replicating constraint would all-reduce
-    the gradient at full size on every device; this one reduce-scatters it (each device keeps
-    its shard, as the optimizer needs). A no-op outside a mesh context."""
-
-    @jax.custom_vjp
-    def replicated(x):
-        return constrain(x, (None,) * x.ndim)
-
-    def forward(x):
-        return replicated(x), None
-
-    def backward(_, gradient):
-        return (constrain(gradient, logical),)
-
-    replicated.defvjp(forward, backward)
-    return replicated(x)
