@@ -1,8 +1,8 @@
 """The TPU compiler on this CPU host (libtpu, the `tpu` extra): accelerator types and their
 topologies, the collectives read from compiled HLO, and `scripts/dry_run.py --target` end to end:
-the quickstart compiled for v5e-4, FSDP × tensor parallelism's collectives (weight gradients
-reduce-scattered, never all-reduced at full size), per-chip argument bytes against stage 1's
-sharding arithmetic, data parallelism across 2 slices over DCN, and the one-line refusals.
+the quickstart compiled for v5e-4, FSDP's collectives (parameters all-gathered, every weight
+gradient reduce-scattered, none all-reduced at full size), per-chip argument bytes against
+stage 1's sharding arithmetic, data parallelism across 2 slices over DCN, and the one-line refusals.
 
 The rest of the suite runs on CPU devices; these tests build compile-only TPU devices in the
 same process (`jax.experimental.topologies`), which leaves the CPU backend as it is.
@@ -168,9 +168,9 @@ def test_target_without_libtpu_is_one_line_naming_the_extra(monkeypatch, capsys)
 def _compile(accelerator_type: str, slices: int = 1, d_model: int = 512, **mesh
              ) -> tuple[dict, dict]:
     """(stage 1's sharding report, the TPU report) of a small config on the target, mesh axes as
-    given: 2 layers of d = 512 and 4 heads of 128, widths that fill the TPU's (8, 128) tiles (a
-    narrower model's gradients are all-reduced and sliced rather than reduce-scattered, as the
-    shards would not fill a tile; compiling takes as long)."""
+    given: 2 layers of d = 512 and 4 heads of 128 by default, widths that fill the TPU's
+    (8, 128) tiles (a narrower model's gradients can be all-reduced and sliced rather than
+    reduce-scattered, when the shards would not fill a tile; compiling takes as long)."""
     config = tiny_config()
     config.model.d_model, config.model.attention.num_heads = d_model, 4
     config.model.attention.num_kv_heads = 4
@@ -184,21 +184,21 @@ def _compile(accelerator_type: str, slices: int = 1, d_model: int = 512, **mesh
 
 
 @pytest.fixture(scope="module")
-def fsdp_tensor():
-    return _compile("v5p-8", fsdp=2, tensor=2)
+def fsdp():
+    return _compile("v5p-8", fsdp=4)
 
 
-def test_fsdp_with_tensor_parallelism_gathers_parameters_and_reduce_scatters_gradients(
-        fsdp_tensor):
-    stage1, tpu = fsdp_tensor
+def test_fsdp_gathers_parameters_and_reduce_scatters_every_gradient(fsdp):
+    stage1, tpu = fsdp
     found = tpu["train"]["collectives"]
     assert found["all-gather"]["count"] > 0  # parameters gathered over fsdp before use
-    # every layer's weight gradient reduce-scattered over fsdp (the TPU's fused
-    # all-reduce-scatter), inside the layer loop: 2 layers × ≥ 7 matrices
-    assert found["reduce-scatter"]["count"] >= 2 * 7
+    # every weight gradient reduce-scattered over fsdp (the TPU's fused all-reduce-scatter),
+    # the layers' inside the layer loop: 2 layers × 7 matrices, and the embedding's
+    assert found["reduce-scatter"]["count"] >= 2 * 7 + 1
+    assert found["reduce-scatter"]["fused"] == found["reduce-scatter"]["count"]
     # no all-reduce moves a parameter's gradient at full size: every array all-reduced (the
-    # replicated norm scales' gradients, losses, norms) is smaller than the smallest weight
-    # matrix's f32 gradient, one layer's (the embedding's was, before `sharding.rules.replicate`)
+    # replicated norm scales' gradients, the loss and the norms) is smaller than the smallest
+    # weight matrix's f32 gradient, one layer's, or the embedding's
     smallest = min(4 * math.prod(p["shape"][1:] if p["path"].startswith("blocks/") else
                                  p["shape"]) for p in stage1["parameters"]
                    if len(p["shape"]) >= 3 or p["path"].startswith("embed/"))
@@ -207,8 +207,8 @@ def test_fsdp_with_tensor_parallelism_gathers_parameters_and_reduce_scatters_gra
     assert max(all_reduced) < smallest, found["all-reduce"]["largest"]
 
 
-def test_per_chip_argument_bytes_are_stage_ones_sharding_arithmetic(fsdp_tensor):
-    stage1, tpu = fsdp_tensor
+def test_per_chip_argument_bytes_are_stage_ones_sharding_arithmetic(fsdp):
+    stage1, tpu = fsdp
     train = tpu["train"]
     step_counter = 4
     assert train["argument_bytes_unpadded"] == (
