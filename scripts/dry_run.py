@@ -59,7 +59,16 @@ loop bodies are counted once) / HBM bandwidth, ICI and DCN traffic / their bandw
 is the slowest of them, MFU the compute time over it, and chip-hours = step × config.steps ×
 chips. The chips' figures are `sharding.tpu.CHIPS`, each citing its public spec. A train step
 whose peak exceeds the chip's HBM prints the report, then one line on stderr (peak, capacity,
-the knobs: mesh.fsdp, execution.remat, accumulation_steps) and exits 2.
+the knobs: mesh.fsdp, execution.remat, accumulation_steps) and exits 2; so does one the TPU
+compiler itself refuses for lack of HBM, with the compiler's figures.
+
+`python scripts/dry_run.py --all [--only NAME,...]` compiles every experiment file's paper scale
+for the accelerator type the file declares (`TARGET = "v5p-16"`; the baseline arm at the
+largest size of a scaling study, or the file's `TARGET_ARG`; a tokenizer-set vocabulary,
+`vocab_size=0`, as `TARGET_VOCAB` or 32768) and writes one row per file into docs/pods.md's
+table (target, mesh, remat and accumulation, peak HBM per chip against capacity, compile time,
+step estimate, MFU, chip-hours, the command and the commit), keeping the rows of files not
+compiled this time; exit 2 if one does not fit.
 """
 
 from __future__ import annotations
