@@ -128,21 +128,25 @@ def target_devices(target: Target) -> list:
     loading libtpu (/tmp/libtpu_lockfile: two test workers, or a test and the dry run it
     starts); for compiling only, they are given here unless already set, and the lock is not
     taken (ALLOW_MULTIPLE_LIBTPU_LOAD), so it stays quiet and any number of processes compile.
-    Call it only in a process that compiles for TPU and runs nothing on one (the dry run,
-    tests), as it sets them for the process."""
+    They are set only while libtpu starts (it reads them then), and restored after, so the
+    processes this one starts later (a training run under test) do not inherit them."""
     from jax.experimental import topologies
 
     name = target.chip.generation.replace("v5e", "v5litepod")
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
-    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
-    os.environ.setdefault("TPU_ACCELERATOR_TYPE",
-                          f"{name}-{target.chips * (2 if target.chip.counts_cores else 1)}")
-
+    compile_only = {"ALLOW_MULTIPLE_LIBTPU_LOAD": "1", "TPU_SKIP_MDS_QUERY": "1",
+                    "TPU_WORKER_HOSTNAMES": "localhost",
+                    "TPU_ACCELERATOR_TYPE":
+                        f"{name}-{target.chips * (2 if target.chip.counts_cores else 1)}"}
+    added = [key for key in compile_only if key not in os.environ]
     options = {"chip_config_name": "megacore"} if target.chip.generation == "v4" else {}
     if target.chips < 4:  # under a host's 2x2 chips (v5e-1, v6e-1): the slice is the host
         options["chips_per_host_bounds"] = (*map(int, target.topology.split("x")), 1)
-    topology = topologies.get_topology_desc(
-        platform="tpu", topology_name=f"{target.chip.generation}:{target.topology}",
-        num_slices=target.slices, **options)
+    try:
+        os.environ.update({key: compile_only[key] for key in added})
+        topology = topologies.get_topology_desc(
+            platform="tpu", topology_name=f"{target.chip.generation}:{target.topology}",
+            num_slices=target.slices, **options)
+    finally:
+        for key in added:
+            del os.environ[key]
     return list(topology.devices)
