@@ -50,6 +50,7 @@ ARMS = ("relu", "gelu", "silu", "glu", "reglu", "geglu", "swiglu")
 BASELINE = "relu"
 SEEDS = (0, 1, 2)
 SCALES = ("cpu", "paper")
+TARGET = "v5e-8"  # the paper scale's pod (scripts/dry_run.py --all, docs/pods.md)
 PAPER = {"relu": 1.997, "gelu": 1.983, "silu": 1.994, "glu": 1.982, "reglu": 1.953,
          "geglu": 1.942, "swiglu": 1.944}
 PAPER_METRIC = "held-out log-perplexity at 65,536 steps (T5-base on C4, Table 1)"

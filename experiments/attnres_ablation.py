@@ -70,6 +70,7 @@ ARMS = ("baseline", "full", "block", "block2", "block8", "block16", "window", "i
 BASELINE = "baseline"
 SEEDS = (0, 1, 2)
 SCALES = ("cpu", "paper")
+TARGET = "v5p-16"  # the paper scale's pod (scripts/dry_run.py --all, docs/pods.md)
 PAPER = {"baseline": 1.766, "full": 1.737, "block": 1.746, "mhc": 1.747}
 PAPER_METRIC = "final validation loss (16-layer ablation table)"
 TUNING = dict(rates=(7.5e-4, 1.5e-3, 3e-3, 6e-3, 1.2e-2), seed=100)

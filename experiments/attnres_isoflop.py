@@ -101,6 +101,7 @@ ARMS = ("baseline", "block")
 BASELINE = "baseline"
 SEEDS = (0, 1)
 SCALES = ("cpu", "paper")
+TARGET = "v5p-16"  # the paper scale's pod (scripts/dry_run.py --all, docs/pods.md)
 PAPER = {"block": 1.25}
 PAPER_METRIC = "compute multiplier at matched loss"
 TUNING = dict(rates=(7.5e-4, 1.5e-3, 3e-3, 6e-3, 1.2e-2), seed=100, at="c2e12-d48L8")

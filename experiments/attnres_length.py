@@ -64,6 +64,7 @@ ARMS = ("baseline", "block", "full")
 BASELINE = "baseline"
 SEEDS = (0, 1, 2)
 SCALES = ("cpu", "paper")
+TARGET = "v5p-16"  # the paper scale's pod (scripts/dry_run.py --all, docs/pods.md)
 LENGTHS = {"steps400": 400, "steps800": 800, "steps1600": 1600, "steps3200": 3200}
 SCALING = tuple(LENGTHS)
 SCALING_AXIS = "steps"  # one model at four training lengths (docs/studies.md)

@@ -59,6 +59,7 @@ ARMS = ("baseline", "block", "full")
 BASELINE = "baseline"
 SEEDS = (0, 1)
 SCALES = ("cpu", "paper")
+TARGET = "v5p-32"  # the paper scale's pod (scripts/dry_run.py --all, docs/pods.md)
 SCALING = ("xs", "s", "m", "l", "xl")
 PAPER = {"block": 1.25}
 PAPER_METRIC = "compute multiplier at matched loss"

@@ -49,6 +49,7 @@ ARMS = ("softmax", "moc", "mos")
 BASELINE = "softmax"
 SEEDS = (0, 1, 2)
 SCALES = ("cpu", "paper")
+TARGET = "v5e-8"  # the paper scale's pod (scripts/dry_run.py --all, docs/pods.md)
 SCALING = ("16", "32", "64")
 # The registered claims (docs/studies.md), written after the committed runs of
 # docs/results/bottleneck (every cell has seeds 0-2 there, hence n = 3), so REGISTERED makes

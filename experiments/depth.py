@@ -75,6 +75,7 @@ ARMS = ("pre", "post", "scalefix", "deepnorm")
 BASELINE = "pre"
 SEEDS = (0, 1, 2)
 SCALES = ("cpu", "paper")
+TARGET = "v5e-8"  # the paper scale's pod (scripts/dry_run.py --all, docs/pods.md)
 SCALING = ("6", "12", "24", "48")
 TUNING = dict(rates=(2.5e-4, 5e-4, 1e-3, 2e-3, 4e-3), seed=100, at="6")
 # The registered claims (docs/studies.md), written after the committed runs (REGISTERED): the

@@ -107,6 +107,7 @@ ARMS = ("prenorm", "width", "hc", "mhc_static", "mhc", "gr", "gr_graded", "gr_no
 BASELINE = "prenorm"
 SEEDS = (0, 1, 2)
 SCALES = ("cpu", "paper")
+TARGET = "v5p-32"  # the paper scale's pod (scripts/dry_run.py --all, docs/pods.md)
 TUNING = dict(rates=(7.5e-4, 1.5e-3, 3e-3, 6e-3, 1.2e-2), seed=100)
 # The registered claims (docs/studies.md); the sources as this docstring gives them. n: every
 # arm of both families has seeds 0-3 in docs/results/gated_residual_table.

@@ -52,6 +52,7 @@ ARMS = ("layernorm", "rmsnorm", "scalenorm", "dyt", "causal_batchnorm", "gatedno
 BASELINE = "layernorm"
 SEEDS = (0, 1, 2)
 SCALES = ("cpu", "paper")
+TARGET = "v5e-8"  # the paper scale's pod (scripts/dry_run.py --all, docs/pods.md)
 TUNING = dict(rates=(7.5e-4, 1.5e-3, 3e-3, 6e-3, 1.2e-2), seed=100)
 # The registered claims (docs/studies.md), written after the committed runs (REGISTERED): the
 # report calls every verdict on those runs post hoc. n: every arm has seeds 0-2 in

@@ -53,6 +53,7 @@ ARMS = ("skip_mlp", "attention", "attention_mlp", "skip", "skip_mlp_scaled")
 BASELINE = "skip_mlp"
 SEEDS = (0, 1, 2)
 SCALES = ("cpu", "paper")
+TARGET = "v5e-8"  # the paper scale's pod (scripts/dry_run.py --all, docs/pods.md)
 
 
 def get_config(arg: str | None = None):

@@ -42,6 +42,7 @@ ARMS = ("ordinary", "reversible", "remat")
 BASELINE = "ordinary"
 SEEDS = (0, 1, 2)
 SCALES = ("cpu", "paper")
+TARGET = "v5p-32"  # the paper scale's pod (scripts/dry_run.py --all, docs/pods.md)
 
 
 def get_config(arg: str | None = None):

@@ -46,6 +46,7 @@ ARMS = ("tied", "untied", "tied_wide")
 BASELINE = "tied"
 SEEDS = (0, 1, 2)
 SCALES = ("cpu", "paper")
+TARGET = "v5e-8"  # the paper scale's pod (scripts/dry_run.py --all, docs/pods.md)
 # The registered claims (docs/studies.md), written after the committed runs (REGISTERED): the
 # report calls every verdict on those runs post hoc. n: every arm has seeds 0-2 in
 # docs/results/tying.

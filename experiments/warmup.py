@@ -49,6 +49,7 @@ ARMS = tuple("_".join(parts) for parts in itertools.product(PLACEMENTS, WARMUPS,
 BASELINE = "pre_warm_3e-3"
 SEEDS = (0, 1, 2)
 SCALES = ("cpu", "paper")
+TARGET = "v5e-8"  # the paper scale's pod (scripts/dry_run.py --all, docs/pods.md)
 # The registered claims (docs/studies.md), written after the committed runs (REGISTERED): the
 # report calls every verdict on those runs post hoc. Sources as this docstring gives them; n:
 # every arm has seeds 0-2 in docs/results/warmup. The equivalence margin, in final validation
