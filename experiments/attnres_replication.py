@@ -46,6 +46,7 @@ ARMS = ("baseline", "block", "full", "mhc")
 BASELINE = "baseline"
 SEEDS = tuple(range(10, 18))  # fresh: the ablation used 0–3 and tuned at 100
 SCALES = ("cpu", "paper")
+TARGET = attnres_ablation.TARGET  # the paper scale is attnres_ablation's (docs/pods.md)
 PAPER = {arm: attnres_ablation.PAPER[arm] for arm in ARMS}
 PAPER_METRIC = attnres_ablation.PAPER_METRIC
 # Each arm's pick in docs/results/attnres_ablation/tuning.json (grid 7.5e-4 … 1.2e-2, all
