@@ -1159,9 +1159,9 @@ def write_report(root: str | Path, description: dict) -> Path:
              + (" at the same size" if description["scaling"] else "")
              + ", paired by seed over the seeds both finished, mean ± std (n).", ""]
     lines += loss_table(results, description)
-    lines += [""] + accuracy_section(results, description)
     plot_curves(results, root / CURVES)
     lines += ["", f"![Validation loss curves]({CURVES})", ""]
+    lines += accuracy_section(results, description)
     if any(claim.metric not in studies.MULTIPLIERS for claim in description["claims"]):
         boundary, registered = description["numerics_since"], description.get("registered", "")
         lines += ["## Registered claims", "",
