@@ -39,7 +39,7 @@ when the arm gains there), so shrink > 0 means |Δ| is smaller at the longest le
 t-test of the mean shrink over the 3 seeds, Holm-adjusted over block and full: "shrinks" when the
 adjusted p < 0.05 with a positive mean, "grows" when < 0.05 with a negative one, otherwise
 "stays" (no detectable change); exploratory unless all 3 seeds of the four runs it pairs
-finished (`train.studies.report.trends`).
+finished (`train.studies.scaling_report.trends`).
 Δ at steps3200 within the paper's −0.020 (Block) / −0.029 (Full) is read beside it, not tested
 (bytes and BPE-level losses are not on one scale).
 

@@ -85,13 +85,13 @@ def rerun(root: str, description: dict, per_arm: int, argv: list[str] | None) ->
     from pathlib import Path
 
     from train.studies import provenance, reruns, sweep
-    from train.studies.report import _baseline_cell, collect
+    from train.studies.results import baseline_cell, collect
 
     results, _ = collect(root, description)
     runs, skipped = reruns.plan(root, results, per_arm, description)
     status = sweep.run_local(runs)
     rows = reruns.compare(root, results, runs,
-                          lambda cell: _baseline_cell(cell, description["baseline"]))
+                          lambda cell: baseline_cell(cell, description["baseline"]))
     here = provenance.current([])
     command = " ".join(["python scripts/study_report.py", *(argv or sys.argv[1:])])
     lines = ["# Reruns at today's code", "",

@@ -1,4 +1,4 @@
-"""The IsoFLOP analysis (train/studies/stats.py, report.py) and its study file
+"""The IsoFLOP analysis (train/studies/stats.py, isoflop_report.py) and its study file
 (experiments/attnres_isoflop.py): a profile's parabola minimum against the hand computation, the
 frontier and the compute multiplier recovered from synthetic profiles with a known multiplier,
 the bootstrap interval over seeds, the claim's verdicts, the report on hand-written run

@@ -154,8 +154,8 @@ def test_the_study_report_tables_accuracy_beside_loss_paired_by_seed(tmp_path):
     [row] = [line for line in lines if line.startswith("| arm |")]
     differences = [0.05, 0.02, 0.06]
     mean, std, n = np.mean(differences), np.std(differences, ddof=1), 3
-    assert row.split(" | ")[3] == report._interval(mean, std, n)
-    assert row.split(" | ")[2] == report._value(np.mean([0.35, 0.36, 0.38]),
+    assert row.split(" | ")[3] == report.interval_text(mean, std, n)
+    assert row.split(" | ")[2] == report.value_text(np.mean([0.35, 0.36, 0.38]),
                                                 np.std([0.35, 0.36, 0.38], ddof=1), 3)
     assert "| base | 3 |" in "\n".join(lines) and "(baseline)" in "\n".join(lines)
     results["arm"] = run((0.35, 0.33), digest="other")

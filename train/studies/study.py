@@ -30,7 +30,7 @@ A study file `experiments/<study>.py` is an experiment file (`get_config(arg)`, 
   a power law of loss against training compute per arm;
 - optionally `SCALING_AXIS`: what the SCALING sizes vary, "model" (default: the model's size)
   or "steps" (one model trained for several lengths, each with its own schedule); the report
-  of a "steps" study adds Δ per length (`train.studies.report.length_section`). In a scaling
+  of a "steps" study adds Δ per length (`train.studies.scaling_report.length_section`). In a scaling
   study, CLAIMS compare cells `ARM@SIZE` (e.g. `claim("block@steps3200", "<",
   "baseline@steps3200", ...)`). An IsoFLOP study (`is_isoflop`) names every size
   `c<BUDGET>-<SHAPE>`, e.g. `c2e13-d64L8` (`size_budget`): the report then fits, per arm and
