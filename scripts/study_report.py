@@ -31,6 +31,11 @@ line on stderr. --root and --study are checked before JAX loads.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
+
+# This checkout's code, not an installed one's (from a git worktree, say): --rerun trains with it
+# and names its commit, as scripts/sweep.py does.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from config.cli import ArgumentParser, UsageError
 from train.studies import study as studies
@@ -82,8 +87,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def rerun(root: str, description: dict, per_arm: int, argv: list[str] | None) -> int:
     """--rerun: train, compare, write ROOT/reruns.md (the command, the machine, the table)."""
-    from pathlib import Path
-
     from train.studies import provenance, reruns, sweep
     from train.studies.results import baseline_cell, collect
 
