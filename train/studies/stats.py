@@ -385,19 +385,27 @@ def bootstrap_frontier_multiplier(arm: Mapping[float, Mapping[float, Sequence[fl
         return {c: {n: rng.choice(np.asarray(losses, dtype=float), size=len(losses))
                     for n, losses in profile.items()} for c, profile in profiles.items()}
 
+    return point, *_refit_interval(
+        lambda: frontier_multiplier(resample(arm), resample(baseline), compute), samples, level)
+
+
+def _refit_interval(refit, samples: int, level: float) -> tuple[float, float, int]:
+    """(low, high, refits): the `level` percentile interval of `samples` calls of `refit`,
+    leaving out those that raise ValueError or give no finite value (nan, nan, 0 when none
+    does)."""
     draws = []
     for _ in range(samples):
         try:
-            draws.append(frontier_multiplier(resample(arm), resample(baseline), compute))
+            draws.append(refit())
         except ValueError:
             continue
     kept = np.asarray(draws, dtype=float)
     kept = kept[np.isfinite(kept)]
     if not kept.size:
-        return point, math.nan, math.nan, 0
+        return math.nan, math.nan, 0
     tail = 100 * (1 - level) / 2
     low, high = np.percentile(kept, [tail, 100 - tail])
-    return point, float(low), float(high), int(kept.size)
+    return float(low), float(high), int(kept.size)
 
 
 def _regroup(profile: Mapping[float, Sequence[float]], values: np.ndarray) -> dict:
@@ -439,20 +447,9 @@ def misfit_bootstrap_frontier_multiplier(
     is coarse; it is wide exactly when the minima do not lie on one power law."""
     point = frontier_multiplier(arm, baseline, compute)
     rng = np.random.default_rng(seed)
-    draws = []
-    for _ in range(samples):
-        try:
-            draws.append(compute_multiplier(_misfit_resample(arm, rng),
-                                            _misfit_resample(baseline, rng), compute))
-        except ValueError:
-            continue
-    kept = np.asarray(draws, dtype=float)
-    kept = kept[np.isfinite(kept)]
-    if not kept.size:
-        return point, math.nan, math.nan, 0
-    tail = 100 * (1 - level) / 2
-    low, high = np.percentile(kept, [tail, 100 - tail])
-    return point, float(low), float(high), int(kept.size)
+    return point, *_refit_interval(
+        lambda: compute_multiplier(_misfit_resample(arm, rng), _misfit_resample(baseline, rng),
+                                   compute), samples, level)
 
 
 def log_loss_frontier(profiles: Mapping[float, Mapping[float, Sequence[float]]]) -> PowerLaw:
