@@ -165,14 +165,7 @@ def compiled_memory(config) -> dict:
     mesh = jax.make_mesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES, axis_types=AUTO_AXES,
                          devices=devices)
     _, compiled = compile_train_step(TrainProgram(config, mesh))
-    memory = compiled.memory_analysis()
-    result = {"temp_bytes": memory.temp_size_in_bytes,
-              "argument_bytes": memory.argument_size_in_bytes,
-              "output_bytes": memory.output_size_in_bytes,
-              "alias_bytes": memory.alias_size_in_bytes}
-    result["peak_bytes"] = (result["argument_bytes"] + result["output_bytes"]
-                            - result["alias_bytes"] + result["temp_bytes"])
-    return result
+    return _memory(compiled)
 
 
 def _memory(compiled) -> dict:
