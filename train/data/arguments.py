@@ -8,7 +8,7 @@ second. Each raises `config.ConfigError` with one line naming the flag, the valu
 - `check_text`: an evaluation --text (a text file or a prepared directory);
 - `output_directory`, `output_file`: where a script writes;
 - `source_files`, `check_source`: a corpus source of scripts/prepare_data.py and
-  scripts/train_tokenizer.py (`train.data.shards.read_documents` reads it);
+  scripts/train_tokenizer.py (`train.data.sources.read_documents` reads it);
 - `check_config`: a --config resolved (`config.resolve`) for the devices the environment names;
 - `read_json_object`, `prepared_metadata`, `check_prepared`, `read_plan`: the files of a prepared
   dataset (metadata.json, `<split>-index.npy`, the plan prepare.json), a damaged one refused in
@@ -130,7 +130,7 @@ def source_files(source: str, flag: str = "--source") -> list[str]:
 
 
 def check_source(source: str, flag: str = "--source") -> None:
-    """A corpus source (`train.data.shards.read_documents`): "kjv", "tfds:NAME",
+    """A corpus source (`train.data.sources.read_documents`): "kjv", "tfds:NAME",
     "hf_disk:PATH" (a directory) or globs that match a file. Whether a tfds dataset is prepared
     and a saved dataset loads is the reader's to find out."""
     if source == "kjv":
