@@ -35,8 +35,8 @@ import numpy as np
 from train.data import shards
 from train.data.in_memory import VALIDATION_SEED
 from train.instruments import head_pruning, pruning
+from train.instruments.ablation import batch_loss, prune_blocks, prune_by_influence
 from train.instruments.probe_report import _plain, _pyplot, _table
-from train.instruments.probes import batch_loss, prune_blocks, prune_by_influence
 from train.restore import evaluation_split, restore_for_analysis
 
 SELECTIONS = ("influence", "angular")
