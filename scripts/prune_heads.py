@@ -23,7 +23,8 @@ import sys
 
 from config import ConfigError
 from config.cli import ArgumentParser, positive_int
-from train.data.arguments import check_analysis, output_directory, saved_run
+from train.data.arguments import check_analysis, output_directory
+from train.rundir import saved_run
 
 STRUCTURES = ("heads", "per_group", "whole_groups")  # train.instruments.head_pruning.STRUCTURES
 

@@ -22,7 +22,8 @@ import sys
 
 from config import ConfigError
 from config.cli import ArgumentParser, positive_int
-from train.data.arguments import check_analysis, output_directory, saved_run
+from train.data.arguments import check_analysis, output_directory
+from train.rundir import saved_run
 
 SELECTIONS = ("influence", "angular")  # train.instruments.pruning_report.SELECTIONS
 
