@@ -8,4 +8,5 @@ profiles and timing (`op_profile`, `timing`).
 They sit above the trainer: an instrument may import the trainer's core, its data, `arch`,
 `sharding` and `config`; the trainer's core and data never import it (the import-linter contracts
 in pyproject.toml). The scripts in scripts/ are the command lines over these modules: each parses
-its arguments and checks them without JAX (`train.data.arguments`), then imports the module."""
+its arguments and checks them without JAX (`train.data.arguments`; what several share, without
+JAX too: `command_line`), then imports the module."""
