@@ -18,6 +18,11 @@ the nearest one), a value of the wrong type (naming the flag, the value and the 
 experiment file that is missing, broken or without `get_config`, and argparse's own usage errors.
 `--help` prints the entry point's docstring and its options. This module imports only the standard
 library, ml_collections and `config`, so an entry point reports these errors before importing JAX.
+
+Options that several entry points share: `add_timing_arguments` (--steps and --block of a timed,
+interleaved comparison: scripts/bench.py, scripts/attention_bench.py) and `analysis_parser`
+(--workdir, --out, --batch, --seq_len, --step of a script that draws a saved run on one batch:
+scripts/depth_mixing.py, scripts/gr_paths.py).
 """
 
 from __future__ import annotations
@@ -280,3 +285,25 @@ def parse_with_config(parser: ArgumentParser, argv: Sequence[str] | None = None,
     except UsageError as error:
         parser.error(str(error))
     return config, args
+
+
+def add_timing_arguments(parser: argparse.ArgumentParser, *, steps: int, block: int,
+                         steps_help: str, block_help: str) -> None:
+    """Add --steps and --block, positive ints with these defaults and help lines: the `steps`
+    and `block` of `train.instruments.timing.time_interleaved`."""
+    parser.add_argument("--steps", type=positive_int, default=steps, help=steps_help)
+    parser.add_argument("--block", type=positive_int, default=block, help=block_help)
+
+
+def analysis_parser(prog: str, doc: str | None, default_out: str) -> ArgumentParser:
+    """The parser of a script that draws a saved run on one batch of its validation data:
+    --workdir, --out (None: WORKDIR/`default_out`), --batch, --seq_len (None: the run's) and
+    --step (None: the newest checkpoint)."""
+    parser = ArgumentParser(prog, doc)
+    parser.add_argument("--workdir", required=True, help="the run directory")
+    parser.add_argument("--out", default=None, help=f"PNG path; default WORKDIR/{default_out}")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq_len", type=int, default=None, help="default: the run's seq_len")
+    parser.add_argument("--step", type=int, default=None,
+                        help="the checkpoint to read; default: the newest")
+    return parser

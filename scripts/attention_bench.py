@@ -32,7 +32,7 @@ import sys
 from absl import logging as absl_logging
 
 from config import ConfigError
-from config.cli import ArgumentParser, parse_with_config, positive_int
+from config.cli import ArgumentParser, add_timing_arguments, parse_with_config, positive_int
 from config.resolution import unresolved
 from train.data.arguments import check_config
 from train.instruments.timing import paired_ratio, time_interleaved
@@ -142,10 +142,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="--speed: batch · T per timed call")
     parser.add_argument("--implementations", default="xla,blocked",
                         help="implementations to compare (xla first: the baseline)")
-    parser.add_argument("--steps", type=positive_int, default=10,
-                        help="--speed: timed calls per implementation and T")
-    parser.add_argument("--block", type=positive_int, default=2,
-                        help="--speed: calls per interleaved block")
+    add_timing_arguments(parser, steps=10, block=2,
+                         steps_help="--speed: timed calls per implementation and T",
+                         block_help="--speed: calls per interleaved block")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     config, args = parse_with_config(parser, argv)
     implementations = args.implementations.split(",")

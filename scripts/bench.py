@@ -37,7 +37,14 @@ import numpy as np
 from absl import logging as absl_logging
 
 from config import ConfigError
-from config.cli import ArgumentParser, UsageError, apply_override, parse_with_config, positive_int
+from config.cli import (
+    ArgumentParser,
+    UsageError,
+    add_timing_arguments,
+    apply_override,
+    parse_with_config,
+    positive_int,
+)
 from config.resolution import unresolved
 from train.data.arguments import check_config
 from train.data.tokenizer import check_vocab, tokenizer_of
@@ -513,10 +520,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser("python scripts/bench.py", __doc__)
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object on stdout instead of a table")
-    parser.add_argument("--steps", type=positive_int, default=20,
-                        help="timed steps, each of framework and reference")
-    parser.add_argument("--block", type=positive_int, default=5,
-                        help="steps per interleaved block")
+    add_timing_arguments(parser, steps=20, block=5,
+                         steps_help="timed steps, each of framework and reference",
+                         block_help="steps per interleaved block")
     parser.add_argument("--depth_check", action="store_true",
                         help="also measure compile_24_over_4")
     parser.add_argument("--baseline", metavar="FIELD=VALUE[,...]", default=None,

@@ -27,7 +27,8 @@ from pathlib import Path
 from config import ConfigError
 from config.cli import ArgumentParser
 from train.data import tasks
-from train.data.arguments import output_file, saved_run
+from train.data.arguments import output_file
+from train.rundir import saved_run
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,9 +19,10 @@ import sys
 
 from config import ConfigError
 from config.cli import ArgumentParser
-from train.data.arguments import output_directory, saved_run
+from train.data.arguments import output_directory
 from train.data.tokenizer import tokenizer_of
 from train.interop.exportable import check_exportable
+from train.rundir import saved_run
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,35 +20,23 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from config import ConfigError
-from config.cli import ArgumentParser
-from train.data.arguments import check_analysis, output_file, saved_run
+from config.cli import analysis_parser
+from train.instruments.command_line import heatmap_run
+
+OUT = "gr_paths.png"  # default --out, in the run directory
+
+
+def run(workdir: str, out: Path, batch: int, seq_len: int | None, step: int | None) -> int:
+    """`train.instruments.gr_paths.run` once the arguments are checked; its exit status."""
+    from train.instruments import gr_paths  # JAX loads here, after the checks
+
+    gr_paths.run(workdir, out, batch, seq_len, step)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = ArgumentParser("python scripts/gr_paths.py", __doc__)
-    parser.add_argument("--workdir", required=True, help="the run directory")
-    parser.add_argument("--out", default=None, help="PNG path; default WORKDIR/gr_paths.png")
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq_len", type=int, default=None, help="default: the run's seq_len")
-    parser.add_argument("--step", type=int, default=None,
-                        help="the checkpoint to read; default: the newest")
-    args = parser.parse_args(argv)
-    out = Path(args.out) if args.out else Path(args.workdir) / "gr_paths.png"
-    try:
-        check_analysis(saved_run(args.workdir, args.step), args.batch, args.seq_len)
-        output_file(out)
-    except ConfigError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    from train.instruments import gr_paths  # JAX loads here, after the checks
-
-    try:
-        gr_paths.run(args.workdir, out, args.batch, args.seq_len, args.step)
-    except (FileNotFoundError, ConfigError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    return 0
+    parser = analysis_parser("python scripts/gr_paths.py", __doc__, OUT)
+    return heatmap_run(parser.parse_args(argv), OUT, run)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,8 @@ from pathlib import Path
 
 from config import ConfigError
 from config.cli import ArgumentParser, positive_int
-from train.data.arguments import output_directory, read_json_object, safetensors_problem
+from train.data.arguments import output_directory, read_json_object
+from train.interop.safetensors_file import safetensors_problem
 
 WEIGHTS = ("model.safetensors", "model.safetensors.index.json")  # train.interop.hf's files
 REPLACE_FILE = ("download or copy the checkpoint's files again (e.g. with huggingface-cli "

@@ -4,8 +4,9 @@
         [--workers K] [--docs_per_shard N] [--validation_every N] [--text_key KEY]
         [--data_dir DIR]
 
-Tokenizes SOURCE into shards in OUT (`train.data.shards.prepare`); rerun with the same arguments
-to resume. The format and how training streams it: `train/data/shards.py` and docs/data.md.
+Tokenizes SOURCE into shards in OUT (`train.data.preparation.prepare`); rerun with the same
+arguments to resume. The format: `train/data/preparation.py`; how training streams it:
+`train/data/shards.py` and docs/data.md.
 Train on it with --config.data.name=prepared --config.data.path=runs/kjv-bpe
 --config.data.tokenizer=hf:runs/bpe.
 
@@ -39,11 +40,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=positive_int, default=max(1, (os.cpu_count() or 2) - 1),
                         help="tokenizing processes")
     parser.add_argument("--docs_per_shard", type=positive_int, default=None,
-                        help="documents per shard (default: train.data.shards."
+                        help="documents per shard (default: train.data.preparation."
                              "DEFAULT_DOCS_PER_SHARD)")
     parser.add_argument("--validation_every", type=positive_int, default=None,
                         help="files: every N-th document is validation (default: "
-                             "train.data.shards.DEFAULT_VALIDATION_EVERY)")
+                             "train.data.sources.DEFAULT_VALIDATION_EVERY)")
     parser.add_argument("--text_key", default="text",
                         help="field of .jsonl / tfds records, column of parquet / hf_disk")
     parser.add_argument("--data_dir", default="", help="tfds data dir for tfds:NAME")
@@ -56,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    from train.data import shards  # grain and tensorflow_datasets load here, after the checks
+    # grain and tensorflow_datasets load here, after the checks
+    from train.data import preparation, sources
 
     counts = {name: value for name, value in (("docs_per_shard", args.docs_per_shard),
                                                ("validation_every", args.validation_every))
@@ -64,16 +66,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # The source opens and yields its first document before prepare writes its plan, so a
         # source that cannot be read leaves no plan behind to refuse the corrected command.
-        documents = shards.read_documents(args.source, shards.SourceReport(warn=lambda _: None),
-                                          text_key=args.text_key, data_dir=args.data_dir)
+        documents = sources.read_documents(args.source, sources.SourceReport(warn=lambda _: None),
+                                           text_key=args.text_key, data_dir=args.data_dir)
         next(documents, None)
         documents.close()
-        metadata = shards.prepare(args.source, args.tokenizer, args.out, workers=args.workers,
-                                  text_key=args.text_key, data_dir=args.data_dir, **counts)
+        metadata = preparation.prepare(args.source, args.tokenizer, args.out,
+                                       workers=args.workers, text_key=args.text_key,
+                                       data_dir=args.data_dir, **counts)
     except (ConfigError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    print(shards.describe(metadata))
+    print(preparation.describe(metadata))
     print(f"train on it with --config.data.name=prepared --config.data.path={args.out} "
           f"--config.data.tokenizer={args.tokenizer}")
     return 0

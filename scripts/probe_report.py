@@ -23,7 +23,8 @@ from pathlib import Path
 
 from config import ConfigError
 from config.cli import ArgumentParser
-from train.data.arguments import check_analysis, check_text, output_directory, saved_run
+from train.data.arguments import check_analysis, check_text, output_directory
+from train.rundir import saved_run
 
 
 def check_counts(saved: dict, prune: int, bottleneck_tokens: int | None) -> None:

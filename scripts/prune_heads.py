@@ -23,7 +23,9 @@ import sys
 
 from config import ConfigError
 from config.cli import ArgumentParser, positive_int
-from train.data.arguments import check_analysis, output_directory, saved_run
+from train.data.arguments import check_analysis, output_directory
+from train.instruments.command_line import checked_run
+from train.rundir import saved_run
 
 STRUCTURES = ("heads", "per_group", "whole_groups")  # train.instruments.head_pruning.STRUCTURES
 
@@ -42,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timing_batch", type=positive_int, default=None,
                         help="train-step batch for the timing (default: the run's)")
     args = parser.parse_args(argv)
-    try:
+
+    def check() -> list[str]:
         check_analysis(saved_run(args.workdir), args.batch)
         structures = [x for x in args.structures.split(",") if x]
         if not structures or any(x not in STRUCTURES for x in structures):
@@ -56,27 +59,19 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--timing_steps={args.timing_steps} is invalid: must be ≥ 0 "
                               "(0: skip the timing)")
         output_directory(args.out)
-    except ConfigError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    from train.checkpoint import failure_reason  # JAX loads here, after the checks
-    from train.instruments import pruning_report
+        return structures
 
-    try:
-        report = pruning_report.measure_heads(
-            args.workdir, structures, args.step_fraction, args.max_fraction,
-            args.calibration_batches, args.batch, args.eval_batches, args.timing_steps,
-            args.timing_batch)
-    except (FileNotFoundError, ValueError) as error:  # ConfigError is a ValueError
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    try:
-        pruning_report.write_heads(report, args.out)
-    except OSError as error:
-        print(f"error: cannot write into --out={args.out}: {failure_reason(error)}; rerun "
-              "once the directory is writable and has space", file=sys.stderr)
-        return 3
-    return 0
+    def run(structures: list[str]) -> int:
+        from train.instruments import pruning_report  # JAX loads here, after the checks
+
+        return pruning_report.measure_and_write(
+            lambda: pruning_report.measure_heads(
+                args.workdir, structures, args.step_fraction, args.max_fraction,
+                args.calibration_batches, args.batch, args.eval_batches, args.timing_steps,
+                args.timing_batch),
+            pruning_report.write_heads, args.out)
+
+    return checked_run(check, run)
 
 
 if __name__ == "__main__":

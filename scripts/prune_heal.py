@@ -22,7 +22,9 @@ import sys
 
 from config import ConfigError
 from config.cli import ArgumentParser, positive_int
-from train.data.arguments import check_analysis, output_directory, saved_run
+from train.data.arguments import check_analysis, output_directory
+from train.instruments.command_line import checked_run
+from train.rundir import saved_run
 
 SELECTIONS = ("influence", "angular")  # train.instruments.pruning_report.SELECTIONS
 
@@ -68,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no_control", action="store_true",
                         help="skip healing the intact model (the control)")
     args = parser.parse_args(argv)
-    try:
+
+    def check() -> tuple[list[float], list[str]]:
         saved = saved_run(args.workdir)
         check_analysis(saved, args.batch)
         fractions = fractions_of(args.fractions, saved["model"]["num_layers"])
@@ -76,26 +79,19 @@ def main(argv: list[str] | None = None) -> int:
         if args.heal_steps < 0:
             raise ConfigError(f"--heal_steps={args.heal_steps} is invalid: must be ≥ 0")
         output_directory(args.out)
-    except ConfigError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    from train.checkpoint import failure_reason  # JAX loads here, after the checks
-    from train.instruments import pruning_report
+        return fractions, selections
 
-    try:
-        report = pruning_report.measure_blocks(
-            args.workdir, fractions, selections, args.heal_steps, args.rank, args.learning_rate,
-            args.batch, args.eval_batches, control=not args.no_control)
-    except (FileNotFoundError, ValueError) as error:  # ConfigError is a ValueError
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    try:
-        pruning_report.write_blocks(report, args.out)
-    except OSError as error:
-        print(f"error: cannot write into --out={args.out}: {failure_reason(error)}; rerun "
-              "once the directory is writable and has space", file=sys.stderr)
-        return 3
-    return 0
+    def run(checked: tuple[list[float], list[str]]) -> int:
+        from train.instruments import pruning_report  # JAX loads here, after the checks
+
+        fractions, selections = checked
+        return pruning_report.measure_and_write(
+            lambda: pruning_report.measure_blocks(
+                args.workdir, fractions, selections, args.heal_steps, args.rank,
+                args.learning_rate, args.batch, args.eval_batches, control=not args.no_control),
+            pruning_report.write_blocks, args.out)
+
+    return checked_run(check, run)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,8 @@ from pathlib import Path
 
 from config import ConfigError
 from config.cli import ArgumentParser
-from train.data.arguments import output_directory, saved_run
+from train.data.arguments import output_directory
+from train.rundir import saved_run
 
 METHODS = ("int8", "int4", "int3", "llm_int8", "gptq4", "gptq3")  # train.interop.quantize's
 CALIBRATED = ("llm_int8", "gptq4", "gptq3")

@@ -5,7 +5,7 @@
 
 Trains a byte-level BPE (`train.data.tokenizer.train_bpe`) on the train split of --data (kjv,
 tfds:NAME, hf_disk:PATH, .txt/.jsonl/.parquet globs, or a prepared directory:
-`train.data.shards.train_tokenizer`) and writes OUT/tokenizer.json, which
+`train.data.preparation.train_tokenizer`) and writes OUT/tokenizer.json, which
 --config.data.tokenizer=hf:OUT names.
 
 The arguments (the data, the vocabulary size, OUT) are checked before the data libraries load: a
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    from train.data.shards import train_tokenizer  # grain and tensorflow_datasets load here
+    from train.data.preparation import train_tokenizer  # grain and tensorflow_datasets load here
 
     started = time.perf_counter()
     try:

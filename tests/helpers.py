@@ -130,7 +130,7 @@ def write_run(config, workdir, step: int) -> None:
 def tiny_prepared(tmp_path_factory, docs_per_shard: int) -> Path:
     """A tiny prepared dataset: 8 byte-level documents, every 2nd to validation, its plan
     prepare.json beside the shards."""
-    from train.data.shards import prepare
+    from train.data.preparation import prepare
 
     sources = tmp_path_factory.mktemp("sources")
     for index in range(8):

@@ -12,7 +12,7 @@ from arch.accounting import parameter_count
 from scripts import probe_report as probe_report_script
 from tests.helpers import tiny_config, write_run
 from train.data import in_memory
-from train.instruments import probes
+from train.instruments import ablation
 from train.restore import restore_for_analysis
 from train.step import resolve_for_job
 
@@ -45,7 +45,7 @@ def test_report_files_and_numbers(run, capsys):
     assert report["accounting"]["parameters"]["total"] == parameter_count(config.model)
     assert report["memory"]["parameter_bytes"] == 4 * parameter_count(config.model)
     _, _, model, tokens_BxT1 = restore_for_analysis(workdir, 8)
-    loss = probes.batch_loss(model, tokens_BxT1)
+    loss = ablation.batch_loss(model, tokens_BxT1)
     assert report["depth"]["loss"] == pytest.approx(loss, rel=1e-5)
     assert report["heads"]["loss"] == pytest.approx(loss, rel=1e-5)
     evaluation = report["evaluation"]  # a byte-level run: one byte per token

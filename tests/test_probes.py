@@ -1,6 +1,7 @@
-"""Per-depth probes (train/instruments/probes.py) on hand-built tiny models whose answers are known,
-checked against the model's own forward captured by a different route (`nnx.capture` of method
-outputs)."""
+"""Per-depth probes (train/instruments/probes.py), with gradients by layer, ablation and
+train-step memory (layer_gradients.py, ablation.py, step_memory.py), on hand-built tiny models
+whose answers are known, checked against the model's own forward captured by a different route
+(`nnx.capture` of method outputs)."""
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +14,7 @@ from arch.accounting import abstract_model
 from config import resolve
 from tests.helpers import random_tokens, tiny_config, tiny_model
 from tests.test_hyper import perturb_mixing
-from train.instruments import probes
+from train.instruments import ablation, layer_gradients, probes, step_memory
 from train.step import next_token_loss, resolve_for_job
 
 GAIN = np.linspace(0.5, 1.5, 32)
@@ -116,9 +117,9 @@ def test_depth_profile_matches_the_model_captured_by_another_route(edited):
 
 def test_head_ablation_removes_exactly_one_head(edited):
     model, tokens_BxT1, profile = edited
-    ablation = probes.head_ablation(model, tokens_BxT1)
-    assert ablation["loss"] == pytest.approx(profile["loss"], rel=1e-6)
-    change = ablation["loss_change"]
+    ablated = ablation.head_ablation(model, tokens_BxT1)
+    assert ablated["loss"] == pytest.approx(profile["loss"], rel=1e-6)
+    change = ablated["loss_change"]
     assert change.shape == (2, 4)
     assert change[0, 1] == 0  # its output slice was already zero
     np.testing.assert_array_equal(change[1], 0)  # block 1's output projection is zero
@@ -127,18 +128,18 @@ def test_head_ablation_removes_exactly_one_head(edited):
     other = nnx.merge(graphdef, jax.tree.map(jnp.copy, state))
     value = other.blocks.attention.value.kernel
     value[...] = value[...].at[0, :, 0].set(0)
-    removed = probes.batch_loss(other, tokens_BxT1)
+    removed = ablation.batch_loss(other, tokens_BxT1)
     assert change[0, 0] != 0
-    assert change[0, 0] == pytest.approx(removed - ablation["loss"], rel=1e-5, abs=1e-7)
+    assert change[0, 0] == pytest.approx(removed - ablated["loss"], rel=1e-5, abs=1e-7)
 
 
 def test_identity_block_has_no_influence_and_pruning_it_keeps_the_logits(edited):
     model, tokens_BxT1, _ = edited
-    result = probes.prune_by_influence(model, tokens_BxT1, 1)
+    result = ablation.prune_by_influence(model, tokens_BxT1, 1)
     assert result["dropped"] == [1] and result["num_layers"] == 1
     assert result["loss_after"] == pytest.approx(result["loss_before"], rel=1e-6)
     assert result["block_influence"][1] < 1e-6 < result["block_influence"][0]
-    pruned_cfg, pruned = probes.prune_blocks(model, [1])
+    pruned_cfg, pruned = ablation.prune_blocks(model, [1])
     assert pruned_cfg.num_layers == 1 and model.cfg.num_layers == 2
     inputs_BxT = tokens_BxT1[:, :-1]
     np.testing.assert_allclose(logits(pruned, inputs_BxT), logits(model, inputs_BxT),
@@ -146,7 +147,7 @@ def test_identity_block_has_no_influence_and_pruning_it_keeps_the_logits(edited)
     np.testing.assert_array_equal(pruned.blocks.ffn.up.kernel[...][0],
                                   model.blocks.ffn.up.kernel[...][0])
     with pytest.raises(ValueError, match=r"drop=\[2\]: expected distinct block indices in 0..1"):
-        probes.prune_blocks(model, [2])
+        ablation.prune_blocks(model, [2])
 
 
 def test_unsupported_models_give_one_clear_line():
@@ -157,18 +158,18 @@ def test_unsupported_models_give_one_clear_line():
     config = tiny_config(residual="deepnorm")
     config = resolve(config, 1)
     with pytest.raises(ValueError, match="model.residual.name='deepnorm': pruning changes"):
-        probes.prune_blocks(abstract_model(config.model), [0])
+        ablation.prune_blocks(abstract_model(config.model), [0])
     # width, n = 4: without block 0 (2 sublayers) block 1 would write into other branches.
     config = tiny_config(residual="width")
     config = resolve(config, 1)
     with pytest.raises(ValueError,
                        match=r"model.residual.name='width': dropping blocks \[0\] moves"):
-        probes.prune_blocks(abstract_model(config.model), [0])
+        ablation.prune_blocks(abstract_model(config.model), [0])
     # AttnRes blocks of S = 4 sublayers: {0..3}, {4, 5}; without block 0, 2..5 would be one.
     config = tiny_config(residual="block_attnres", num_layers=3)
     config = resolve(config, 1)
     with pytest.raises(ValueError, match=r"'block_attnres': dropping blocks \[0\] regroups"):
-        probes.prune_blocks(abstract_model(config.model), [0])
+        ablation.prune_blocks(abstract_model(config.model), [0])
 
 
 def test_pure_attention_without_skips_collapses_to_rank_one_and_prenorm_does_not():
@@ -189,7 +190,7 @@ def test_pure_attention_without_skips_collapses_to_rank_one_and_prenorm_does_not
 def test_train_step_memory_counts_parameters_and_adam_moments():
     config = tiny_config()
     config.mesh.data = 8  # data parallel: every device holds all parameters and moments
-    memory = probes.train_step_memory(resolve_for_job(config))
+    memory = step_memory.train_step_memory(resolve_for_job(config))
     assert memory["devices"] == 8
     assert memory["parameter_bytes"] == 4 * memory["parameter_count"]  # float32
     counters = memory["optimizer_state_bytes"] - 2 * memory["parameter_bytes"]  # μ and ν
@@ -208,7 +209,7 @@ def test_interleaved_moe_blocks_come_out_in_network_order():
                           moe__dense_ffn="mlp", moe__expert_ffn="mlp")
     tokens_BxT1 = random_tokens((2, 17))
     profile = probes.depth_profile(model, tokens_BxT1, gradients=False)
-    assert profile["loss"] == pytest.approx(probes.batch_loss(model, tokens_BxT1), rel=1e-6)
+    assert profile["loss"] == pytest.approx(ablation.batch_loss(model, tokens_BxT1), rel=1e-6)
     assert np.isnan(profile["ffn_sparsity"]).tolist() == [False, True, False, True]
     assert np.isfinite(profile["branch_rms"]).all() and profile["hidden_rms"].shape == (5,)
 
@@ -271,8 +272,8 @@ def test_hc_at_its_pre_norm_initialization_has_the_pre_norm_profile(edited):
         residual.static_mixing[...] = residual.static_mixing[...].at[0].set(jnp.eye(4))
     profile = probes.depth_profile(other, tokens_BxT1)  # the same graph: no new compile
     assert abs(profile["block_influence"][0]) < 1e-6 < 0.1 < profile["block_influence"][1]
-    _, pruned = probes.prune_blocks(other, [0])
-    assert probes.batch_loss(pruned, tokens_BxT1) == pytest.approx(profile["loss"], rel=1e-5)
+    _, pruned = ablation.prune_blocks(other, [0])
+    assert ablation.batch_loss(pruned, tokens_BxT1) == pytest.approx(profile["loss"], rel=1e-5)
 
 
 def test_block_attnres_profile_and_pruning():
@@ -287,13 +288,13 @@ def test_block_attnres_profile_and_pruning():
     queries[...] = jax.random.normal(jax.random.key(1), queries.shape)
     zero_outputs(model, 1)
     profile = probes.depth_profile(model, tokens_BxT1, gradients=False)
-    assert profile["loss"] == pytest.approx(probes.batch_loss(model, tokens_BxT1), rel=1e-6)
+    assert profile["loss"] == pytest.approx(ablation.batch_loss(model, tokens_BxT1), rel=1e-6)
     assert profile["hidden_rms"].shape == profile["rank_collapse"].shape == (3,)
     assert profile["branch_rms"].shape == profile["update_ratio"].shape == (2, 2)
     assert profile["head_similarity"].shape == (2, 4, 4)
     assert all(np.isfinite(value).all() for value in jax.tree.leaves(profile))
     assert abs(profile["block_influence"][1]) < 1e-6 < 0.1 < profile["block_influence"][0]
-    _, pruned = probes.prune_blocks(model, [1])
+    _, pruned = ablation.prune_blocks(model, [1])
     np.testing.assert_array_equal(pruned.residual_stream.pseudo_queries[...],
                                   np.asarray(queries[...])[[0, 1, 4]])
 
@@ -301,7 +302,7 @@ def test_block_attnres_profile_and_pruning():
                           attnres__weights="static")
     weights = model.residual_stream.static_weights  # rows × slots × heads: 5 × 3 × 1
     weights[...] = jax.random.normal(jax.random.key(2), weights.shape)
-    _, pruned = probes.prune_blocks(model, [0])  # rows of sublayers 2, 3 and 4; slots 0 and 2
+    _, pruned = ablation.prune_blocks(model, [0])  # rows of sublayers 2, 3 and 4; slots 0 and 2
     np.testing.assert_array_equal(pruned.residual_stream.static_weights[...],
                                   np.asarray(weights[...])[[2, 3, 4]][:, [0, 2]])
 
@@ -310,7 +311,7 @@ def test_gated_residual_profile_is_the_model_and_finite():
     tokens_BxT1 = random_tokens((2, 17))
     _, model = tiny_model(residual="gated_residual", residual__dynamic=False)
     profile = probes.depth_profile(model, tokens_BxT1, gradients=False)
-    assert profile["loss"] == pytest.approx(probes.batch_loss(model, tokens_BxT1), rel=1e-6)
+    assert profile["loss"] == pytest.approx(ablation.batch_loss(model, tokens_BxT1), rel=1e-6)
     assert all(np.isfinite(value).all() for value in jax.tree.leaves(profile))
     # The branch normalization's gains are the n × D `scale`, 1 at initialization.
     assert profile["norms"]["attention"]["gain_mean"].tolist() == [1, 1]
@@ -322,7 +323,7 @@ def test_layer_gradient_norms_equal_the_hand_written_reference_and_vanish_behind
     no longer depends on its query, key and value, so their gradients are exactly zero there."""
     cfg, model = tiny_model(num_layers=3)
     tokens_BxT1 = random_tokens((2, 17))
-    norms = probes.layer_gradient_norms(model, tokens_BxT1)
+    norms = layer_gradients.layer_gradient_norms(model, tokens_BxT1)
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     grads = jax.jit(jax.grad(lambda p: reference.loss(cfg, p, tokens_BxT1)))(params)["blocks"]
     expected = {".".join(str(k.key) for k in path): np.sqrt(np.sum(
@@ -336,7 +337,7 @@ def test_layer_gradient_norms_equal_the_hand_written_reference_and_vanish_behind
 
     output = model.blocks.attention.output.kernel
     output[...] = output[...].at[1].set(0)
-    norms = probes.layer_gradient_norms(model, tokens_BxT1)
+    norms = layer_gradients.layer_gradient_norms(model, tokens_BxT1)
     for name in ("query", "key", "value"):
         assert norms[f"attention.{name}.kernel"][1] == 0
         assert np.all(norms[f"attention.{name}.kernel"][[0, 2]] > 0)

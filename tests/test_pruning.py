@@ -88,7 +88,7 @@ def test_prune_heal_command_line(tmp_path, capsys):
     from scripts import prune_heal
     from tests.helpers import tiny_config, write_run
     from train.data import in_memory
-    from train.instruments import probes
+    from train.instruments import ablation
     from train.restore import restore_for_analysis
 
     config = tiny_config()
@@ -105,8 +105,8 @@ def test_prune_heal_command_line(tmp_path, capsys):
     assert report["loss_intact_healed"] < report["loss_intact"]  # the control: one Adam step
     _, _, model, tokens_BxT1 = restore_for_analysis(tmp_path / "run", 8)
     for row in report["rows"]:
-        _, pruned = probes.prune_blocks(model, row["dropped"])
-        assert row["loss_pruned"] == pytest.approx(probes.batch_loss(pruned, tokens_BxT1),
+        _, pruned = ablation.prune_blocks(model, row["dropped"])
+        assert row["loss_pruned"] == pytest.approx(ablation.batch_loss(pruned, tokens_BxT1),
                                                    rel=1e-6)
     capsys.readouterr()
     assert prune_heal.main([*args, "--fractions", "1.0"]) == 2

@@ -15,7 +15,7 @@ from arch.accounting import parameter_count, residual_accounting
 from arch.residual import RESIDUALS, MixingParam
 from tests.helpers import random_tokens, tiny_model
 from tests.test_pipeline import logits_loss_and_grads, program_on, single_device
-from train.instruments import probes
+from train.instruments import ablation, probes
 from train.step import next_token_loss
 
 
@@ -95,13 +95,13 @@ def test_probes_see_identity_blocks_and_pruning_keeps_the_logits():
     _, model = tiny_model(residual="rezero", num_layers=3)
     tokens = random_tokens((2, 17))
     profile = probes.depth_profile(model, tokens)
-    assert profile["loss"] == pytest.approx(probes.batch_loss(model, tokens), rel=1e-6)
+    assert profile["loss"] == pytest.approx(ablation.batch_loss(model, tokens), rel=1e-6)
     np.testing.assert_allclose(profile["hidden_rms"], profile["hidden_rms"][0], rtol=1e-6)
     np.testing.assert_allclose(profile["gradient_rms"], profile["gradient_rms"][0], rtol=1e-5)
     np.testing.assert_allclose(profile["block_influence"], 0, atol=1e-6)
     assert np.all(profile["branch_rms"] > 0)  # F(x) itself is not zero, α·F(x) is
     assert np.isnan(profile["norms"]["attention"]["input_rms"]).all()
-    pruned_cfg, pruned = probes.prune_blocks(model, [1])
+    pruned_cfg, pruned = ablation.prune_blocks(model, [1])
     assert pruned_cfg.num_layers == 2
     inputs = tokens[:, :-1]
     np.testing.assert_allclose(pruned(inputs), model(inputs), rtol=1e-6, atol=1e-6)

@@ -1,6 +1,7 @@
-"""Tokenizers (train/data/tokenizer.py) and prepared, streamed datasets (train/data/shards.py):
-round trips, shards equal to the in-memory pipeline, resumable preparation, training from shards
-(resumed after SIGKILL and re-sharded with identical losses), and each bad input's one line."""
+"""Tokenizers (train/data/tokenizer.py) and prepared, streamed datasets (train/data/sources.py,
+preparation.py and shards.py): round trips, shards equal to the in-memory pipeline, resumable
+preparation, training from shards (resumed after SIGKILL and re-sharded with identical losses),
+and each bad input's one line."""
 
 import itertools
 import json
@@ -20,13 +21,9 @@ from scripts.train_tokenizer import main as train_tokenizer_main
 from tests.helpers import one_device_env, tiny_config
 from tests.test_data import ToyDocs
 from train.data import in_memory
-from train.data.shards import (
-    PreparedDataset,
-    SourceReport,
-    load_split,
-    prepare,
-    read_documents,
-)
+from train.data.preparation import prepare
+from train.data.shards import PreparedDataset, load_split
+from train.data.sources import SourceReport, read_documents
 from train.data.tokenizer import check_vocab, load_tokenizer, tokenizer_of, train_bpe
 from train.loop import train
 from train.step import resolve_for_job

@@ -5,8 +5,9 @@ config.json or metrics.jsonl is a one-line `WorkdirError` naming the file and th
 file is left as is.
 
 A run directory holds config.json, checkpoints/<step>/, metrics.jsonl, tensorboard/ and the
-lock file `lock` (docs/runs.md). Imports only the standard library and `config` (and so
-ml_collections).
+lock file `lock` (docs/runs.md). The scripts that read a finished run (evaluation, analysis,
+export, quantization) check it with `saved_run` before JAX loads, and bound their --seq_len
+with `context_length`. Imports only the standard library and `config` (and so ml_collections).
 """
 
 from __future__ import annotations
@@ -356,6 +357,34 @@ def saved_config(workdir: str | Path, defaults: dict) -> dict | None:
         return merged
 
     return merge(defaults, saved)
+
+
+def saved_run(workdir: str | Path, step: int | None = None) -> dict:
+    """The config.json of the training run in `workdir` as JSON data over `base_config()`'s
+    defaults (what `train.restore.restore_run` rebuilds the run from), once `workdir` is known
+    to hold a checkpoint (the one at `step`, when given). Whether the checkpoint restores is
+    the restore's to find out."""
+    if not Path(workdir).is_dir():
+        raise ConfigError(f"--workdir={workdir} is not a directory; pass a run directory "
+                          "(python -m train --workdir DIR writes one)")
+    saved = saved_config(workdir, base_config().to_dict())
+    if saved is None:
+        raise ConfigError(f"--workdir={workdir} holds no config.json; train a model there first "
+                          "with python -m train")
+    steps = checkpoint_steps(workdir)
+    if step is not None and step not in steps:
+        raise ConfigError(f"--workdir={workdir} holds no restorable checkpoint at step {step} "
+                          f"(its checkpoints: {steps or 'none'})")
+    if not steps:
+        raise ConfigError(f"--workdir={workdir} holds no checkpoint; train a model there first "
+                          "with python -m train")
+    return saved
+
+
+def context_length(saved: dict) -> int:
+    """The longest sequence the saved run's model takes: model.max_seq_len (seq_len when
+    unset)."""
+    return saved["model"].get("max_seq_len") or saved["seq_len"]
 
 
 def _as_json(config) -> dict:

@@ -3,19 +3,18 @@ them after parsing its command line and before it imports JAX, Flax, Orbax, grai
 tensorflow_datasets, so a bad argument is one line on stderr (exit status 2) in a fraction of a
 second. Each raises `config.ConfigError` with one line naming the flag, the value and the fix.
 
-- `saved_run`: a --workdir that holds a training run (its config.json and a checkpoint);
-- `check_analysis`: the --batch and --seq_len of a script that measures a run on a batch;
+- `check_analysis`: the --batch and --seq_len of a script that measures a run on a batch (the
+  run itself: `train.rundir.saved_run`);
 - `check_text`: an evaluation --text (a text file or a prepared directory);
 - `output_directory`, `output_file`: where a script writes;
 - `source_files`, `check_source`: a corpus source of scripts/prepare_data.py and
-  scripts/train_tokenizer.py (`train.data.shards.read_documents` reads it);
+  scripts/train_tokenizer.py (`train.data.sources.read_documents` reads it);
 - `check_config`: a --config resolved (`config.resolve`) for the devices the environment names;
 - `read_json_object`, `prepared_metadata`, `check_prepared`, `read_plan`: the files of a prepared
   dataset (metadata.json, `<split>-index.npy`, the plan prepare.json), a damaged one refused in
-  one line naming it and the fix, and left as is;
-- `safetensors_problem`: what is wrong with a safetensors file's framing (a Hugging Face
-  checkpoint's weights), read without the safetensors library.
+  one line naming it and the fix, and left as is.
 
+A Hugging Face checkpoint's safetensors files are checked by `train.interop.safetensors_file`.
 In `train.data`, the lowest layer that the scripts' library modules share; it imports only the
 standard library, `config`, `sharding.environment`, `train.rundir` and `train.data.tokenizer`.
 """
@@ -23,7 +22,6 @@ standard library, `config`, `sharding.environment`, `train.rundir` and `train.da
 from __future__ import annotations
 
 import glob
-import json
 import math
 import os
 from pathlib import Path
@@ -31,39 +29,10 @@ from pathlib import Path
 import ml_collections
 
 from config import ConfigError, resolve
-from config.defaults import base_config
 from config.mesh_shape import MESH_AXES
 from sharding.environment import device_count_from_environment
 from train.data.tokenizer import check_vocab, tokenizer_of
-from train.rundir import DamagedFile, checkpoint_steps, creation_problem, read_json, saved_config
-
-
-def saved_run(workdir: str | Path, step: int | None = None) -> dict:
-    """The config.json of the training run in `workdir` as JSON data over `base_config()`'s
-    defaults (what `train.restore.restore_run` rebuilds the run from), once `workdir` is known
-    to hold a checkpoint (the one at `step`, when given). Whether the checkpoint restores is
-    the restore's to find out."""
-    if not Path(workdir).is_dir():
-        raise ConfigError(f"--workdir={workdir} is not a directory; pass a run directory "
-                          "(python -m train --workdir DIR writes one)")
-    saved = saved_config(workdir, base_config().to_dict())
-    if saved is None:
-        raise ConfigError(f"--workdir={workdir} holds no config.json; train a model there first "
-                          "with python -m train")
-    steps = checkpoint_steps(workdir)
-    if step is not None and step not in steps:
-        raise ConfigError(f"--workdir={workdir} holds no restorable checkpoint at step {step} "
-                          f"(its checkpoints: {steps or 'none'})")
-    if not steps:
-        raise ConfigError(f"--workdir={workdir} holds no checkpoint; train a model there first "
-                          "with python -m train")
-    return saved
-
-
-def context_length(saved: dict) -> int:
-    """The longest sequence the saved run's model takes: model.max_seq_len (seq_len when
-    unset)."""
-    return saved["model"].get("max_seq_len") or saved["seq_len"]
+from train.rundir import DamagedFile, context_length, creation_problem, read_json
 
 
 def check_analysis(saved: dict, batch: int, seq_len: int | None = None) -> None:
@@ -130,7 +99,7 @@ def source_files(source: str, flag: str = "--source") -> list[str]:
 
 
 def check_source(source: str, flag: str = "--source") -> None:
-    """A corpus source (`train.data.shards.read_documents`): "kjv", "tfds:NAME",
+    """A corpus source (`train.data.sources.read_documents`): "kjv", "tfds:NAME",
     "hf_disk:PATH" (a directory) or globs that match a file. Whether a tfds dataset is prepared
     and a saved dataset loads is the reader's to find out."""
     if source == "kjv":
@@ -165,7 +134,7 @@ def check_config(config: ml_collections.ConfigDict) -> ml_collections.FrozenConf
 
 
 # ---------------------------------------------------------------------------------------------
-# The files of a prepared dataset (train.data.shards)
+# The files of a prepared dataset (train.data.preparation writes them, train.data.shards reads them)
 
 PLAN_FILE = "prepare.json"
 METADATA_FILE = "metadata.json"
@@ -288,35 +257,3 @@ def read_plan(out: str | Path) -> dict | None:
     return read_json_object(path, f"--out={out} is invalid", "delete it and rerun with the "
                             "arguments of the preparation in it (finished shards are kept), or "
                             "use a new --out")
-
-
-def safetensors_problem(path: str | Path) -> str | None:
-    """What is wrong with the safetensors file `path`, None if its framing is intact: an 8-byte
-    little-endian header length, a JSON header of tensors with `data_offsets`, and data that
-    ends where the last tensor ends (a truncated or overwritten file fails this)."""
-    path = Path(path)
-    if path.is_dir():
-        return "is a directory, not a file"
-    try:
-        size = path.stat().st_size
-        with path.open("rb") as file:
-            prefix = file.read(8)
-            header_length = int.from_bytes(prefix, "little") if len(prefix) == 8 else None
-            if header_length is None or header_length > size - 8:
-                return f"is truncated or not safetensors ({size} bytes, no complete header)"
-            header = json.loads(file.read(header_length).decode())
-    except OSError as error:
-        return f"cannot be read ({error.strerror or error})"
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        return "is not safetensors (its header is not JSON)"
-    if not isinstance(header, dict):
-        return "is not safetensors (its header is not a JSON object)"
-    try:
-        end = max((int(entry["data_offsets"][1]) for name, entry in header.items()
-                   if name != "__metadata__"), default=0)
-    except (TypeError, KeyError, IndexError, ValueError):
-        return "is not safetensors (a tensor of its header has no data_offsets)"
-    if size != 8 + header_length + end:
-        return (f"is truncated or damaged ({size} bytes; its header describes "
-                f"{8 + header_length + end})")
-    return None

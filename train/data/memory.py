@@ -2,8 +2,8 @@
 prepared shards against the in-memory pipeline (the command line: scripts/data_memory.py).
 
 For each scale k it writes the embedded corpus k times over as a .jsonl file (k × 4.1 MB of
-text), prepares it into byte-token shards (`train.data.shards.prepare`; kept between runs), then
-trains the quickstart model for --steps steps in a fresh process twice: from the shards
+text), prepares it into byte-token shards (`train.data.preparation.prepare`; kept between runs),
+then trains the quickstart model for --steps steps in a fresh process twice: from the shards
 (``data.name=prepared``) and from the .jsonl file read into memory (``data.name=text``). It
 prints one JSON line per run (scale, dataset tokens and bytes on disk, the process's peak
 resident set from ``wait4``, its exit status) and writes them all to OUT/data_memory.json.
@@ -19,7 +19,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from train.data.shards import SourceReport, prepare, read_documents
+from train.data.preparation import prepare
+from train.data.sources import SourceReport, read_documents
 
 QUICKSTART = "experiments/quickstart.py"
 

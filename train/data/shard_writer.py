@@ -1,7 +1,8 @@
-"""Writing one shard of a prepared dataset (`train.data.shards.prepare`'s worker processes).
+"""Writing one shard of a prepared dataset (`train.data.preparation.prepare`'s worker processes).
 
-Kept apart from `train.data.shards` so that a spawned worker imports only numpy, array_record and
-the tokenizers, not tfds or grain: starting K workers then costs well under a second each.
+Kept apart from `train.data.preparation` so that a spawned worker imports only numpy,
+array_record and the tokenizers, not tfds or grain: starting K workers then costs well under a
+second each.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ One?"): gradient-based head importance, iterative pruning by importance, and phy
 
 Head mask: ξ ∈ R^{L×H} multiplies each head's term of the attention output,
 y = Σ_h ξ_h · o_h W_O,h (implemented as ξ_h times head h's H-slice of W_O, so ξ_h = 0 removes
-the head exactly, as `probes.head_ablation` does).
+the head exactly, as `ablation.head_ablation` does).
 
 Importance (Michel et al. eq. 2, §4.1): I_h = E_x |∂L(x)/∂ξ_h| at the current mask, with x one
 sequence of a calibration set (per-sequence gradients in one vmapped backward pass: L(x) is that

@@ -19,7 +19,7 @@ different tokenizers compare. `write_report` writes into a directory:
                     and the d (+ 1) bound of a single softmax (`arch.bottleneck`)
 
 Sections: accounting (`arch.accounting.books` at the batch's length); compiled train-step
-memory per device (`probes.train_step_memory`, the run's batch size); per-depth table and
+memory per device (`step_memory.train_step_memory`, the run's batch size); per-depth table and
 normalization statistics; ShortGPT pruning of the `prune` lowest-influence blocks, loss before
 and after (0 skips it); head ablation; the bottleneck diagnostic. Per-depth probes cover every
 residual mechanism but the reversible stack (multi-stream ones through the readout h_i of their
@@ -42,7 +42,7 @@ import numpy as np
 from arch import accounting, bottleneck
 from config.catalogue import SINGLE_STREAM, has
 from config.resolution import unresolved
-from train.instruments import probes
+from train.instruments import ablation, probes, step_memory
 from train.restore import bytes_per_token, restore_for_analysis
 from train.step import resolve_for_job
 
@@ -69,7 +69,7 @@ line (a run that does not restore, a batch the devices do not divide)."""
     log("compiled train-step memory")
     training_config = unresolved(program.config)
     training_config.quantization.method = "none"  # a quantized run's float32 model: it trains
-    report["memory"] = probes.train_step_memory(resolve_for_job(training_config))
+    report["memory"] = step_memory.train_step_memory(resolve_for_job(training_config))
     with jax.set_mesh(program.mesh):
         if cfg.reversible:
             report["depth_skipped"] = ("model.reversible=True: the per-depth probes walk the "
@@ -81,13 +81,13 @@ line (a run that does not restore, a batch the devices do not divide)."""
             if prune:
                 log(f"pruning {prune} block(s) by influence")
                 try:
-                    report["pruning"] = probes.prune_by_influence(
+                    report["pruning"] = ablation.prune_by_influence(
                         model, tokens_BxT1, prune,
                         block_influence=report["depth"]["block_influence"])
                 except ValueError as error:  # a mechanism or a choice of blocks it cannot prune
                     report["pruning_skipped"] = str(error)
         log(f"head ablation ({layers} × {cfg.attention.num_heads} heads)")
-        report["heads"] = probes.head_ablation(model, tokens_BxT1)
+        report["heads"] = ablation.head_ablation(model, tokens_BxT1)
         loss, per_token = float(report["heads"]["loss"]), bytes_per_token(tokens_BxT1,
                                                                           program.config)
         report["evaluation"] = {

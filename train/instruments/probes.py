@@ -1,5 +1,8 @@
 """Per-depth probes of a `TransformerLM` on one batch (the "instrument panel"): statistics by block
 and by sublayer, as numpy arrays and floats that a report script turns into JSON and plots.
+What else measures a model on a batch: `layer_gradients` (parameter gradients by layer),
+`ablation` (losses with a head or blocks removed) and `step_memory` (a train step's compiled
+memory), which share the conventions below.
 
 Conventions shared by every function here:
 
@@ -47,24 +50,19 @@ mixer under `nnx.capture` of it (`TokenMixer.records_attention_weights`; softmax
 from __future__ import annotations
 
 import functools
-import math
-from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 from flax import nnx
 
-from arch.accounting import abstract_model, parameter_count
 from arch.attention import ATTENTION, AttentionWeights
 from arch.layers import Dense
 from arch.model import TransformerLM, interleaves_moe
-from arch.residual import RESIDUALS
 from config.catalogue import SINGLE_STREAM, has
 from config.derived import layer_attentions
 from sharding.rules import STREAM, constrain
-from train.step import build_program, compile_train_step, next_token_loss
+from train.step import next_token_loss
 
 SUBLAYERS = ("attention", "ffn")
 DEFAULT_SPARSITY_THRESHOLD = 1e-2
@@ -403,214 +401,3 @@ def depth_profile(model: TransformerLM, tokens_BxT1: jax.Array, *,
     if gradients:
         profile["gradient_rms"] = as_array(gradient_rms)
     return profile
-
-
-# Parameter gradients by layer ---------------------------------------------------------------------
-
-@functools.partial(jax.jit, static_argnums=0)
-def _parameter_gradients(graphdef, params, rest, tokens_BxT1):
-    inputs_BxT, targets_BxT = _split_tokens(tokens_BxT1)
-
-    def loss_fn(params):
-        # New Variables at this trace level: BatchNorm in training mode writes its statistics.
-        model = nnx.merge(graphdef, params, jax.tree.map(lambda x: x, rest))
-        return next_token_loss(model(inputs_BxT), targets_BxT)
-
-    return jax.grad(loss_fn)(params)
-
-
-def layer_gradient_norms(model: TransformerLM, tokens_BxT1: jax.Array) -> dict[str, np.ndarray]:
-    """Per block, the Frobenius norm ‖∂loss/∂W‖_F of every parameter W of the stacked blocks, on
-    one batch (loss as in `depth_profile`; the model's own forward in the mode it is in): a dict
-    from the parameter's dotted path inside a block to an (L,) float64 array in network order.
-    The projections of an MHA block with a dense FFN are "attention.query.kernel",
-    "attention.key.kernel", "attention.value.kernel", "attention.output.kernel",
-    "ffn.up.kernel", ("ffn.gate.kernel" for gated FFNs) and "ffn.down.kernel"; the residual
-    mechanism's own parameters follow its attribute names (e.g. "attention_residual.norm.scale").
-    Any residual mechanism, also the reversible stack; ValueError for MoE interleaving, whose
-    stacked groups hold k blocks each."""
-    if interleaves_moe(model.cfg):
-        raise ValueError(f"model.moe.every={model.cfg.moe.every}: gradients by layer read the "
-                         "stack of single blocks; use model.moe.every=1")
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    grads = _parameter_gradients(graphdef, params, rest, jnp.asarray(tokens_BxT1))
-    norms = {}
-    for path, grad in jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(grads["blocks"])):
-        grad32 = np.asarray(jax.device_get(grad), np.float64)
-        key = ".".join(str(getattr(part, "key", part)) for part in path)
-        norms[key] = np.sqrt(np.sum(grad32.reshape(grad32.shape[0], -1) ** 2, axis=1))
-    return norms
-
-
-# Losses of edited models --------------------------------------------------------------------------
-
-def _stacked_blocks(model: TransformerLM) -> list:
-    """The stacked Block modules of the model: [model.blocks] (leading axis: layers), or the k
-    members of the stacked BlockGroup (leading axis: groups; member j holds blocks g·k + j)."""
-    if interleaves_moe(model.cfg):
-        return [getattr(model.blocks, f"block_{j}") for j in range(model.cfg.moe.every)]
-    return [model.blocks]
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _loss_with_heads(graphdef, state, tokens_BxT1, keep_LxH):
-    """Loss with each head's slice of the attention output projection W_O multiplied by
-    keep[layer, head] (0: that head's contribution removed exactly)."""
-    model = nnx.merge(graphdef, state)
-    cfg = model.cfg
-    members = _stacked_blocks(model)
-    keep_GxKxH = keep_LxH.reshape(cfg.num_layers // len(members), len(members),
-                                  cfg.attention.num_heads)
-    for j, block in enumerate(members):  # kernel: stacked × H × P × D (P = V for mla)
-        output = block.attention.output
-        if not isinstance(output, Dense):  # a quantized run's (arch/quantized.py)
-            output.keep_input_blocks(keep_GxKxH[:, j])
-            continue
-        output.kernel[...] = output.kernel[...] * keep_GxKxH[:, j, :, None, None]
-    inputs_BxT, targets_BxT = _split_tokens(tokens_BxT1)
-    return next_token_loss(model(inputs_BxT), targets_BxT)
-
-
-def head_ablation(model: TransformerLM, tokens_BxT1: jax.Array) -> dict:
-    """Loss change when one attention head is removed, for every head of every block.
-
-    Head h of block l is removed by zeroing its H-slice of the attention output projection W_O
-    (kernel H×P×D for mha, H×V×D for mla), which removes exactly its term o_h W_O,h from the
-    attention output y = Σ_h o_h W_O,h. Any residual mechanism (the model's own forward runs).
-    Returns {"loss": float, the intact model's loss; "loss_change": (L, H) numpy array,
-    loss without that head − loss (nats)}. One jitted forward per head, compiled once.
-    """
-    cfg = model.cfg
-    graphdef, state = nnx.split(model)
-    tokens_BxT1 = jnp.asarray(tokens_BxT1)
-    keep_LxH = np.ones((cfg.num_layers, cfg.attention.num_heads), np.float32)
-    loss = float(_loss_with_heads(graphdef, state, tokens_BxT1, keep_LxH))
-    change_LxH = np.zeros((cfg.num_layers, cfg.attention.num_heads))
-    for layer, head in np.ndindex(*change_LxH.shape):
-        keep_LxH[layer, head] = 0.0
-        change_LxH[layer, head] = float(
-            _loss_with_heads(graphdef, state, tokens_BxT1, keep_LxH)) - loss
-        keep_LxH[layer, head] = 1.0
-    return {"loss": loss, "loss_change": change_LxH}
-
-
-# Block pruning (ShortGPT) -------------------------------------------------------------------------
-
-def prune_blocks(model: TransformerLM, drop: Sequence[int]
-                 ) -> tuple[ml_collections.ConfigDict, TransformerLM]:
-    """(model config, model) with the blocks `drop` (network-order indices) removed: num_layers
-    − len(drop) blocks holding the remaining blocks' parameters and state in order; embedding,
-    final norm, head and the residual stream's model-level parameters shared in value. The
-    residual mechanism first says whether the kept blocks can compute what they did
-    (`ResidualMechanism.check_prunable`: e.g. a constant that depends on the depth, a write
-    target that follows the sublayer index, a grouping of sublayers into blocks), then adjusts
-    what follows the sublayer index or the depth (`ResidualMechanism.prune`: read offsets,
-    rows and columns of depth tables), so that every kept sublayer reads as before.
-
-    Also ValueError for the reversible stack and MoE interleaving (groups would break)."""
-    cfg = model.cfg
-    require_probeable(cfg)
-    if interleaves_moe(cfg):
-        raise ValueError(f"model.moe.every={cfg.moe.every}: pruning single blocks breaks the "
-                         "dense/MoE groups; prune a model with model.moe.every=1")
-    drop = sorted({int(i) for i in drop})
-    if any(not 0 <= i < cfg.num_layers for i in drop) or len(drop) >= cfg.num_layers:
-        raise ValueError(f"drop={drop}: expected distinct block indices in 0..{cfg.num_layers - 1}"
-                         f" leaving at least one of the {cfg.num_layers} blocks")
-    kept = [i for i in range(cfg.num_layers) if i not in drop]
-    mechanism = RESIDUALS[cfg.residual.name]
-    mechanism.check_prunable(cfg, kept, drop)
-    pruned_cfg = ml_collections.ConfigDict(cfg.to_dict())
-    pruned_cfg.num_layers = cfg.num_layers - len(drop)
-    state = nnx.state(model)
-    state = jax.tree.map(lambda x: x, state)  # new Variables: the models share no mutable state
-    graphdef = nnx.graphdef(abstract_model(pruned_cfg))
-    state["blocks"] = jax.tree.map(lambda x: x[jnp.asarray(kept)], state["blocks"])
-    mechanism.prune(cfg, state, kept)
-    return pruned_cfg, nnx.merge(graphdef, state)
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _loss(graphdef, state, tokens_BxT1):
-    inputs_BxT, targets_BxT = _split_tokens(tokens_BxT1)
-    return next_token_loss(nnx.merge(graphdef, state)(inputs_BxT), targets_BxT)
-
-
-def batch_loss(model: TransformerLM, tokens_BxT1: jax.Array) -> float:
-    """Next-token cross-entropy of the model on the batch (nats; jitted forward)."""
-    graphdef, state = nnx.split(model)
-    return float(_loss(graphdef, state, jnp.asarray(tokens_BxT1)))
-
-
-def prune_by_influence(model: TransformerLM, tokens_BxT1: jax.Array, num_drop: int,
-                       eval_tokens_BxT1: jax.Array | None = None,
-                       block_influence: np.ndarray | None = None) -> dict:
-    """ShortGPT's layer removal (Men et al. 2024, §3): Block Influence of every block on
-    `tokens_BxT1` (the calibration batch), remove the `num_drop` blocks with the lowest BI (ties
-    to the shallower block), and evaluate the loss before and after on `eval_tokens_BxT1`
-    (default: the calibration batch). `block_influence`: the calibration batch's BI when the
-    caller already has it (`depth_profile(model, tokens_BxT1)["block_influence"]`), not
-    recomputed.
-
-    Returns {"block_influence": (L,) array, "dropped": sorted list of block indices,
-    "num_layers": blocks left, "loss_before": float, "loss_after": float}; rebuild the pruned
-    model with `prune_blocks(model, result["dropped"])`.
-    """
-    influence = (depth_profile(model, tokens_BxT1, gradients=False)["block_influence"]
-                 if block_influence is None else np.asarray(block_influence))
-    dropped = sorted(int(i) for i in np.argsort(influence, kind="stable")[:num_drop])
-    pruned_cfg, pruned = prune_blocks(model, dropped)
-    eval_tokens_BxT1 = tokens_BxT1 if eval_tokens_BxT1 is None else eval_tokens_BxT1
-    return {"block_influence": influence, "dropped": dropped,
-            "num_layers": pruned_cfg.num_layers, "loss_before": batch_loss(model, eval_tokens_BxT1),
-            "loss_after": batch_loss(pruned, eval_tokens_BxT1)}
-
-
-# Compiled memory of a train step ------------------------------------------------------------------
-
-def _per_device_bytes(tree) -> int:
-    """Bytes of one device's shards of ShapeDtypeStructs that carry shardings."""
-    return sum(math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
-               for x in jax.tree.leaves(tree))
-
-
-def train_step_memory(config) -> dict:
-    """XLA's memory analysis of the compiled train step of a resolved training config (compiled
-    against abstract state: nothing is allocated or run), per device.
-
-    Returns a dict of ints:
-      parameter_bytes        one device's shards of the parameters (float32: 4 × parameter_count
-                             on one device);
-      optimizer_state_bytes  one device's shards of the whole optax state: AdamW's first and
-                             second moments (each the parameters' shape and dtype, so 2 ×
-                             parameter_bytes) plus its int32 step counters (4 bytes each);
-                             gradient clipping keeps no state;
-      model_state_bytes      non-parameter model state (BatchNorm statistics, MoE loss/metric
-                             variables);  step_bytes, the int32 step counter;
-      batch_bytes            the token batch, B×(T+1) int32;
-      argument_bytes, output_bytes, alias_bytes, temp_bytes, generated_code_bytes
-                             XLA's `memory_analysis()` (arguments = state + batch; the state is
-                             donated, so outputs alias it; temp: activations, gradients and
-                             other scratch);
-      parameter_count        `arch.accounting.parameter_count`;  devices, the mesh size.
-    """
-    program = build_program(config)
-    _, compiled = compile_train_step(program)
-    memory = compiled.memory_analysis()
-    state = program.abstract_state()
-    batch = jax.ShapeDtypeStruct((config.batch_size, config.seq_len + 1), jnp.int32,
-                                 sharding=program.batch_sharding)
-    return {
-        "parameter_bytes": _per_device_bytes(state["params"]),
-        "optimizer_state_bytes": _per_device_bytes(state["opt_state"]),
-        "model_state_bytes": _per_device_bytes(state["model_state"]),
-        "step_bytes": _per_device_bytes(state["step"]),
-        "batch_bytes": _per_device_bytes(batch),
-        "argument_bytes": int(memory.argument_size_in_bytes),
-        "output_bytes": int(memory.output_size_in_bytes),
-        "alias_bytes": int(memory.alias_size_in_bytes),
-        "temp_bytes": int(memory.temp_size_in_bytes),
-        "generated_code_bytes": int(memory.generated_code_size_in_bytes),
-        "parameter_count": parameter_count(config.model),
-        "devices": program.mesh.size,
-    }

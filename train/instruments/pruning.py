@@ -7,10 +7,10 @@ Selection (which contiguous blocks to drop):
   reads), d(x^l, x^{l+n}) = (1/π) · arccos(x^l · x^{l+n} / (‖x^l‖ ‖x^{l+n}‖)), averaged over the
   B·T tokens of a calibration batch; drop the n blocks l*, …, l* + n − 1 with
   l* = argmin_l d(x^l, x^{l+n}) (ties to the shallower l). Cost: one forward pass.
-- Block Influence (ShortGPT, Men et al. 2024): `train.instruments.probes.prune_by_influence`, the
+- Block Influence (ShortGPT, Men et al. 2024): `train.instruments.ablation.prune_by_influence`, the
   n blocks with the lowest 1 − cos(x^l, x^{l+1}) (not necessarily contiguous).
 
-Removal: `train.instruments.probes.prune_blocks` (the blocks' stacked parameters are sliced, the
+Removal: `train.instruments.ablation.prune_blocks` (the blocks' stacked parameters are sliced, the
 config says the smaller depth).
 
 Healing (Gromov et al. heal with QLoRA; here LoRA, Hu et al. 2021, in float32): every `Dense`
@@ -221,7 +221,7 @@ def heal(model: TransformerLM, batches: Callable[[int], np.ndarray], steps: int,
 
 
 def write_run(config, model: TransformerLM, workdir) -> None:
-    """Write `model` (e.g. pruned by `probes.prune_blocks` or `head_pruning.prune_heads`, or
+    """Write `model` (e.g. pruned by `ablation.prune_blocks` or `head_pruning.prune_heads`, or
     healed) as a run directory that `train.restore.restore_run`, `python -m train.generate` and
     the instruments read: config.json (`config`, a full training config such as the source run's
     `program.config`, with `model` replaced by the model's own config) and a step-0 checkpoint of

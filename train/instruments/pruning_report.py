@@ -1,6 +1,7 @@
 """Pruning studies of a run, as Markdown + JSON + PNG: block pruning with healing, and head
 pruning with speedups. The command lines: scripts/prune_heal.py (`measure_blocks`,
-`write_blocks`) and scripts/prune_heads.py (`measure_heads`, `write_heads`).
+`write_blocks`) and scripts/prune_heads.py (`measure_heads`, `write_heads`), each through
+`measure_and_write`, which gives their exit status.
 
 Data: the evaluation loss is the mean next-token loss (nats) over the first `eval_batches`
 validation batches of `batch` sequences of the run's seq_len (`train.restore.evaluation_split`,
@@ -26,17 +27,19 @@ import platform
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
 import ml_collections
 import numpy as np
 
+from train.checkpoint import failure_reason
 from train.data import shards
 from train.data.in_memory import VALIDATION_SEED
 from train.instruments import head_pruning, pruning
+from train.instruments.ablation import batch_loss, prune_blocks, prune_by_influence
 from train.instruments.probe_report import _plain, _pyplot, _table
-from train.instruments.probes import batch_loss, prune_blocks, prune_by_influence
 from train.restore import evaluation_split, restore_for_analysis
 
 SELECTIONS = ("influence", "angular")
@@ -170,6 +173,26 @@ def _write(report: dict, out: Path, name: str, markdown, plot) -> None:
     (out / f"{name}.md").write_text(markdown(report))
     (out / f"{name}.json").write_text(json.dumps(_plain(report), indent=1) + "\n")
     print(f"wrote {out / f'{name}.md'}, {out / f'{name}.json'}, {out / f'{name}.png'}")
+
+
+def measure_and_write(measure: Callable[[], dict], write: Callable[[dict, str | Path], None],
+                      out: str | Path) -> int:
+    """The exit status of a pruning command line once its arguments are checked: 0 when the
+    report `measure()` returns is written by `write(report, out)`; 2, one line on stderr, when
+    measuring refuses (a run that does not restore, a ValueError such as a ConfigError); 3, one
+    line naming the reason, when writing into `out` fails."""
+    try:
+        report = measure()
+    except (FileNotFoundError, ValueError) as error:  # ConfigError is a ValueError
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    try:
+        write(report, out)
+    except OSError as error:
+        print(f"error: cannot write into --out={out}: {failure_reason(error)}; rerun "
+              "once the directory is writable and has space", file=sys.stderr)
+        return 3
+    return 0
 
 
 def plot_blocks(report: dict, path: Path) -> None:

@@ -73,7 +73,8 @@ from arch.hf_config import LLAMA_GATED_FFN, model_config_from_hf
 from arch.model import TransformerLM
 from config import ConfigError, lookup
 from config.catalogue import OUTPUT_TABLE, ROTARY, TIES_EMBEDDING, has
-from train.data.arguments import read_json_object, safetensors_problem
+from train.data.arguments import read_json_object
+from train.interop.safetensors_file import safetensors_problem
 
 BASE_PREFIX = {"llama": "model.", "gpt2": "transformer."}
 IGNORED_SUFFIXES = {"llama": (".rotary_emb.inv_freq",), "gpt2": (".attn.bias", ".attn.masked_bias")}

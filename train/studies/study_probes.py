@@ -12,7 +12,7 @@ a study file, as in `scripts/study_report.py`):
 
 Each model is measured on the first `batch` validation sequences of its config's length, in
 evaluation mode: `probes.depth_profile` (hidden-state, gradient and rank-collapse profiles, FFN
-dead units) and `probes.layer_gradient_norms` (‖∂loss/∂W‖_F per layer for every block
+dead units) and `layer_gradients.layer_gradient_norms` (‖∂loss/∂W‖_F per layer for every block
 parameter). Writes, with PREFIX = "probes" (or "probes_init"):
 
   ROOT/PREFIX.json   every run's profile: {cell: {seed: {metric: list}}}, NaN as null
@@ -47,7 +47,7 @@ import numpy as np
 
 from arch import bottleneck
 from config import ConfigError, cli
-from train.instruments import probes
+from train.instruments import layer_gradients, probes
 from train.restore import initialization_for_analysis, restore_for_analysis
 from train.studies import study as studies
 
@@ -76,7 +76,7 @@ def measure(model, tokens_BxT1, sparsity_threshold: float) -> dict[str, list]:
     for key in ("rank_collapse", "gradient_rms", "hidden_rms", "block_influence",
                 "ffn_dead_units", "ffn_sparsity"):
         result[key] = np.asarray(profile[key]).tolist()
-    for path, norms in probes.layer_gradient_norms(model, tokens_BxT1).items():
+    for path, norms in layer_gradients.layer_gradient_norms(model, tokens_BxT1).items():
         result[f"grad:{path}"] = norms.tolist()
     rank = bottleneck.model_bottleneck(model, tokens_BxT1[:, :-1])
     result["log_odds_rank"], result["log_odds_bound"] = rank["numerical_rank"], rank["bound"]
