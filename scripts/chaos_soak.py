@@ -2,14 +2,16 @@
 uninterrupted run of the same job.
 
     python scripts/chaos_soak.py --workdir DIR [--interruptions 10] [--seed 0] [--steps 80]
+        [--reference RUN]
 
 Runs the job (`python -m train.launch --processes 2 --devices 2`, a small quickstart model,
-`--steps` steps, a checkpoint every 4) once uninterrupted into DIR/reference, then into
-DIR/chaos `--interruptions` times, each time stopped at a random point of its training (once
-it has logged a new step, after a random further 0–1 s): either one random process is
-SIGKILLed (the launcher must then end the job with its one line, exit 137) or the launcher is
-sent SIGTERM (both processes save their step, exit 143). After the last interruption the job
-runs to its end. It then checks what a resume promises:
+`--steps` steps, a checkpoint every 4) once uninterrupted into DIR/reference (or takes RUN, a
+finished run of the same job), then into DIR/chaos `--interruptions` times, each time stopped
+at a random point of its training (once it has logged a step drawn uniformly from those after
+the newest one logged so far, up to two before the end, and a random further 0–0.1 s): either
+one random process is SIGKILLed (the launcher must then end the job with its one line, exit
+137) or the launcher is sent SIGTERM (both processes save their step, exit 143). After the last
+interruption the job runs to its end. It then checks what a resume promises:
 
   - every launch was interrupted (not finished first) and ended with its documented status
     and line(s), and no traceback;
@@ -70,10 +72,13 @@ def interrupt(workdir: Path, steps: int, rng: random.Random) -> tuple[str, int, 
     launcher = launch(workdir, steps)
     pids = [int(pid) for pid in re.findall(r"\d+", launcher.stderr.readline().split("pids")[1]
                                             .split(")")[0])]
-    start = logged_steps(workdir)[-1:] or [0]
-    while (logged_steps(workdir)[-1:] or [0])[0] <= start[0] and launcher.poll() is None:
+    # a step drawn from those still to train, two before the end at the latest (so that the
+    # signal lands before the job finishes however fast it trains), then up to a step's time more
+    start = (logged_steps(workdir)[-1:] or [0])[0]
+    target = rng.randint(min(start + 1, steps - 2), steps - 2)
+    while (logged_steps(workdir)[-1:] or [0])[0] < target and launcher.poll() is None:
         time.sleep(0.01)
-    time.sleep(rng.uniform(0, 1.0))
+    time.sleep(rng.uniform(0, 0.1))
     if rng.random() < 0.5:
         victim = rng.randrange(2)
         action = f"SIGKILL process {victim}"
@@ -101,6 +106,15 @@ def interrupt(workdir: Path, steps: int, rng: random.Random) -> tuple[str, int, 
     return action, launcher.returncode, last, ok
 
 
+def _job_differences(a: Path, b: Path) -> str:
+    """The top-level config fields that differ between runs `a` and `b`, but for the checkpoint
+    cadence (which changes no loss), as one phrase; empty when they train the same job."""
+    configs = [json.loads((run / "config.json").read_text()) for run in (a, b)]
+    return ", ".join(f"{key} differs" for key in sorted(configs[0].keys() | configs[1].keys())
+                     if key not in ("checkpoint_every", "keep_checkpoints")
+                     and configs[0].get(key) != configs[1].get(key))
+
+
 def final_parameters(workdir: Path):
     from train.restore import restore_run
 
@@ -115,19 +129,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--interruptions", type=positive_int, default=10)
     parser.add_argument("--seed", type=int, default=0, help="of the random points and victims")
     parser.add_argument("--steps", type=positive_int, default=80)
+    parser.add_argument("--reference", type=Path,
+                        help="a finished uninterrupted run of the same job (its config.json "
+                             "equal but for checkpoint_every and keep_checkpoints) to compare "
+                             "with, instead of training DIR/reference")
     args = parser.parse_args(argv)
+    if args.reference is not None and not (args.reference / "config.json").is_file():
+        parser.error(f"--reference={args.reference} holds no config.json; pass a finished run")
+    if args.steps < 2 * EVERY:
+        parser.error(f"--steps={args.steps} is too few: the job checkpoints every {EVERY} steps; "
+                     f"pass at least {2 * EVERY}")
     if args.workdir.exists() and not args.workdir.is_dir():
         parser.error(f"--workdir={args.workdir} is a file; pass a directory")
     rng = random.Random(args.seed)
-    reference, chaos = args.workdir / "reference", args.workdir / "chaos"
-    for directory in (reference, chaos):
+    reference, chaos = args.reference or args.workdir / "reference", args.workdir / "chaos"
+    for directory in {args.workdir / "reference", chaos}:
         shutil.rmtree(directory, ignore_errors=True)
     began = time.monotonic()
-    done = launch(reference, args.steps)
-    _, stderr = done.communicate(timeout=1200)
-    if done.returncode != 0:
-        print(f"error: the uninterrupted run failed: {stderr[-2000:]}", file=sys.stderr)
-        return 1
+    if args.reference is None:
+        done = launch(reference, args.steps)
+        _, stderr = done.communicate(timeout=1200)
+        if done.returncode != 0:
+            print(f"error: the uninterrupted run failed: {stderr[-2000:]}", file=sys.stderr)
+            return 1
     failures, actions = 0, []
     for number in range(1, args.interruptions + 1):
         action, status, last, ok = interrupt(chaos, args.steps, rng)
@@ -141,6 +165,10 @@ def main(argv: list[str] | None = None) -> int:
     if done.returncode != 0:
         print(f"error: the final resume failed: {stderr[-2000:]}", file=sys.stderr)
         return 1
+    if differs := _job_differences(chaos, reference):
+        print(f"error: --reference={reference} is another job ({differs}); pass a run of the "
+              f"same job", file=sys.stderr)
+        return 2
     import jax
     import numpy as np
 

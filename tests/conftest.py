@@ -13,20 +13,20 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
-
-jax.config.update("jax_default_matmul_precision", "highest")
-
-# One compilation cache per test run, shared by the xdist workers (and by the scripts the tests
-# start): tests that build the same tiny program compile it once. Removed when the run ends.
+# One compilation cache per test run, shared by the xdist workers and by the scripts the tests
+# start (through the environment: every program, however quickly it compiles, since at this
+# optimization level almost none takes JAX's default threshold of a second): tests that build
+# the same tiny program compile it once. Removed when the run ends.
 _RUN = os.environ.setdefault("BLOCKBENCH_TEST_RUN", os.environ.get("PYTEST_XDIST_TESTRUNUID",
                                                                    str(os.getpid())))
 COMPILATION_CACHE = os.path.join(tempfile.gettempdir(), f"blockbench-test-compiles-{_RUN}")
-os.environ["JAX_COMPILATION_CACHE_DIR"] = COMPILATION_CACHE
-jax.config.update("jax_compilation_cache_dir", COMPILATION_CACHE)
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+os.environ.update(JAX_COMPILATION_CACHE_DIR=COMPILATION_CACHE,
+                  JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                  JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
 
+import jax  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
 
 import pytest  # noqa: E402
 

@@ -301,17 +301,31 @@ def test_two_processes_refused_by_the_lock_and_falling_back_together(runs, tmp_p
 
 
 @pytest.mark.slow
-def test_the_chaos_soak_resumes_bit_identically_after_random_interruptions(tmp_path):
+def test_the_chaos_soak_resumes_bit_identically_after_random_interruptions(runs, tmp_path):
     """issue 61: scripts/chaos_soak.py kills a 2-process job at random points (SIGKILL of a
     random process, or SIGTERM to the launcher), resumes it each time, and checks each launch's
     status and line, each step logged once, and the losses and final parameters bit-equal to an
-    uninterrupted run's. Here 3 interruptions of 40 steps, within the suite's time; the figure
-    of 10 over 80 steps in docs/runs.md's fault suite is the script's default run."""
+    uninterrupted run's (this module's, the same job but for its checkpoint cadence). Here 3
+    interruptions of 40 steps, within the suite's time; the figure of 10 over 80 steps in
+    docs/runs.md's fault suite is the script's default run."""
     done = subprocess.run([sys.executable, "scripts/chaos_soak.py", "--workdir", str(tmp_path),
-                           "--interruptions", "3", "--steps", "40", "--seed", "0"], cwd=REPO,
+                           "--interruptions", "3", "--steps", str(STEPS), "--seed", "0",
+                           "--reference", str(runs / "two")], cwd=REPO,
                           env=one_device_env(), capture_output=True, text=True, timeout=3600)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     summary = done.stdout.splitlines()[-1]
     assert summary.startswith("chaos soak: 3 interruptions (") and (
         "0 not as documented; each of 40 steps logged once: True; losses bit-equal: True; "
         "final parameters bit-equal: True;") in summary, done.stdout
+
+
+def test_the_soak_compares_only_with_a_run_of_the_same_job(tmp_path):
+    from scripts.chaos_soak import _job_differences
+
+    config = {"steps": 40, "checkpoint_every": 4, "keep_checkpoints": 3, "model": {"d": 32}}
+    for name, fields in (("a", {}), ("b", {"checkpoint_every": 5, "keep_checkpoints": 20}),
+                         ("c", {"steps": 80, "model": {"d": 64}})):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps({**config, **fields}))
+    assert _job_differences(tmp_path / "a", tmp_path / "b") == ""
+    assert _job_differences(tmp_path / "a", tmp_path / "c") == "model differs, steps differs"
