@@ -83,6 +83,7 @@ def test_open_models_reproduce_their_published_parameter_counts(name):
     assert parameter_breakdown(open_model(name))["total"] == PUBLISHED_PARAMETERS[name]
 
 
+@pytest.mark.slow
 def test_accounting_script_prints_json_for_a_config_and_shapes(tmp_path):
     env = one_device_env()
     out = tmp_path / "books.json"

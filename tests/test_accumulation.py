@@ -46,6 +46,7 @@ def one_step(mesh_name: str, steps: int):
 
 @pytest.mark.parametrize("mesh_name, steps", [
     *((mesh_name, 2) for mesh_name in MESHES), ("one_device", 4)])
+@pytest.mark.slow
 def test_accumulated_step_equals_the_unsplit_batch(mesh_name, steps):
     reference_state, reference = one_step(mesh_name, 1)
     state, metrics = one_step(mesh_name, steps)
@@ -62,6 +63,7 @@ def test_sharded_unsplit_step_matches_one_device(mesh_name):
                                 one_step("one_device", 1)[1]["loss"], rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_moe_aux_metrics_are_the_microbatch_mean():
     """With k = 2, the loss, MoE aux loss and dropped fraction are the means of those of the two
     microbatches (rows i, k + i, ...) each run as an unsplit batch."""

@@ -99,6 +99,7 @@ def test_blocked_scale_argument_matches_explicit():
         _explicit(q, key, value, positions, positions, scale=0.3), **TOL)
 
 
+@pytest.mark.slow
 def test_fully_masked_tiles_are_skipped():
     """Values behind every query of a tile are never read: NaN in the values of positions
     16… leaves the outputs and query gradients of queries 0…15 exact (0·NaN would be NaN if a
@@ -149,6 +150,7 @@ def test_blocked_memory_grows_linearly_in_length():
                                        dict(attention="mla", mla__kv_rank=16, mla__rope_dim=8),
                                        dict(attention__num_kv_heads=1, execution__remat="full")],
                          ids=["gqa", "mla", "mqa_remat"])
+@pytest.mark.slow
 def test_model_with_blocked_attention_equals_xla_in_logits_and_gradients(overrides):
     tokens = random_tokens((2, 16))
 
@@ -223,6 +225,7 @@ def test_auto_rule_and_backend_errors():
         tiny_model(execution__attention_chunk=0)
 
 
+@pytest.mark.slow
 def test_splash_kernel_equals_explicit_in_the_pallas_interpreter():
     """The TPU kernel itself, run by the Pallas interpreter on CPU (GQA, causal and local)."""
     q, key, value, _ = _inputs(1, 256, 256, 2, 1, 128, 128)
@@ -261,6 +264,7 @@ def test_cudnn_equals_explicit_on_gpu():
             np.testing.assert_allclose(np.float32(a), np.float32(b), atol=3e-2, rtol=3e-2)
 
 
+@pytest.mark.slow
 def test_blocked_under_data_sequence_and_tensor_parallelism_equals_one_device_xla():
     """8 devices (data 2 × sequence 2 × tensor 2, keys and values all-gathered, tokens striped
     out of order): loss, logits, gradients and KV-cache decoding equal one device's xla path."""

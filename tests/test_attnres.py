@@ -46,6 +46,7 @@ ORACLE_CASES = {  # Block S=1: test_block_of_one_sublayer_is_full_attnres_exactl
 
 
 @pytest.mark.parametrize("case", ORACLE_CASES.values(), ids=ORACLE_CASES.keys())
+@pytest.mark.slow
 def test_matches_the_list_of_sources_reference(case):
     cfg, model = tiny_model(**case)
     perturb_parameters(model)
@@ -197,6 +198,7 @@ def test_hand_written_read_gradient_equals_autodiff(query_shape):
 
 
 @pytest.mark.parametrize("block_size,units_per_block", [(2, 1), (4, 2), (3, None)])
+@pytest.mark.slow
 def test_two_phase_when_blocks_align_with_layers_and_decoding_equals_the_forward_pass(
         block_size, units_per_block, monkeypatch):
     """Blocks of whole layers (2 sublayers each) run two-phase, one block per scan step, in

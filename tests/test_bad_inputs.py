@@ -198,6 +198,7 @@ def test_a_zero_count_is_refused_before_anything_is_written(tmp_path, flag):
                              "array_record tfds dataset"),
     ("hf_disk:{empty}", "is not a dataset saved with datasets' save_to_disk"),
 ], ids=["tfds", "hf-disk"])
+@pytest.mark.slow
 def test_a_source_that_does_not_open_leaves_no_plan(tmp_path, source, message):
     """The plan (prepare.json) is written only once the source opens, so the corrected command
     in the same --out is not refused as "a preparation with other settings"."""

@@ -135,6 +135,7 @@ def test_remat_policies_become_compare_variants_reported_as_ratios_to_the_first(
 
 @pytest.mark.parametrize("overrides", [{}, {"head": "tied", "linear_bias": True,
                                             "norm__final": False}])
+@pytest.mark.slow
 def test_torch_model_trains_like_the_framework_from_its_parameters(overrides):
     pytest.importorskip("torch")
     from train.interop import torch_model
@@ -171,6 +172,7 @@ def test_torch_model_refuses_what_it_does_not_implement_in_one_line():
     assert "model.attention.num_kv_heads=2" in torch_model.unsupported(config)
 
 
+@pytest.mark.slow
 def test_unrolled_reference_step_equals_the_scanned_one():
     config = tiny_config(**TORCH_MODEL)
     program = one_device_program(config)

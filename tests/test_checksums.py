@@ -97,6 +97,7 @@ def test_each_shard_is_hashed_once_per_process_until_it_changes(prepared, tmp_pa
     assert_names_the_shard(error, data)
 
 
+@pytest.mark.slow
 def test_the_trainer_stops_before_the_first_step_with_one_line(prepared, tmp_path):
     data = damaged_copy(prepared, tmp_path / "data")
     run = subprocess.run(

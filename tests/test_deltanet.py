@@ -141,6 +141,7 @@ def test_config_errors(overrides, mesh, message):
         config = resolve(config, 2)
 
 
+@pytest.mark.slow
 def test_accounting_counts_the_state_not_a_kv_cache_and_no_attention_scores():
     from arch import accounting
 

@@ -83,6 +83,7 @@ def capture(layer, position, x_BxTxD, positions_BxT):
 @pytest.mark.parametrize("overrides", [
     dict(), dict(attention__num_kv_heads=4, position="none"), dict(attention__window=5),
 ], ids=["gqa-rope", "mha-no-positions", "window"])
+@pytest.mark.slow
 def test_matches_the_equations(overrides):
     cfg = resolved(**overrides)
     layer = DifferentialAttention(cfg, rngs=nnx.Rngs(0))
@@ -170,6 +171,7 @@ def single_device():
     return tokens, train(1, (1, 1, 1), tokens)
 
 
+@pytest.mark.slow
 def test_it_trains(single_device):
     _, (_, losses, _) = single_device
     assert np.all(np.isfinite(losses)) and losses[-1] < losses[0] - 0.5, losses
@@ -185,6 +187,7 @@ def test_sharded_equals_single_device(single_device):
 
 
 @pytest.mark.parametrize("window", [0, 4], ids=["full", "ring-of-4"])
+@pytest.mark.slow
 def test_kv_cache_decoding_equals_the_full_forward(window):
     _, model = tiny_model(**DIFFERENTIAL, attention__window=window)
     tokens = random_tokens((2, 11))

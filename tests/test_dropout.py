@@ -55,6 +55,7 @@ def test_mask_keeps_one_minus_p_and_scales_by_its_inverse():
     assert dropout(ones, 0.0, jax.random.key(0)) is ones
 
 
+@pytest.mark.slow
 def test_rates_zero_is_todays_model_with_no_random_ops():
     """All rates 0 (the default): a key changes nothing, not even the jaxpr, and the train step
     traces no random bits; any positive rate does."""
@@ -92,6 +93,7 @@ def test_each_site_drops_only_in_training(site):
                                    plain(tokens), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_train_step_masks_depend_on_seed_and_step_only():
     """The same (seed, step) gives the same loss and gradients, another step or seed other
     masks; evaluation ignores dropout (the no-dropout model's loss)."""
@@ -116,6 +118,7 @@ def test_train_step_masks_depend_on_seed_and_step_only():
     assert abs(loss(3) - float(plain.eval_loss(state, batch))) > 1e-4
 
 
+@pytest.mark.slow
 def test_remat_replays_the_masks():
     """`execution.remat="full"` recomputes each block in the backward pass with its scanned
     key: the gradients equal those without remat."""
@@ -130,6 +133,7 @@ def test_remat_replays_the_masks():
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), *grads)
 
 
+@pytest.mark.slow
 def test_reversible_gradients_with_dropout_equal_autodiff():
     """The custom backward pass replays each layer's masks: its gradients equal jax.grad of an
     ordinary Python loop of the same masked coupling (same keys), and differ from the

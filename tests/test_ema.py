@@ -74,6 +74,7 @@ def assert_trees_equal(a, b) -> None:
 
 # The distinctions --------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_stop_gradient_keeps_the_forward_value_and_cuts_the_teacher_path():
     """Distillation of a student θ_s from a teacher θ_t (another model): detaching the teacher's
     logits leaves the loss and the student's gradient unchanged (to float32 rounding: the two
@@ -103,6 +104,7 @@ def test_stop_gradient_keeps_the_forward_value_and_cuts_the_teacher_path():
                  student_grad, student_grad_attached)
 
 
+@pytest.mark.slow
 def test_a_detached_branch_sharing_parameters_still_trains_them_through_the_student_path():
     """loss(θ) = CE(f_θ(x)) + w·KL(sg(f_θ(x')) ‖ f_θ(x)): the teacher branch reads the same θ.
     Its gradient is the gradient with the teacher's logits a constant (the student terms only),
@@ -135,6 +137,7 @@ def test_a_detached_branch_sharing_parameters_still_trains_them_through_the_stud
     assert tree_norm(difference) > 1e-2  # the teacher branch would send gradient too
 
 
+@pytest.mark.slow
 def test_the_ema_teacher_changes_only_by_its_update_rule():
     """Four distillation steps (two accumulated microbatches each): the EMA equals the rule
     ema ← d·ema + (1 − d)·params applied to the sequence of parameters, exactly; the teacher
@@ -160,6 +163,7 @@ def test_the_ema_teacher_changes_only_by_its_update_rule():
     assert tree_norm(distance) > 1e-2  # the EMA is not the parameters
 
 
+@pytest.mark.slow
 def test_without_ema_the_state_and_numbers_are_unchanged():
     """ema_decay=0 (the default): no "ema" in the state, its shardings or a checkpoint. An EMA
     without distillation is a passenger: the losses and the parameters are equal to float32
@@ -263,6 +267,7 @@ def records(workdir: Path) -> list[dict]:
     return [json.loads(line) for line in (workdir / "metrics.jsonl").open()]
 
 
+@pytest.mark.slow
 def test_a_resumed_run_with_ema_is_bit_identical(ema_run, tmp_path, monkeypatch):
     workdir, _ = ema_run
     original_batch = in_memory.Dataset.batch

@@ -89,6 +89,7 @@ def assert_one_line(run: subprocess.CompletedProcess, message: str) -> None:
 
 # 1. A different config never touches an existing run ---------------------------------------
 
+@pytest.mark.slow
 def test_a_different_config_is_refused_and_the_run_is_kept(trained_run, tmp_path):
     workdir = copy_run(trained_run, tmp_path / "run")
     before = snapshot(workdir)
@@ -126,6 +127,7 @@ def test_finetune_starts_a_new_run_from_the_weights(trained_run, tmp_path):
 # 2 and 9. A corrupt newest checkpoint is moved aside; the run completes, logging each step once
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # orbax's loop
+@pytest.mark.slow
 def test_a_truncated_newest_checkpoint_is_moved_aside_and_the_run_completes(
         trained_run, tmp_path, caplog):
     workdir = copy_run(trained_run, tmp_path / "run")
@@ -166,6 +168,7 @@ def test_when_no_checkpoint_restores_nothing_is_moved(trained_run, tmp_path):
 
 
 
+@pytest.mark.slow
 def test_generation_from_a_run_whose_checkpoints_all_fail_is_one_line(trained_run, tmp_path):
     """issue 61: train.generate printed the right line, then ~380 lines of Orbax's "Exception
     ignored in coroutine" at exit. Now the line alone, naming the newest checkpoint's error, and
@@ -198,6 +201,7 @@ def read_events(path: Path):
         yield event
 
 
+@pytest.mark.slow
 def test_a_resumed_run_logs_each_step_once(trained_run, tmp_path):
     workdir = copy_run(trained_run, tmp_path / "run")
     shutil.rmtree(workdir / "checkpoints" / "4")  # killed after logging step 4, before saving it
@@ -212,6 +216,7 @@ def test_a_resumed_run_logs_each_step_once(trained_run, tmp_path):
     assert sorted({e.step for e in events if e.HasField("summary")}) == [4, 5]
 
 
+@pytest.mark.slow
 def test_tensorboard_is_written_without_importing_torch_which_imports_later(tmp_path):
     """tensorboardX imports PyTorch where it is installed (about 2 s of every run's start) only
     to accept its tensors; the writer loads without it, and torch still imports afterwards."""
@@ -356,6 +361,7 @@ def test_a_step_that_makes_the_state_non_finite_is_not_saved(tmp_path):
     assert rundir.checkpoint_steps(tmp_path) == []
 
 
+@pytest.mark.slow
 def test_skip_policy_keeps_the_previous_state_and_counts_skipped_steps(tmp_path):
     config = run_config(steps=2, nonfinite_policy="skip")
     config.optimizer.update(learning_rate=1e39, warmup_steps=0)
@@ -400,6 +406,7 @@ def test_a_second_trainer_is_refused_and_a_stale_lock_is_taken_over(tmp_path, ca
 
 # A data error mid-run saves the last good state first ---------------------------------------
 
+@pytest.mark.slow
 def test_a_data_error_mid_run_saves_the_last_good_state_first(trained_run, tmp_path,
                                                               monkeypatch):
     original_batch = in_memory.Dataset.batch

@@ -194,6 +194,7 @@ def test_equal_write_strengths_reduce_to_the_prenorm_model():
                            atol=1e-2)
 
 
+@pytest.mark.slow
 def test_composes_with_mla_moe_interleaving_gatednorm_and_decoding():
     """Decoding with a KV cache, one token at a time (one compiled shape), equals the full
     forward (so the model is causal), with scalar gates on a model that uses MLA, a dropless MoE
@@ -396,6 +397,7 @@ def trained_parameters(steps: int, **model) -> tuple[dict, dict, list[float]]:
     return initial, parameters(state), losses
 
 
+@pytest.mark.slow
 def test_frozen_static_logits_never_move_and_the_model_starts_as_gr():
     """`static_frozen=True` (with the study's random init): the same parameters as GR at
     initialization and the same loss at the first step (separate programs: to rounding); after

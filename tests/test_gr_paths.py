@@ -56,6 +56,7 @@ def test_hand_built_two_sublayers():
                                                    gated_residual__channelwise_read=False,
                                                    gated_residual__read_top_k=2)],
                          ids=["channelwise", "mixing-scalar-reads-top2"])
+@pytest.mark.slow
 def test_contributions_sum_to_the_read_the_model_computed(switches):
     _, model = tiny_model(residual="gated_residual", num_layers=2, **switches)
     for block in (model.blocks.attention_residual, model.blocks.ffn_residual):
@@ -82,6 +83,7 @@ def test_contributions_sum_to_the_read_the_model_computed(switches):
         "read_gates", "write_strengths", "mixing_matrix"}
 
 
+@pytest.mark.slow
 def test_script_writes_json_and_png_and_refuses_other_mechanisms(tmp_path, capsys):
     config = tiny_config(residual="gated_residual")
     config.mesh.data = -1  # the 8 simulated devices

@@ -26,6 +26,7 @@ WHOLE_GROUPS = np.array([[True, True, False, False], [False, False, True, True]]
 
 
 @pytest.mark.parametrize("keep, heads, kv_heads", [(PER_GROUP, 2, 2), (WHOLE_GROUPS, 2, 1)])
+@pytest.mark.slow
 def test_physically_pruned_model_equals_the_masked_one(keep, heads, kv_heads):
     _, model = tiny_model(linear_bias=True)
     for seed, name in enumerate(("query", "key", "value", "output")):  # nonzero biases
@@ -64,6 +65,7 @@ def test_a_mask_the_stacked_layers_cannot_hold_is_refused():
         head_pruning.prune_heads(model, empty)
 
 
+@pytest.mark.slow
 def test_importance_is_the_mean_absolute_per_sequence_mask_gradient():
     """Unnormalized I equals mean_b |∂L(x_b)/∂ξ| from separate gradients of each sequence's loss;
     a head whose W_O slice is zero has ∂L/∂ξ = 0, so iterative pruning removes it first."""
@@ -106,6 +108,7 @@ def test_structured_rounds_stay_physically_removable():
         head_pruning.prune_heads(model, points[-1]["keep"])  # does not raise
 
 
+@pytest.mark.slow
 def test_a_pruned_model_written_as_a_run_restores_and_generates(tmp_path):
     from tests.helpers import write_run
     from train.instruments import pruning

@@ -187,6 +187,7 @@ def test_mos_components_must_be_positive():
                                      dict(head="moc"),
                                      dict(head="sigsoftmax")],
                          ids=["tied+bias", "untied+bias", "mos", "moc", "sigsoftmax"])
+@pytest.mark.slow
 def test_heads_compose_with_the_model(variant):
     _, model = tiny_model(**variant)
     tokens = random_tokens((2, 17))

@@ -59,6 +59,7 @@ def write_run(workdir, **overrides):
 
 
 @pytest.mark.parametrize("name", sorted(RUNS))
+@pytest.mark.slow
 def test_transformers_computes_the_exported_runs_logits(name, tmp_path):
     config, model = write_run(tmp_path / "run", **RUNS[name])
     out = tmp_path / "hf"
@@ -92,6 +93,7 @@ def test_restore_run_reads_no_optimizer_state(tmp_path):
     assert step == 0 and set(state) == {"step", "params", "model_state"}
 
 
+@pytest.mark.slow
 def test_what_cannot_be_exported_is_refused_naming_the_field(tmp_path, capsys):
     for overrides, message in (
             (dict(residual="attnres"), "model.residual.name='attnres' cannot be exported as "
@@ -124,6 +126,7 @@ def test_what_cannot_be_exported_is_refused_naming_the_field(tmp_path, capsys):
      "model.attention.num_heads=3 cannot be exported as llama: transformers' LlamaConfig "
      "requires hidden_size (model.d_model=32) to be a multiple of num_attention_heads"),
 ], ids=["vocab-below-tokenizer", "heads-not-dividing-width"])
+@pytest.mark.slow
 def test_an_export_that_would_not_load_back_is_refused(tmp_path, overrides, message):
     """`export_run` refuses after restoring too (scripts/export_hf.py refuses before JAX:
     tests/test_bad_inputs.py), writing nothing; the rules are transformers' own."""
@@ -144,6 +147,7 @@ def test_an_export_that_would_not_load_back_is_refused(tmp_path, overrides, mess
     transformers.MistralConfig(**shape)  # a sliding window's config takes it (exported above)
 
 
+@pytest.mark.slow
 def test_ema_exports_the_ema_and_the_default_says_what_it_exports(tmp_path, capsys):
     """issue 61: an EMA run exported its raw parameters without saying so, and its EMA could not
     be exported."""

@@ -188,6 +188,7 @@ def test_missing_and_unexpected_tensors_are_listed(checkpoints, tmp_path):
         load_hf_checkpoint(tmp_path)
 
 
+@pytest.mark.slow
 def test_import_script_writes_a_run_that_restore_run_restores(checkpoints, tmp_path, capsys):
     directory, _ = checkpoints["gpt2"]
     workdir = tmp_path / "run"

@@ -65,6 +65,7 @@ COMPOSED = dict(ffn="moe", moe__every=2, moe__experts=4, execution__remat="full"
     ("width", {}, 1e-5),
     ("hc", COMPOSED, 0.1),  # bfloat16: the streams' sum and the read round differently
 ], ids=["hc", "hc-static", "mhc", "mhc-static", "width", "hc-moe-remat-layernorm-bf16"])
+@pytest.mark.slow
 def test_at_initialization_equals_the_prenorm_model(residual, options, tolerance):
     """HC's Pre-Norm initialization (Zhu et al. 2024 §2.3; mHC's and width's likewise) makes
     every sublayer read the Pre-Norm stream and add its update to it; the streams' sum is n×
@@ -101,6 +102,7 @@ def mechanism_and_state(cls, sublayer: int, **model):
             np.asarray(update, np.float64), params)
 
 
+@pytest.mark.slow
 def test_hc_read_and_write_follow_algorithm_2_of_the_paper():
     """Zhu et al. 2024, Appendix J: alpha = [A_m, A_r] (n×(n+1)) and beta = B, each static plus
     s·tanh(norm(h) W), computed per stream; mix = alphaᵀ h; input mix[0]; h ← beta·y + mix[1:]."""
@@ -153,6 +155,7 @@ HYPER = model_config().hyper  # the default tolerance and cap
 
 
 @pytest.mark.parametrize("scale,identity", SCALES)
+@pytest.mark.slow
 def test_sinkhorn_reaches_the_tolerance_and_the_projection_at_every_scale(scale, identity):
     """With the default tolerance (1e-3) and a cap of 50 steps: columns within the tolerance and
     rows to rounding, the recorded error and counts true, and the matrix the doubly-stochastic
@@ -282,6 +285,7 @@ def mixing_model(residual: str, **model):
     return cfg, model
 
 
+@pytest.mark.slow
 def test_mhc_mixing_matrices_are_doubly_stochastic():
     """Captured from a model forward with random non-zero parameters: every recorded H_res has
     non-negative entries, rows summing to 1 and columns within the default tolerance 1e-3 (the
@@ -317,6 +321,7 @@ def test_mhc_mixing_matrices_are_doubly_stochastic():
         assert float(write.min()) > 0 and float(write.max()) < 2
 
 
+@pytest.mark.slow
 def test_decoding_with_a_kv_cache_equals_the_full_forward():
     _, model = mixing_model("mhc")
     tokens = random_tokens((2, 9))

@@ -193,6 +193,7 @@ def write_runs(root: Path, study: studies.Study, cells) -> None:
                 json.dumps({"step": data["steps"], "eval_loss": loss}) + "\n")
 
 
+@pytest.mark.slow
 def test_the_report_fits_the_profiles_and_judges_the_claim(tmp_path):
     """The report on hand-written runs recovers the 1.25 and the claim agrees."""
     (tmp_path / "isoflop.py").write_text(ISOFLOP_STUDY)
@@ -216,6 +217,7 @@ def test_the_report_fits_the_profiles_and_judges_the_claim(tmp_path):
     assert "None: every run finished." in report
 
 
+@pytest.mark.slow
 def test_a_budget_without_both_minima_shows_no_multiplier(tmp_path):
     """A third budget with one size trained has no minimum: the frontier table shows no
     multiplier there (it would extrapolate both frontiers), and the claim, whose cells there
@@ -255,6 +257,7 @@ def test_a_multiplier_claim_needs_an_isoflop_study_and_the_papers_number(tmp_pat
 
 # The study file ----------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_the_study_file_registers_its_claims_and_every_cell_builds():
     """Every cell's config builds at the cpu scale without training: ≥ 3 budgets spanning ≥
     10×, ≥ 4 sizes per budget, ≥ 16 sublayers, and tokens = steps × batch × seq within half a

@@ -41,6 +41,7 @@ def sizes(**axes) -> dict[str, int]:
 
 # --- the dry run ---------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_dry_run_json_for_a_simulated_fsdp4_tensor2_mesh():
     done = run_script(sys.executable, "scripts/dry_run.py", "--config", QUICKSTART,
                       "--devices", "8", "--mesh", "data=1,fsdp=4,tensor=2", "--json")
@@ -74,6 +75,7 @@ def test_dry_run_json_for_a_simulated_fsdp4_tensor2_mesh():
                                     - report["alias_bytes"] + report["temp_bytes"])
 
 
+@pytest.mark.slow
 def test_dry_run_table_and_one_line_errors():
     done = run_script(sys.executable, "scripts/dry_run.py", "--config", QUICKSTART, "--devices",
                       "64", "--mesh", "data=4,fsdp=16", "--config.mesh.dcn.data=4",

@@ -166,6 +166,7 @@ def _write_runs(root: Path, study: studies.Study) -> None:
                 {"step": config.steps, "train_loss": loss, "eval_loss": loss}) + "\n")
 
 
+@pytest.mark.slow
 def test_the_report_tables_delta_per_length_and_plots_it(tmp_path):
     study = studies.load_study(STUDY)
     root = tmp_path / "root"
@@ -199,6 +200,7 @@ def test_the_report_tables_delta_per_length_and_plots_it(tmp_path):
     assert "## Training length" not in (root / "report.md").read_text()
 
 
+@pytest.mark.slow
 def test_a_report_with_only_the_first_length_trained_leaves_the_others_empty(tmp_path):
     """A sweep part of the way through: the lengths without runs are rows of dashes."""
     study = studies.load_study(STUDY)

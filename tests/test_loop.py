@@ -48,6 +48,7 @@ def total(model, kind) -> float:
 
 @pytest.mark.parametrize("fields", [dict(), dict(ffn="moe", moe__experts=4)],
                          ids=["dense", "moe"])
+@pytest.mark.slow
 def test_loops_equal_the_unrolled_stack_of_repeated_blocks(fields):
     _, looped = tiny_model(loop_count=LOOPS, **fields)
     _, unrolled = tiny_model(seed=1, num_layers=2 * LOOPS, **fields)

@@ -87,6 +87,7 @@ def test_chunked_gradients_equal_the_recurrence_gradients():
 
 
 @pytest.mark.parametrize("pattern", ["", "MA"])
+@pytest.mark.slow
 def test_cached_decoding_equals_the_training_forward(pattern):
     overrides = dict(MAMBA, layer_pattern=pattern, attention="mha") if pattern else MAMBA
     _, model = tiny_model(**overrides)
@@ -186,6 +187,7 @@ def single_device():
     return tokens, train(1, (1, 1, 1), tokens)
 
 
+@pytest.mark.slow
 def test_it_trains(single_device):
     _, (_, losses, _) = single_device
     assert np.all(np.isfinite(losses)) and losses[-1] < losses[0] - 0.5, losses

@@ -121,6 +121,7 @@ def test_matches_the_equations(overrides):
     np.testing.assert_allclose(y, expected, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_geometry_defaults_and_logical_axes(model):
     cfg = model.cfg
     assert cfg.mla.nope_dim == cfg.mla.v_dim == cfg.attention.head_dim == 8  # defaults: head_dim

@@ -132,6 +132,7 @@ def test_kv_cache_decoding_equals_the_full_forward_pass(position):
     np.testing.assert_allclose(decoded, model(tokens), atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_unrolled_layer_scan_computes_the_same_logits_and_gradients():
     """`execution.scan_unroll` only changes how many layers one loop iteration runs (3 layers by 2:
     a remainder iteration), not the function or its gradient."""

@@ -151,6 +151,7 @@ def test_aux_losses_depend_only_on_the_router():
         assert float(jnp.abs(weights).max()) == 0.0
 
 
+@pytest.mark.slow
 def test_train_step_adds_the_aux_losses_and_trains_the_router():
     config = tiny_config(ffn="moe", moe__experts=4)
     config.optimizer.weight_decay = 0.0  # a parameter moves only if its gradient is nonzero
@@ -249,6 +250,7 @@ def test_config_errors_are_one_line():
         resolve(tiny_config(ffn="moe", moe__expert_ffn="moe"), 1)
 
 
+@pytest.mark.slow
 def test_every_kth_block_is_moe_and_decoding_matches_the_full_pass():
     cfg, model = tiny_model(ffn="moe", moe__every=2, num_layers=4, moe__experts=4,
                             moe__dropless=True)

@@ -45,6 +45,7 @@ def rms_norm(x, scale, eps=1e-6):
     return x / np.sqrt(np.mean(x**2, axis=-1, keepdims=True) + eps) * scale
 
 
+@pytest.mark.slow
 def test_modules_follow_the_equation_and_the_loss_decomposes():
     depth, weight = 2, 0.5
     prog = program(head__mtp_depth=depth, head__mtp_weight=weight)
@@ -76,6 +77,7 @@ def test_modules_follow_the_equation_and_the_loss_decomposes():
     np.testing.assert_allclose(metrics["mtp_loss"], loss - hand_losses[0], rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_sequence_parallelism_changes_no_loss():
     """Under mesh.sequence = 2 the batch is striped: the future tokens, targets and masks are
     permuted with it, so every loss equals one device's."""
@@ -90,6 +92,7 @@ def test_sequence_parallelism_changes_no_loss():
         np.testing.assert_allclose(striped[name], metrics[name], rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_depth_zero_is_the_plain_model_and_the_forward_pass_ignores_the_modules():
     tokens_BxT1 = random_tokens((2, T + 1))
     plain = program()
@@ -147,6 +150,7 @@ def test_multi_token_batch_shifts_masks_and_stripes():
         np.testing.assert_array_equal(permuted, plain[..., order])
 
 
+@pytest.mark.slow
 def test_books_count_the_modules_apart_and_in_training_flops_only():
     depth = 2
     cfg, _ = tiny_model(head__mtp_depth=depth)

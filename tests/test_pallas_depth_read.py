@@ -131,6 +131,7 @@ def test_tile_sizes():
         pallas_softmax_read(*_inputs("static")[:4], block_tokens=3)
 
 
+@pytest.mark.slow
 def test_model_loss_and_gradients_equal_with_the_pallas_read():
     """Full AttnRes (every read a one-head softmax read with a static pseudo-query), parameters
     off their initialization: loss and every gradient equal under execution.depth_read "pallas"

@@ -40,6 +40,7 @@ def equations(jaxpr):
 @pytest.mark.parametrize("overrides", [dict(), dict(position="learned", norm="layernorm",
                                                     ffn="mlp", head="untied")],
                          ids=["rope-rmsnorm-swiglu-tied", "learned-layernorm-gelu-untied"])
+@pytest.mark.slow
 def test_each_op_class_runs_in_its_policy_dtype(overrides):
     train = program("bfloat16", **overrides)
     state = train.init(0)
@@ -78,6 +79,7 @@ def test_each_op_class_runs_in_its_policy_dtype(overrides):
     assert metrics["loss"].dtype == jnp.float32
 
 
+@pytest.mark.slow
 def test_bfloat16_training_tracks_float32_for_100_steps():
     """Same init, same batches of the embedded corpus: the per-step losses of bfloat16 compute
     stay within 0.01 nats of float32's (measured: ≈ 0.0016 at most, d 64, T 32, B 8), and they

@@ -49,6 +49,7 @@ def rms(x) -> float:
     return float(np.sqrt(np.mean(np.square(np.asarray(x, np.float64)))))
 
 
+@pytest.mark.slow
 def test_depth_profile_matches_the_model_captured_by_another_route(edited):
     model, tokens_BxT1, profile = edited
     inputs_BxT, targets_BxT = tokens_BxT1[:, :-1], tokens_BxT1[:, 1:]
@@ -229,6 +230,7 @@ def zero_outputs(model, block: int):
         kernel[...] = kernel[...].at[block].set(0)
 
 
+@pytest.mark.slow
 def test_hc_at_its_pre_norm_initialization_has_the_pre_norm_profile(edited):
     """Static HC (`residual__dynamic=False`; the dynamic part's zero-initialized projections
     would add 0) with n = 4 streams at its Pre-Norm initialization, holding the Pre-Norm model's

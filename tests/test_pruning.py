@@ -63,6 +63,7 @@ def test_zero_b_adapter_leaves_logits_unchanged_and_folds_as_x_w_plus_xab():
                                   kernel)  # the original is not modified
 
 
+@pytest.mark.slow
 def test_healing_moves_only_the_adapters():
     _, model = tiny_model(num_layers=2)
     params_before = [np.asarray(x) for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
@@ -80,6 +81,7 @@ def test_healing_moves_only_the_adapters():
     assert not np.allclose(logits(healed, tokens[:, :-1]), logits(model, tokens[:, :-1]))
 
 
+@pytest.mark.slow
 def test_prune_heal_command_line(tmp_path, capsys):
     """The study on a 2-block run: both selections, the shared dropped block healed once, the
     numbers equal to the library's, and an impossible fraction refused in one line."""

@@ -45,6 +45,7 @@ def _calibration_problem():
     return RNG.normal(size=(24, 128)).astype(np.float32), x_IxN
 
 
+@pytest.mark.slow
 def test_gptq_equals_qwix_reference_loop():
     w_OxI, x_IxN = _calibration_problem()
     w_OxI, x_IxN = w_OxI[:8, :48], x_IxN[:48]  # qwix's loop runs eagerly: keep it small
@@ -131,6 +132,7 @@ def tiny_run(tmp_path_factory):
 
 
 @pytest.mark.parametrize("method,group,tolerance", METHOD_CASES)
+@pytest.mark.slow
 def test_quantized_run_restores_close_to_float32_and_generates(tiny_run, tmp_path, method,
                                                               group, tolerance):
     out = tmp_path / method

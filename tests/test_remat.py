@@ -47,6 +47,7 @@ def _temp_bytes(policy: str) -> int:
     return compile_train_step(program)[1].memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.slow
 def test_temp_memory_is_ordered_as_the_policies_save():
     """`none` keeps every residual of every block, `full` only each block's input and
     `save_attention_and_ffn_outputs` adds two B×T×D per block: both stay below `none` at 8

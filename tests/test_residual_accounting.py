@@ -238,6 +238,7 @@ def test_mixing_rows_follow_network_order_with_interleaved_moe():
     assert all(np.shape(v) == (n,) for v in weights["values"])
 
 
+@pytest.mark.slow
 def test_depth_mixing_script_plots_and_writes_the_captured_numbers(tmp_path, capsys,
                                                                    recording_mechanism):
     name = recording_mechanism

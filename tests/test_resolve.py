@@ -115,6 +115,7 @@ print(json.dumps({"code": code, "calls": calls}))
 """
 
 
+@pytest.mark.slow
 def test_a_cli_run_resolves_and_checks_the_config_once(tmp_path):
     overrides = ["--config.steps=2", "--config.batch_size=2", "--config.seq_len=16",
                  "--config.model.d_model=16", "--config.model.num_layers=1",

@@ -99,6 +99,7 @@ def gradient_temp_bytes(reversible: bool, num_layers: int) -> int:
     return compiled.memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.slow
 def test_gradient_memory_does_not_grow_with_depth():
     # d=64, T=128, B=8: activations dominate. Measured on CPU: ordinary 39.2 MB → 227 MB
     # (×5.8) from 2 to 16 layers; reversible 12.0 MB at both depths (×1.0). The gradients are

@@ -63,6 +63,7 @@ def test_identity_at_initialization_and_only_alpha_gets_gradient(layers):
     assert not np.allclose(model(tokens[:, :-1]), output_path_logits(model, tokens[:, :-1]))
 
 
+@pytest.mark.slow
 def test_pipeline_stage_2_matches_single_device():
     """Random parameters (α ≠ 0), GPipe over mesh.stage=2 with data=2, tensor=2: the logits,
     loss and every gradient equal one device's."""
@@ -88,6 +89,7 @@ def test_accounting():
     assert parameter_count(cfg) - parameter_count(prenorm) == sublayers * (1 - d)
 
 
+@pytest.mark.slow
 def test_probes_see_identity_blocks_and_pruning_keeps_the_logits():
     """At initialization: the hidden state and its gradient are the same at every depth, no
     block has influence, the sublayers have no norm (NaN), and the loss is the model's; pruning

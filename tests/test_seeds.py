@@ -74,6 +74,7 @@ def test_vmapped_seeds_equal_separate_runs(tmp_path):
      "model.dropout is invalid in train.seeds: dropout keys come from the config's one seed; "
      "train these seeds separately (python -m train)"),
 ])
+@pytest.mark.slow
 def test_bad_seed_mode_arguments_are_one_line(tmp_path, args, message):
     done = subprocess.run([sys.executable, "-m", "train.seeds", "--config",
                            "experiments/quickstart.py", "--workdir", str(tmp_path), *args],
@@ -123,6 +124,7 @@ def ordinary_run(directory: Path, steps: int = 20, **fields) -> None:
 
 @pytest.mark.parametrize("case", ["run-past-steps", "other-config", "stray-files", "a-file",
                                   "locked", "different-steps"])
+@pytest.mark.slow
 def test_a_seed_directory_holding_anything_else_is_refused_and_left_byte_identical(
         tmp_path, case):
     """issue 61: given a workdir whose seed0/ held an ordinary run, train.seeds rewrote its

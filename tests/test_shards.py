@@ -140,6 +140,7 @@ def test_prepared_byte_shards_stream_the_in_memory_batches(tmp_path):
         np.testing.assert_array_equal(next(unprefetched), expected)
 
 
+@pytest.mark.slow
 def test_preparation_resumes_keeping_finished_shards(kjv_bpe, bpe, tmp_path):
     metadata = json.loads((kjv_bpe / "metadata.json").read_text())
     assert metadata["tokenizer_fingerprint"] == load_tokenizer(bpe).fingerprint
@@ -183,6 +184,7 @@ def with_fields(config, fields: dict):
     return changed
 
 
+@pytest.mark.slow
 def test_prepared_data_errors_are_one_line(kjv_bpe, bpe, tmp_path):
     config = tiny_config().data
     config.update(name="prepared", path=str(kjv_bpe), tokenizer="byte")
@@ -420,6 +422,7 @@ def test_a_saved_datasets_dataset_is_a_source(tmp_path, monkeypatch):
     one_line_error(error, "needs the datasets package; pip install datasets")
 
 
+@pytest.mark.slow
 def test_a_sigkilled_preparation_continues_where_it_stopped(kjv_bpe, bpe, tmp_path):
     out = tmp_path / "out"
     command = [sys.executable, "scripts/prepare_data.py", "--source", "kjv", "--tokenizer", bpe,

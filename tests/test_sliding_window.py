@@ -97,6 +97,7 @@ class JittedDecode:
 
 
 @pytest.mark.parametrize("name", MODELS)
+@pytest.mark.slow
 def test_ring_cache_decoding_equals_the_band_masked_forward_pass(name):
     """Prefill 6 > W tokens, then decode one at a time to 16 = 4·W positions: the ring buffer of
     W slots gives the logits of the whole sequence run at once under the band mask."""
@@ -131,6 +132,7 @@ def greedy(model, prompt_BxP, cache, num_tokens: int):
     return tokens_NxB.T, jnp.swapaxes(logits_NxBxV, 0, 1)
 
 
+@pytest.mark.slow
 def test_long_generation_with_the_ring_equals_full_cache_generation():
     """40 tokens past a 3-token prompt, W = 4: the ring of W slots and a cache with a slot for
     every position (the same band mask) give the same tokens and logits; so does
@@ -153,6 +155,7 @@ def test_long_generation_with_the_ring_equals_full_cache_generation():
     np.testing.assert_array_equal(sampled, ring_tokens)
 
 
+@pytest.mark.slow
 def test_accounting_reports_the_bounded_cache():
     cfg, model = tiny_model(attention__window=WINDOW)
     kv = books(cfg, 16)["kv_cache"]

@@ -140,6 +140,7 @@ STUDY_FILES = tuple(str(path.relative_to(ROOT)) for path in sorted(ROOT.glob("ex
 
 
 @pytest.mark.parametrize("path", STUDY_FILES)
+@pytest.mark.slow
 def test_every_arm_of_a_study_file_is_a_valid_config_at_every_scale(path):
     """The study loads; every arm builds at every scale and passes the JAX-free field checks
     (`config.validate.check_fields`, what the CLI runs first) and the model and mesh checks
@@ -563,6 +564,7 @@ def get_config(arg=None):
 '''
 
 
+@pytest.mark.slow
 def test_a_scaling_report_fits_each_arm_and_recovers_a_known_multiplier(tmp_path):
     """Run directories written by hand (a resolved config.json and a metrics.jsonl whose final
     loss follows a power law in the run's training FLOPs, the better arm worth 2× compute):

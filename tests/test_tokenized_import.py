@@ -6,6 +6,7 @@ import json
 import shutil
 
 import numpy as np
+import pytest
 import torch
 import transformers
 
@@ -18,6 +19,7 @@ from train.sampling import generate_text
 PROMPT = "And God said, Let there be light"
 
 
+@pytest.mark.slow
 def test_imported_checkpoint_tokenizes_generates_and_evaluates_with_its_tokenizer(tmp_path):
     tokenizer_json = train_bpe(kjv_texts(60), 300, tmp_path / "bpe")
     torch.manual_seed(0)

@@ -112,6 +112,7 @@ def _run(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, cwd=ROOT, timeout=300)
 
 
+@pytest.mark.slow
 def test_quickstart_compiles_for_v5e_4_with_memory_collectives_and_step_estimate():
     # The quickstart, narrowed so the TPU compile takes seconds (the full one: tens of seconds).
     result = _run("--config", QUICKSTART, "--target", "v5e-4", "--json",
@@ -136,6 +137,7 @@ def test_quickstart_compiles_for_v5e_4_with_memory_collectives_and_step_estimate
     assert decode["fits"] and decode["cache_bytes"] == 16 * 32 * 2 * 2 * 2 * 32 * 4 // 4
 
 
+@pytest.mark.slow
 def test_a_config_that_does_not_fit_is_refused_in_one_line():
     result = _run("--config", QUICKSTART, "--target", "v5e-1", "--no_decode",
                   "--config.model.d_model=8192", "--config.model.num_layers=2",
@@ -188,6 +190,7 @@ def fsdp():
     return _compile("v5p-8", fsdp=4)
 
 
+@pytest.mark.slow
 def test_fsdp_gathers_parameters_and_reduce_scatters_every_gradient(fsdp):
     stage1, tpu = fsdp
     found = tpu["train"]["collectives"]
@@ -218,6 +221,7 @@ def test_per_chip_argument_bytes_are_stage_ones_sharding_arithmetic(fsdp):
     assert train["argument_bytes"] == train["argument_bytes_padded"]
 
 
+@pytest.mark.slow
 def test_data_parallelism_across_two_slices_crosses_dcn_only_for_the_gradient_all_reduce():
     _, tpu = _compile("v5e-4", slices=2, d_model=64, data=8, dcn={"data": 2})
     assert tpu["chips"] == 8 and tpu["chips_per_slice"] == 4

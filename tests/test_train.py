@@ -40,6 +40,7 @@ def data_parallel_config(**fields):
     return config
 
 
+@pytest.mark.slow
 def test_resume_after_preemption_reproduces_the_uninterrupted_run(tmp_path, monkeypatch):
     uninterrupted = train(resolve_for_job(data_parallel_config()), tmp_path / "a")
     assert uninterrupted["step"] == 5 and not uninterrupted["preempted"]
@@ -70,6 +71,7 @@ def test_resume_after_preemption_reproduces_the_uninterrupted_run(tmp_path, monk
 
 # Orbax leaves a callback on its closed event loop after the failed restore: harmless noise.
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.slow
 def test_checkpoint_restores_onto_another_mesh_and_skips_a_corrupted_latest(tmp_path, caplog):
     train(resolve_for_job(data_parallel_config(steps=3, checkpoint_every=1)), tmp_path)
     restored = {}
@@ -201,6 +203,7 @@ def test_schedules():
     assert float(wsd(90)) == pytest.approx(0.55) and float(wsd(100)) == pytest.approx(0.1)
 
 
+@pytest.mark.slow
 def test_weight_decay_skips_norm_gains_biases_and_embeddings():
     from flax import nnx
 
@@ -249,6 +252,7 @@ def test_weight_decay_skips_residual_mixing_parameters(residual):
         "scale", "alpha", "bias", "embedding", "table"))
 
 
+@pytest.mark.slow
 def test_muon_updates_hidden_matrices_as_optax_muon_and_the_rest_as_adamw():
     from flax import nnx
     from optax.contrib import MuonDimensionNumbers
@@ -293,6 +297,7 @@ def test_muon_updates_hidden_matrices_as_optax_muon_and_the_rest_as_adamw():
                                        err_msg=str(path))
 
 
+@pytest.mark.slow
 def test_muon_trains_and_a_sharded_step_equals_one_device():
     from sharding.mesh import make_mesh
     from tests.helpers import random_tokens
