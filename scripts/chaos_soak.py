@@ -7,8 +7,8 @@ uninterrupted run of the same job.
 Runs the job (`python -m train.launch --processes 2 --devices 2`, a small quickstart model,
 `--steps` steps, a checkpoint every 4) once uninterrupted into DIR/reference (or takes RUN, a
 finished run of the same job), then into DIR/chaos `--interruptions` times, each time stopped
-at a random point of its training (once it has logged a step drawn uniformly from those after
-the newest one logged so far, up to two before the end, and a random further 0–0.1 s): either
+at a random point of its training (once it has logged a step past the newest one logged so
+far, a random 0–4 steps more, two before the end at the latest, and 0–0.05 s): either
 one random process is SIGKILLed (the launcher must then end the job with its one line, exit
 137) or the launcher is sent SIGTERM (both processes save their step, exit 143). After the last
 interruption the job runs to its end. It then checks what a resume promises:
@@ -72,13 +72,19 @@ def interrupt(workdir: Path, steps: int, rng: random.Random) -> tuple[str, int, 
     launcher = launch(workdir, steps)
     pids = [int(pid) for pid in re.findall(r"\d+", launcher.stderr.readline().split("pids")[1]
                                             .split(")")[0])]
-    # a step drawn from those still to train, two before the end at the latest (so that the
-    # signal lands before the job finishes however fast it trains), then up to a step's time more
-    start = (logged_steps(workdir)[-1:] or [0])[0]
-    target = rng.randint(min(start + 1, steps - 2), steps - 2)
-    while (logged_steps(workdir)[-1:] or [0])[0] < target and launcher.poll() is None:
+    # once it has logged a step past the newest logged before (resumed, it relogs those from its
+    # checkpoint), a random 0 to EVERY steps more, two before the end at the latest: counted in
+    # steps, not seconds, so that the signal lands before the job finishes however fast it trains
+    def newest() -> int:
+        return (logged_steps(workdir)[-1:] or [0])[0]
+
+    start = newest()
+    while newest() <= start and launcher.poll() is None:
         time.sleep(0.01)
-    time.sleep(rng.uniform(0, 0.1))
+    target = min(newest() + rng.randint(0, EVERY), steps - 2)
+    while newest() < target and launcher.poll() is None:
+        time.sleep(0.01)
+    time.sleep(rng.uniform(0, 0.05))
     if rng.random() < 0.5:
         victim = rng.randrange(2)
         action = f"SIGKILL process {victim}"
