@@ -41,11 +41,13 @@ REPO = Path(__file__).resolve().parents[1]
 EVERY = 4
 
 
-def train_args(steps: int) -> list[str]:
+def train_args(steps: int, every: int = EVERY, keep: int = 3) -> list[str]:
+    """The job's `python -m train` arguments: `steps` steps, a checkpoint every `every`, the
+    newest `keep` kept (tests/test_multiprocess.py trains the same job)."""
     return ["--config", "experiments/quickstart.py", *[
         f"--config.{field}={value}" for field, value in dict(
-            steps=steps, checkpoint_every=EVERY, batch_size=8, seq_len=16, log_every=1,
-            eval_every=steps, eval_batches=1, sample_tokens=0, keep_checkpoints=3, **{
+            steps=steps, checkpoint_every=every, batch_size=8, seq_len=16, log_every=1,
+            eval_every=steps, eval_batches=1, sample_tokens=0, keep_checkpoints=keep, **{
                 "mesh.data": 4, "model.d_model": 32, "model.num_layers": 2,
                 "model.attention.num_heads": 4, "model.attention.num_kv_heads": 2,
                 "optimizer.warmup_steps": 2}).items()]]

@@ -12,6 +12,8 @@ from flax import nnx
 from arch.model import TransformerLM
 from config import resolve
 from experiments.common import base_config
+from sharding.mesh import make_mesh
+from train.step import TrainProgram
 
 # The tests' sweeps run from whatever checkout the suite runs in, a dirty one too: they pass
 # --exploratory (tests/test_claims.py tests the refusal without it).
@@ -76,6 +78,33 @@ def tiny_model(seed: int = 0, devices: int = 1, **model_overrides):
     return config.model, TransformerLM(config.model, execution=config.execution,
                                        rngs=nnx.Rngs(seed))
 
+
+
+def train_on_mesh(model: dict, devices: int, mesh: tuple[int, int, int], tokens,
+                  parameter: tuple[str, ...], steps: int):
+    """(initial logits, losses of `steps` train steps on the one batch `tokens`, the sharding
+    spec of the stacked block parameter at `parameter`) of the tiny LM with the `model`
+    overrides on a data × fsdp × tensor `mesh` of the first `devices` devices."""
+    config = tiny_config(**model)
+    config.optimizer.update(learning_rate=1e-2, warmup_steps=1)
+    config.mesh.update(data=mesh[0], fsdp=mesh[1], tensor=mesh[2])
+    config = resolve(config, devices)
+    program = TrainProgram(config, make_mesh(config, jax.devices()[:devices]))
+    state = program.init(0)
+
+    def logits(params, tokens):
+        return nnx.merge(program.graphdef, params, state["model_state"])(tokens[:, :-1])
+
+    with jax.set_mesh(program.mesh):
+        initial = jax.device_get(jax.jit(logits)(state["params"], program.put_batch(tokens)))
+    leaf = state["params"]["blocks"]
+    for key in parameter:
+        leaf = leaf[key]
+    losses = []
+    for _ in range(steps):
+        state, metrics = program.train_step(state, program.put_batch(tokens))
+        losses.append(float(metrics["loss"]))
+    return initial, losses, tuple(leaf[...].sharding.spec)
 
 def random_tokens(shape, seed: int = 1):
     return jax.random.randint(jax.random.key(seed), shape, 0, 256)

@@ -18,15 +18,14 @@ from arch.attention import ATTENTION, AttentionWeights
 from arch.differential_attention import LAMBDA_INIT, DifferentialAttention
 from arch.positions import POSITIONS
 from config import ConfigError, resolve
-from sharding.mesh import make_mesh
 from tests.helpers import (
     JittedDecoder,
     prefill_then_decode,
     random_tokens,
     tiny_config,
     tiny_model,
+    train_on_mesh,
 )
-from train.step import TrainProgram
 
 DIFFERENTIAL = dict(attention="differential")
 ROOT = Path(__file__).resolve().parents[1]
@@ -142,27 +141,11 @@ def test_head_width_must_split_into_halves_before_jax_loads(position, message):
         resolved(attention__head_dim=width, attention__width=4 * width, position=position)
 
 
-def train(devices: int, mesh: tuple[int, int, int], tokens, steps: int = 6):
-    """(initial logits, losses of `steps` train steps on one batch) of the tiny differential LM
-    on a data × fsdp × tensor mesh of `devices` devices, and its query kernel's sharding."""
-    config = tiny_config(**DIFFERENTIAL)
-    config.optimizer.update(learning_rate=1e-2, warmup_steps=1)
-    config.mesh.update(data=mesh[0], fsdp=mesh[1], tensor=mesh[2])
-    config = resolve(config, devices)
-    program = TrainProgram(config, make_mesh(config, jax.devices()[:devices]))
-    state = program.init(0)
-
-    def logits(params, tokens):
-        return nnx.merge(program.graphdef, params, state["model_state"])(tokens[:, :-1])
-
-    with jax.set_mesh(program.mesh):
-        initial = jax.device_get(jax.jit(logits)(state["params"], program.put_batch(tokens)))
-    spec = state["params"]["blocks"]["attention"]["query"]["kernel"][...].sharding.spec
-    losses = []
-    for _ in range(steps):
-        state, metrics = program.train_step(state, program.put_batch(tokens))
-        losses.append(float(metrics["loss"]))
-    return initial, losses, tuple(spec)
+def train(devices: int, mesh: tuple[int, int, int], tokens):
+    """(initial logits, 6 train steps' losses, the sharding of query's kernel) of the tiny
+    differential LM on a data × fsdp × tensor mesh."""
+    return train_on_mesh(DIFFERENTIAL, devices, mesh, tokens,
+                         ("attention", "query", "kernel"), steps=6)
 
 
 @pytest.fixture(scope="module")

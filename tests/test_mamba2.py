@@ -14,15 +14,14 @@ from flax import nnx
 from arch import accounting
 from arch.mamba2 import Mamba2, chunked_flops_per_token, ssd_chunked, ssd_recurrence
 from config import ConfigError, resolve
-from sharding.mesh import make_mesh
 from tests.helpers import (
     JittedDecoder,
     prefill_then_decode,
     random_tokens,
     tiny_config,
     tiny_model,
+    train_on_mesh,
 )
-from train.step import TrainProgram
 
 MAMBA = dict(attention="mamba2", mamba2__state_dim=8, mamba2__chunk=4)
 
@@ -158,27 +157,11 @@ def test_accounting_is_the_built_models_parameters_and_flops():
     assert accounting.recurrent_state_bytes(cfg) == 4 * (h * p * n + (w - 1) * (h * p + 2 * n))
 
 
-def train(devices: int, mesh: tuple[int, int, int], tokens, steps: int = 8):
-    """(initial logits, losses of `steps` train steps on one batch) of the tiny Mamba-2 LM on a
-    data × fsdp × tensor mesh of `devices` devices, and its x projection's sharding."""
-    config = tiny_config(**MAMBA)
-    config.optimizer.update(learning_rate=1e-2, warmup_steps=1)
-    config.mesh.update(data=mesh[0], fsdp=mesh[1], tensor=mesh[2])
-    config = resolve(config, devices)
-    program = TrainProgram(config, make_mesh(config, jax.devices()[:devices]))
-    state = program.init(0)
-
-    def logits(params, tokens):
-        return nnx.merge(program.graphdef, params, state["model_state"])(tokens[:, :-1])
-
-    with jax.set_mesh(program.mesh):
-        initial = jax.device_get(jax.jit(logits)(state["params"], program.put_batch(tokens)))
-    spec = state["params"]["blocks"]["attention"]["x_proj"]["kernel"][...].sharding.spec
-    losses = []
-    for _ in range(steps):
-        state, metrics = program.train_step(state, program.put_batch(tokens))
-        losses.append(float(metrics["loss"]))
-    return initial, losses, tuple(spec)
+def train(devices: int, mesh: tuple[int, int, int], tokens):
+    """(initial logits, 8 train steps' losses, the sharding of x_proj's kernel) of the tiny
+    Mamba-2 LM on a data × fsdp × tensor mesh."""
+    return train_on_mesh(MAMBA, devices, mesh, tokens,
+                         ("attention", "x_proj", "kernel"), steps=8)
 
 
 @pytest.fixture(scope="module")

@@ -20,17 +20,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from scripts.chaos_soak import train_args
 from tests.helpers import one_device_env
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS, EVERY = 40, 5
-TRAIN_ARGS = ["--config", "experiments/quickstart.py", *[
-    f"--config.{field}={value}" for field, value in dict(
-        steps=STEPS, checkpoint_every=EVERY, batch_size=8, seq_len=16, log_every=1,
-        eval_every=STEPS, eval_batches=1, sample_tokens=0, keep_checkpoints=20, **{
-            "mesh.data": 4, "model.d_model": 32, "model.num_layers": 2,
-            "model.attention.num_heads": 4, "model.attention.num_kv_heads": 2,
-            "optimizer.warmup_steps": 2}).items()]]
+TRAIN_ARGS = train_args(STEPS, every=EVERY, keep=20)  # the chaos soak's job, every checkpoint kept
 LAUNCH = [sys.executable, "-m", "train.launch", "--processes", "2", "--devices", "2", "--"]
 
 
