@@ -153,13 +153,20 @@ def test_a_truncated_newest_checkpoint_is_moved_aside_and_the_run_completes(
     assert metric_steps(workdir) == [1, 2, 3, 4]
 
 
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # orbax's loop
-def test_when_no_checkpoint_restores_nothing_is_moved(trained_run, tmp_path):
-    workdir = copy_run(trained_run, tmp_path / "run")
+def run_without_array_data(trained_run: Path, workdir: Path) -> Path:
+    """A copy of the trained run at `workdir` whose checkpoints (steps 2-4) lost their array
+    data: none of them restores."""
+    copy_run(trained_run, workdir)
     for step in (2, 3, 4):
         for item in (workdir / "checkpoints" / str(step) / "state").iterdir():
             if item.is_dir():  # the array data
                 shutil.rmtree(item)
+    return workdir
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # orbax's loop
+def test_when_no_checkpoint_restores_nothing_is_moved(trained_run, tmp_path):
+    workdir = run_without_array_data(trained_run, tmp_path / "run")
     before = snapshot(workdir)
     with pytest.raises(rundir.WorkdirError, match=r"no checkpoint restores \(step 4: .*\); "
                        "nothing was moved or deleted"):
@@ -173,11 +180,7 @@ def test_generation_from_a_run_whose_checkpoints_all_fail_is_one_line(trained_ru
     """issue 61: train.generate printed the right line, then ~380 lines of Orbax's "Exception
     ignored in coroutine" at exit. Now the line alone, naming the newest checkpoint's error, and
     the run left as it was."""
-    workdir = copy_run(trained_run, tmp_path / "run")
-    for step in (2, 3, 4):
-        for item in (workdir / "checkpoints" / str(step) / "state").iterdir():
-            if item.is_dir():  # the array data
-                shutil.rmtree(item)
+    workdir = run_without_array_data(trained_run, tmp_path / "run")
     before = snapshot(workdir)
     done = subprocess.run([sys.executable, "-m", "train.generate", "--workdir", str(workdir),
                            "--num_tokens", "4"], cwd=REPO, env=one_device_env(),
